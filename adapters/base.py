@@ -1,0 +1,228 @@
+"""The engine interface: every adapter implements `Engine`; plain data types cross it.
+
+The semantics are fixed by DESIGN.md ("The engine interface"):
+
+- load(model, options)  load weights from a local HF-format directory, allocate the KV cache
+- prefill(prompts)      run a batch of token-id lists until every sequence has its first token
+- decode(steps)         advance every live sequence by one token per step, `steps` times
+- release()             drop the live sequences and free their KV blocks
+- serve(requests, t0)   continuous batching: requests arrive at scheduled times; yields one
+                        timestamped `TokenEvent` for every output token
+- kv_cache_info()       what the engine can report about its KV cache (None where it cannot)
+- capabilities(...)     which options it supports, so a workload can skip what it cannot do
+- close()
+
+All times are `time.perf_counter_ns()` values of the process running the engine (one monotonic
+clock per run). On a GPU an adapter synchronises the device before it reads the clock.
+Decoding is greedy and ignores EOS: the harness forces output lengths.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+
+def now_ns() -> int:
+    """The one clock of the harness."""
+    return time.perf_counter_ns()
+
+
+# ---- what goes in -----------------------------------------------------------------------
+
+@dataclass
+class ModelSpec:
+    """A model to load: a local Hugging Face directory plus how to run it."""
+
+    path: str
+    name: str
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (resolved: never "auto")
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    max_model_len: int = 2048  # longest sequence (prompt + output) the run will need
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    """One request of a serving workload. `arrival_s` is its scheduled arrival, in seconds
+    after the serve() call's `start_ns`; the request's clock starts then, not when the engine
+    gets to it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    arrival_s: float = 0.0
+
+
+# ---- what comes out ---------------------------------------------------------------------
+
+@dataclass
+class LoadInfo:
+    load_time_s: float
+    weights_bytes: int | None = None  # bytes of the model's parameters as loaded
+    kv_pool_bytes: int | None = None  # bytes allocated up front for the KV cache, if any
+    engine_version: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PrefillResult:
+    """The first output token of every sequence in the batch, and how long it took."""
+
+    first_tokens: list[int]
+    start_ns: int
+    end_ns: int
+    logits: Any = None  # [batch, vocab] tensor, only when asked for (tests, parity)
+
+    @property
+    def latency_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+@dataclass
+class StepTiming:
+    """One engine step: its wall-clock span and how many tokens it produced."""
+
+    start_ns: int
+    end_ns: int
+    num_tokens: int
+
+    @property
+    def latency_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+@dataclass
+class DecodeResult:
+    """`tokens[i][b]` is the token that step i produced for sequence b."""
+
+    tokens: list[list[int]]
+    steps: list[StepTiming]
+    logits: list[Any] | None = None  # one [batch, vocab] tensor per step, only when asked for
+
+    @property
+    def step_latencies_s(self) -> list[float]:
+        return [s.latency_s for s in self.steps]
+
+
+@dataclass
+class TokenEvent:
+    """One output token of one request, stamped when the engine produced it."""
+
+    request_id: str
+    index: int  # 0 for the first output token
+    token_id: int
+    time_ns: int
+    finished: bool = False
+
+
+@dataclass
+class KVCacheInfo:
+    """What an engine reports about its KV cache. None means "the engine cannot say"."""
+
+    kv_dtype: str | None = None
+    block_size: int | None = None  # tokens per block (None: not paged)
+    num_blocks: int | None = None
+    bytes_per_block: int | None = None
+    pool_bytes: int | None = None  # bytes of KV storage the engine holds now
+    bytes_per_token: int | None = None
+    blocks_in_use: int | None = None
+    blocks_peak: int | None = None
+    tokens_stored: int | None = None  # tokens whose K/V are in the cache now
+    slots_allocated: int | None = None  # token slots reserved for live sequences
+    prefix_cache_queries: int | None = None  # blocks (or tokens, see `extra`) looked up
+    prefix_cache_hits: int | None = None
+    preemptions: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine (with its current options) can do. Workloads consult this and record a
+    reason instead of running something the engine cannot do."""
+
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    kv_dtypes: tuple[str, ...] = ("auto",)
+    prefix_caching: bool = False
+    chunked_prefill: bool = False
+    no_cache_mode: bool = False  # can generate without a KV cache (recompute every step)
+    contiguous_layout: bool = False  # can reserve max_model_len per sequence up front
+    continuous_batching: bool = False  # serve() admits new requests while others decode
+    logits: bool = False  # prefill/decode can return logits (for correctness checks)
+    options: tuple[str, ...] = ()  # option names accepted in engine_options.<name>
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EngineUnavailable(Exception):
+    """The engine is not installed or needs hardware that is absent. The message says which,
+    and how to fix it; the run records an `unavailable` row with it."""
+
+
+class Engine(ABC):
+    """One inference engine behind the harness's interface."""
+
+    name: ClassVar[str]
+
+    # -- availability and capabilities (no engine import needed) ---------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when the engine can run here, else why not and how to fix it. Must be cheap:
+        look for the package, do not import it."""
+        return None
+
+    @classmethod
+    @abstractmethod
+    def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities: ...
+
+    @classmethod
+    def version(cls) -> str | None:
+        return None
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
+        """Problems with `engine_options.<name>` for this model/device, each naming the field
+        and the fix. Runs before anything is loaded. Subclasses extend it."""
+        known = cls.capabilities(options).options
+        return [f"engine_options.{cls.name}.{k}: unknown option. Known options: {', '.join(known) or 'none'}."
+                for k in options if k not in known]
+
+    # -- life cycle ----------------------------------------------------------------------
+    @abstractmethod
+    def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo: ...
+
+    @abstractmethod
+    def prefill(self, prompts: list[list[int]], return_logits: bool = False) -> PrefillResult: ...
+
+    @abstractmethod
+    def decode(self, steps: int, return_logits: bool = False) -> DecodeResult: ...
+
+    @abstractmethod
+    def release(self) -> None: ...
+
+    @abstractmethod
+    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]: ...
+
+    @abstractmethod
+    def kv_cache_info(self) -> KVCacheInfo: ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (between measured points). Engines without one: no-op."""
+
+    def close(self) -> None:
+        """Free everything. Safe to call twice."""
+
+
+def wait_until(deadline_ns: int) -> None:
+    """Sleep until the clock reaches `deadline_ns` (used by serve loops for arrivals)."""
+    remaining = deadline_ns - now_ns()
+    if remaining > 0:
+        time.sleep(remaining / 1e9)

@@ -1,0 +1,214 @@
+"""Hugging Face transformers, driven step by step.
+
+Prefill and every decode step are separate forward passes with the library's own KV cache
+(`DynamicCache`), so each is timed on its own — `generate()` is not used as a black box.
+Batches of unequal prompt lengths are left-padded, with an attention mask and position ids
+that skip the padding, exactly as `generate()` does it.
+
+Options (`engine_options.hf.<name>`):
+  attn_implementation  sdpa | eager            (default sdpa)
+  kv_cache             on | none               none: no cache, every step recomputes the whole
+                                               sequence (the "without KV cache" mode)
+  max_batch_size       serve(): most requests batched together (default 64)
+  num_threads          torch CPU threads (default: torch's own choice)
+
+serve() is static batching — what plain transformers offers: it takes every request that has
+arrived, runs the batch to completion, then takes the next.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from adapters.base import (
+    Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
+    StepTiming, TokenEvent, now_ns, wait_until,
+)
+
+OPTIONS = ("attn_implementation", "kv_cache", "max_batch_size", "num_threads")
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class HFEngine(Engine):
+    name = "hf"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("transformers") is None:
+            return "transformers is not installed: pip install transformers"
+        return None
+
+    @classmethod
+    def version(cls) -> str | None:
+        from importlib.metadata import version
+        return version("transformers")
+
+    @classmethod
+    def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
+        return Capabilities(kv_dtypes=("auto",), no_cache_mode=True, logits=True, options=OPTIONS)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
+        problems = super().check_options(options, model)
+        if str(options.get("kv_cache", "on")) not in ("on", "none"):
+            problems.append(f"engine_options.hf.kv_cache={options['kv_cache']}: use on or none.")
+        if (options.get("attn_implementation") or "sdpa") not in ("sdpa", "eager"):
+            problems.append(f"engine_options.hf.attn_implementation={options['attn_implementation']}: "
+                            "use sdpa or eager.")
+        for k in ("max_batch_size", "num_threads"):
+            v = options.get(k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                problems.append(f"engine_options.hf.{k}={v}: must be a positive integer (or null).")
+        return problems
+
+    def __init__(self) -> None:
+        self.model = None
+        self._cache = None
+        self._mask = None  # [B, T] attention mask of the live batch
+        self._next_pos = None  # [B, 1] position id of the next token
+        self._last = None  # [B, 1] last token of every live sequence
+        self._ids = None  # [B, T] all tokens so far (used without a cache)
+        self._pad_id = 0
+
+    # ---- life cycle --------------------------------------------------------------------
+    def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = torch.device(model.device)
+        self.use_cache = str(options.get("kv_cache", "on")) != "none"
+        self.max_batch_size = int(options.get("max_batch_size") or 64)
+        if options.get("num_threads"):
+            torch.set_num_threads(int(options["num_threads"]))
+        t0 = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
+            attn_implementation=options.get("attn_implementation") or "sdpa",
+        ).to(self.device).eval()
+        self._sync()
+        cfg = self.model.config
+        self._pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.kv_dtype = model.dtype
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=weights,
+                        kv_pool_bytes=None, engine_version=self.version())
+
+    def close(self) -> None:
+        self.release()
+        self.model = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    # ---- offline path ------------------------------------------------------------------
+    def _forward(self, ids, mask, pos, cache):
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def prefill(self, prompts: list[list[int]], return_logits: bool = False) -> PrefillResult:
+        torch = self.torch
+        from transformers import DynamicCache
+
+        self.release()
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, p in enumerate(prompts):  # left padding
+            ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[b, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config) if self.use_cache else None
+        self._sync()
+        start = now_ns()
+        with torch.inference_mode():
+            logits = self._forward(ids, mask, pos, cache)
+            nxt = logits.argmax(-1, keepdim=True)
+        first = nxt[:, 0].tolist()  # a host copy: the step is finished
+        self._sync()
+        end = now_ns()
+        self._cache, self._mask, self._last = cache, mask, nxt
+        self._next_pos = pos[:, -1:] + 1
+        self._ids = torch.cat([ids, nxt], dim=1) if not self.use_cache else None
+        return PrefillResult(first, start, end, logits.float().cpu() if return_logits else None)
+
+    def decode(self, steps: int, return_logits: bool = False) -> DecodeResult:
+        torch = self.torch
+        if self._last is None:
+            raise RuntimeError("decode() before prefill()")
+        tokens, timings, all_logits = [], [], []
+        ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)
+        for _ in range(steps):
+            self._sync()
+            start = now_ns()
+            with torch.inference_mode():
+                self._mask = torch.cat([self._mask, ones], dim=1)
+                if self.use_cache:
+                    logits = self._forward(self._last, self._mask, self._next_pos, self._cache)
+                else:  # recompute the whole sequence: prompt + every token so far
+                    pos = (self._mask.cumsum(-1) - 1).clamp(min=0)
+                    logits = self._forward(self._ids, self._mask, pos, None)
+                nxt = logits.argmax(-1, keepdim=True)
+            row = nxt[:, 0].tolist()
+            self._sync()
+            end = now_ns()
+            if not self.use_cache:
+                self._ids = torch.cat([self._ids, nxt], dim=1)
+            self._last, self._next_pos = nxt, self._next_pos + 1
+            tokens.append(row)
+            timings.append(StepTiming(start, end, len(row)))
+            if return_logits:
+                all_logits.append(logits.float().cpu())
+        return DecodeResult(tokens, timings, all_logits if return_logits else None)
+
+    def release(self) -> None:
+        self._cache = self._mask = self._next_pos = self._last = self._ids = None
+
+    # ---- serving: static batches ---------------------------------------------------------
+    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]:
+        pending = sorted(requests, key=lambda r: r.arrival_s)
+        while pending:
+            first_arrival = start_ns + int(pending[0].arrival_s * 1e9)
+            wait_until(first_arrival)
+            t = now_ns()
+            batch = [r for r in pending if start_ns + int(r.arrival_s * 1e9) <= t][: self.max_batch_size]
+            pending = pending[len(batch):]
+            pre = self.prefill([r.prompt_ids for r in batch])
+            for r, tok in zip(batch, pre.first_tokens):
+                yield TokenEvent(r.request_id, 0, tok, pre.end_ns, finished=r.max_new_tokens <= 1)
+            longest = max(r.max_new_tokens for r in batch)
+            for step in range(1, longest):
+                res = self.decode(1)
+                for r, tok in zip(batch, res.tokens[0]):
+                    if step < r.max_new_tokens:
+                        yield TokenEvent(r.request_id, step, tok, res.steps[0].end_ns,
+                                         finished=step == r.max_new_tokens - 1)
+            self.release()
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        from harness.kvcalc import canonical_kv_dtype
+        info = KVCacheInfo(kv_dtype=canonical_kv_dtype(self.kv_dtype) if self.model else None,
+                           block_size=None, num_blocks=None, prefix_cache_hits=None)
+        if self._cache is None:
+            info.pool_bytes, info.tokens_stored, info.slots_allocated = 0, 0, 0
+            return info
+        nbytes = 0
+        for layer in self._cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if t is not None:
+                    nbytes += t.numel() * t.element_size()
+        length = self._cache.get_seq_length()
+        batch = self._mask.shape[0]
+        info.pool_bytes = nbytes
+        info.slots_allocated = batch * length
+        # tokens whose K/V are real (not left padding); the newest token is not cached yet
+        info.tokens_stored = int(self._mask[:, :length].sum())
+        if info.slots_allocated:
+            info.bytes_per_token = nbytes // info.slots_allocated
+        return info

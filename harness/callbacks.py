@@ -1,0 +1,35 @@
+"""Hydra callbacks: at the end of a multirun, one combined table (and report) over all jobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+class MultirunSummary(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from harness import cli
+        from harness.results import read_rows, results_files
+        from harness.summary import summary_table
+        from workloads import get_workload, workload_names
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        files = results_files([sweep_dir])
+        rows = [r for f in files for r in read_rows(f)]
+        if not rows:
+            print(f"multirun: no results under {sweep_dir}")
+            return
+        by_workload: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by_workload.setdefault(r.get("workload") or "?", []).append(r)
+        print(f"\nmultirun: {len(files)} results files, {len(rows)} rows")
+        for name, wrows in by_workload.items():
+            cols = get_workload(name).summary_columns if name in workload_names() else []
+            print(f"\n== {name} ==")
+            print(summary_table(wrows, cols))
+        if any(r.get("status") == "failed" for r in rows):  # jobs may have run in other processes
+            cli._EXIT["code"] = max(cli._EXIT["code"], 1)
+        cli._write_report(sweep_dir)

@@ -1,0 +1,192 @@
+"""`infer-bench`: the Hydra app.
+
+    infer-bench [overrides]          one run
+    infer-bench -m [sweep overrides] a multirun (Hydra's sweeper; one job per combination)
+
+Before Hydra runs anything, every job's config is composed and checked; bad input ends with
+one message per problem, each naming the field and the fix, and exit code 2. Exit codes:
+0 success, 1 a run finished but some point failed, 2 unusable input (nothing run), 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from harness.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
+from harness.paths import CONF_DIR
+
+EXIT_INTERRUPTED = 130
+# Hydra's main returns nothing to its caller, so each job records its exit code here (the
+# multirun callback adds what jobs in other processes reported). Process-global by necessity.
+_EXIT: dict[str, int] = {"code": EXIT_OK}
+
+_INFO_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
+               "--shell-completion", "-sc", "--resolve", "-p", "--package"}
+_ARG_FLAGS = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+              "--experimental-rerun"}
+
+
+# ---- checking every job before anything runs ------------------------------------------------
+
+def _split_argv(argv: list[str]) -> tuple[bool, list[str], bool]:
+    """(multirun, overrides, check_possible)."""
+    multirun, overrides, checkable = False, [], True
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("-m", "--multirun"):
+            multirun = True
+        elif a in _INFO_FLAGS or a.split("=")[0] in _INFO_FLAGS:
+            checkable = False
+        elif a in _ARG_FLAGS:
+            checkable, skip = False, True
+        elif a.startswith("-"):
+            checkable = False
+        else:
+            overrides.append(a)
+    return multirun, overrides, checkable
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """Every job of a basic-sweeper multirun (the cartesian product of comma/range sweeps)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    batches = BasicSweeper.split_arguments(overrides, None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def _hydra_problem(e: Exception, overrides: list[str]) -> str:
+    """Hydra's composition errors, rephrased to name the field and the fix."""
+    from harness.presets import preset_names
+    from workloads import workload_names
+
+    msg = str(e).strip()
+    for group, names, what in (("model", preset_names(), "model preset"),
+                               ("workload", workload_names(), "workload")):
+        if f"'{group}/" in msg and ("Could not find" in msg or "Could not load" in msg):
+            given = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")), "?")
+            extra = " (or model=local model.path=DIR for your own checkpoint)" if group == "model" else ""
+            return f"{group}={given}: unknown {what}. Choose one of {', '.join(names)}{extra}."
+    if "not in struct" in msg or "Key '" in msg and "is not in struct" in msg:
+        key = msg.split("'")[1] if "'" in msg else "?"
+        return (f"{key}: unknown setting. Check the spelling (infer-bench --cfg job shows every "
+                f"setting); to add a new key on purpose write +{key}=...")
+    first = msg.splitlines()[0] if msg else type(e).__name__
+    return f"overrides {' '.join(overrides) or '(none)'}: {first}"
+
+
+def compose_job(overrides: list[str]) -> dict[str, Any]:
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
+
+
+def check_jobs(argv: list[str]) -> list[str]:
+    """Problems across every job the command line would run (empty: all clean)."""
+    from harness.config import build_plan
+
+    multirun, overrides, checkable = _split_argv(argv)
+    if not checkable:
+        return []
+    try:
+        jobs = expand_sweep(overrides) if multirun else [overrides]
+    except Exception as e:
+        return [f"overrides: {str(e).splitlines()[0]}"]
+    problems: list[str] = []
+    for job in jobs:
+        label = f"[job {' '.join(job)}] " if multirun and len(jobs) > 1 else ""
+        try:
+            build_plan(compose_job(job))
+        except UserError as e:
+            problems += [label + p for p in e.problems]
+        except Exception as e:  # Hydra could not compose the config
+            problems.append(label + _hydra_problem(e, job))
+    return list(dict.fromkeys(problems))
+
+
+# ---- one job ---------------------------------------------------------------------------------
+
+def run_job(cfg: DictConfig) -> int:
+    from hydra.core.hydra_config import HydraConfig
+
+    from harness.checkpoint import ensure_checkpoint
+    from harness.config import build_plan
+    from harness.env import environment
+    from harness.paths import model_cache_dir
+    from harness.results import RESULTS_FILE, atomic_write_text
+    from harness.runner import Runner
+    from harness.summary import summary_table
+
+    data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    try:
+        plan = build_plan(data)  # type: ignore[arg-type]
+    except UserError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    say = (lambda *a: None) if plan.settings.quiet else (lambda *a: print(*a, flush=True))
+    if plan.model_cfg.get("path"):
+        model_path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
+    else:
+        say(f"model {plan.shape.name}: materialising random weights (first use) ...")
+        model_path = str(ensure_checkpoint(plan.shape, model_cache_dir(plan.settings.model_cache_dir)))
+    env = environment()
+    atomic_write_text(out_dir / "environment.json", json.dumps(env, indent=2))
+    atomic_write_text(out_dir / "config.resolved.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    say(f"infer-bench: {plan.workload.name} on {plan.shape.name} ({plan.dtype}, {plan.device}), "
+        f"engines {', '.join(plan.engines)}, {len(plan.points)} points -> {out_dir}")
+    runner = Runner(plan, model_path, out_dir, env)
+    interrupted = False
+    try:
+        rows = runner.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        rows = runner.rows
+    print(summary_table(rows, plan.workload.summary_columns))
+    print(f"results: {out_dir / RESULTS_FILE}")
+    _write_report(out_dir)
+    if interrupted:
+        print(f"interrupted: {len(rows)} rows kept in {out_dir / RESULTS_FILE}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_POINT_FAILED if any(r["status"] == "failed" for r in rows) else EXIT_OK
+
+
+def _write_report(out_dir: Path) -> None:
+    """The HTML report next to the results, when the report module is present."""
+    try:
+        from reports import write_report
+    except ImportError:
+        return
+    try:
+        path = write_report([out_dir], out_dir / "report.html")
+        print(f"report: {path}")
+    except Exception as e:  # a report problem never loses measured results
+        print(f"report: not written ({type(e).__name__}: {e})", file=sys.stderr)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _app(cfg: DictConfig) -> int:
+    code = run_job(cfg)
+    _EXIT["code"] = max(_EXIT["code"], code)
+    return code
+
+
+def main() -> None:
+    problems = check_jobs(sys.argv[1:])
+    if problems:
+        print(UserError(problems).render(), file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    _app()
+    sys.exit(_EXIT["code"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Model shapes: the presets in conf/model/ and users' own checkpoints (config.json).
+
+A `ModelShape` carries exactly what the harness needs to know about a decoder: sizes for the
+KV-cache estimator and the roofline, and enough to build a Hugging Face config when a preset is
+materialised as a random-weight checkpoint (see `harness.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.errors import UserError
+from harness.paths import CONF_DIR
+
+# Hugging Face architecture class and model_type for each family a preset may name.
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    architecture: str  # llama | mistral | qwen2
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    dtype: str = "float32"  # dtype the checkpoint's weights are stored in
+
+    # ---- derived sizes -------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        """Exact parameter count of a LLaMA-family decoder with this shape."""
+        h, d = self.hidden_size, self.head_dim
+        q = self.num_attention_heads * d
+        kv = self.num_key_value_heads * d
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_hidden_layers * per_layer + embed + head + h  # + final norm
+
+    def hf_config_dict(self) -> dict[str, Any]:
+        """A config.json for transformers, for this shape."""
+        cls, model_type = ARCHITECTURES[self.architecture]
+        cfg: dict[str, Any] = {
+            "architectures": [cls],
+            "model_type": model_type,
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            "torch_dtype": self.dtype,
+            "use_cache": True,
+        }
+        if self.architecture == "llama":
+            cfg["attention_bias"] = self.attention_bias
+            cfg["mlp_bias"] = False
+        elif self.architecture == "mistral":
+            cfg["sliding_window"] = None
+        elif self.architecture == "qwen2":
+            cfg["use_sliding_window"] = False
+            cfg["sliding_window"] = None
+            cfg["max_window_layers"] = self.num_hidden_layers
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "local")
+
+
+_SHAPE_FIELDS = set(ModelShape.__dataclass_fields__)
+
+
+def shape_from_mapping(data: dict[str, Any]) -> ModelShape:
+    """Build a ModelShape from a preset mapping (extra keys such as `path` are ignored)."""
+    return ModelShape(**{k: v for k, v in data.items() if k in _SHAPE_FIELDS})
+
+
+def load_preset(name: str) -> ModelShape:
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if name == "local" or not path.exists():
+        raise UserError(
+            f"model={name}: unknown model preset. Choose one of {', '.join(preset_names())}, "
+            "or use model=local model.path=DIR for your own checkpoint."
+        )
+    with open(path) as f:
+        return shape_from_mapping(yaml.safe_load(f))
+
+
+def shape_from_hf_config(path: str | Path, field: str = "model.path") -> ModelShape:
+    """Read the shape of a local Hugging Face checkpoint from its config.json."""
+    p = Path(path).expanduser()
+    cfg_file = p / "config.json" if p.is_dir() else p
+    if not p.exists():
+        raise UserError(f"{field}={path}: no such file or directory. Give the path of a local "
+                        "Hugging Face checkpoint (a directory with config.json and *.safetensors).")
+    if not cfg_file.is_file():
+        raise UserError(f"{field}={path}: no config.json there. Give the directory of a Hugging Face "
+                        "causal-LM checkpoint (config.json + *.safetensors).")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{field}={path}: config.json is not valid JSON ({e}). "
+                        "Point to an intact Hugging Face checkpoint.") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{field}={path}: config.json is not a JSON object.")
+    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type", "")
+    if not any(str(a).endswith("ForCausalLM") for a in archs):
+        raise UserError(f"{field}={path}: config.json does not describe a causal language model "
+                        f"(architectures={archs or 'missing'}). Use a *ForCausalLM checkpoint.")
+    required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"]
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise UserError(f"{field}={path}: config.json lacks {', '.join(missing)}; "
+                        "it is not a decoder checkpoint the harness can run.")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    arch = model_type if model_type in ARCHITECTURES else model_type or "unknown"
+    return ModelShape(
+        name=p.name if p.is_dir() else p.parent.name,
+        architecture=arch,
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=int(cfg["hidden_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"])),
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+        dtype=str(dtype),
+    )
+
+
+def resolve_shape(model_cfg: dict[str, Any]) -> ModelShape:
+    """The shape for a `model` config group: a preset's own fields, or the checkpoint's config."""
+    path = model_cfg.get("path")
+    if path and path != "???":
+        return shape_from_hf_config(path)
+    name = model_cfg.get("name")
+    if name == "local":
+        raise UserError("model.path is missing: with model=local give model.path=DIR "
+                        "(a local Hugging Face checkpoint directory).")
+    return shape_from_mapping(model_cfg)

@@ -1,0 +1,235 @@
+"""Run a plan: one isolated process per engine, rows written as each point finishes.
+
+vLLM and TensorRT-LLM take over device memory and process-global state, so two engines in one
+process would measure each other. Each engine runs in its own child process (spawn); the
+child streams results back and this process writes them. A child that crashes, is killed or
+runs past the point timeout becomes a `failed` row with its reason (the last lines of its log);
+it is restarted for the points that remain, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import uuid
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from harness.config import Plan
+from harness.progress import Progress
+from harness.results import RESULTS_FILE, ResultsWriter, make_row
+from workloads.base import Point, RunContext
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def token_range(plan: Plan, model_path: str) -> tuple[int, int, tuple[int, ...]]:
+    """Prompt token ids: the whole vocabulary minus special tokens (from config.json and the
+    tokenizer's special tokens when there is one)."""
+    import json
+    avoid: set[int] = set()
+    p = Path(model_path)
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = cfg.get(k)
+            avoid |= set(v) if isinstance(v, list) else ({v} if isinstance(v, int) else set())
+    except (OSError, ValueError):
+        pass
+    try:
+        tok = json.loads((p / "tokenizer_config.json").read_text())
+        avoid |= {int(i) for i in (tok.get("added_tokens_decoder") or {})}
+    except (OSError, ValueError):
+        pass
+    return 0, plan.shape.vocab_size, tuple(sorted(i for i in avoid if i < plan.shape.vocab_size))
+
+
+class Runner:
+    def __init__(self, plan: Plan, model_path: str, out_dir: Path, env: dict[str, Any]):
+        self.plan = plan
+        self.model_path = model_path
+        self.out_dir = out_dir
+        self.env = env
+        self.run_id = uuid.uuid4().hex[:12]
+        self.rows: list[dict[str, Any]] = []
+        self.writer = ResultsWriter(out_dir / RESULTS_FILE)
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        total = len(plan.points) * len(plan.engines)
+        self.progress = Progress(total, quiet=plan.settings.quiet)
+        self._proc: mp.process.BaseProcess | None = None
+
+    # ---- rows --------------------------------------------------------------------------
+    def _row(self, engine: str, point: Point | None, status: str, error: str | None,
+             fields: dict[str, Any], engine_version: str | None = None) -> dict[str, Any]:
+        params = point.params if point else {}
+        row = make_row(
+            run_id=self.run_id, timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            engine=engine, engine_version=engine_version, model=self.plan.shape.name, model_path=self.model_path,
+            workload=self.plan.workload.name, point=params, point_key=point.key if point else None,
+            batch_size=params.get("batch_size"), prompt_len=params.get("prompt_len"),
+            output_len=params.get("output_len"), dtype=self.plan.dtype, device=self.plan.device,
+            status=status, error=error,
+        )
+        row.update(fields)
+        row["engine_options"] = self.plan.engine_options.get(engine, {})
+        self.writer.write(row)
+        self.rows.append(row)
+        return row
+
+    # ---- one engine --------------------------------------------------------------------
+    def _job(self, engine: str, points: list[Point], log_path: Path) -> dict[str, Any]:
+        low, high, avoid = token_range(self.plan, self.model_path)
+        ctx = RunContext(shape=self.plan.shape, dtype=self.plan.dtype, device=self.plan.device,
+                         seed=self.plan.settings.seed, memory_sample_hz=self.plan.settings.memory_sample_hz,
+                         token_low=low, token_high=high, avoid_ids=avoid)
+        ctx_dict = {k: v for k, v in asdict(ctx).items() if k != "extra"}
+        ctx_dict["shape"] = self.plan.shape
+        return {
+            "engine": engine, "options": self.plan.engine_options.get(engine, {}),
+            "model_spec": asdict(self.plan.model_spec(self.model_path)),
+            "workload": self.plan.workload.name, "workload_cfg": self.plan.workload_cfg,
+            "points": [p.to_dict() for p in points], "context": ctx_dict, "log_path": str(log_path),
+        }
+
+    def run_engine(self, engine: str) -> None:
+        from harness.worker import worker_main
+
+        if engine in self.plan.unavailable:
+            self._row(engine, None, "unavailable", self.plan.unavailable[engine], {})
+            self.progress.skip(len(self.plan.points), engine, "unavailable")
+            return
+        remaining = list(self.plan.points)
+        log_path = self.out_dir / "logs" / f"{engine}.log"
+        ctx = mp.get_context("spawn")
+        while remaining:
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, args=(child, self._job(engine, remaining, log_path)),
+                               name=f"infer-bench-{engine}", daemon=False)
+            self._proc = proc
+            proc.start()
+            child.close()
+            done_keys = self._follow(engine, proc, parent, remaining, log_path)
+            parent.close()
+            self._end(proc)
+            if not done_keys:  # died without finishing anything: do not restart forever
+                self._fail_all(engine, remaining, "failed", "engine process ended without results; see "
+                               f"{log_path}:\n{_tail(log_path)}")
+                break
+            remaining = [p for p in remaining if p.key not in done_keys]
+
+    def _follow(self, engine: str, proc: Any, conn: Any, points: list[Point],
+                log_path: Path) -> set[str]:
+        """Read the child's messages until it is done or dies. Returns the keys of the points
+        that got a row."""
+        by_key = {p.key: p for p in points}
+        done: set[str] = set()
+        version = None
+        current: Point | None = None
+        started = time.monotonic()
+        limit = self.plan.settings.load_timeout_s
+        loaded = False
+        while True:
+            msg = None
+            if conn.poll(0.1):
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = ("eof",)
+            if msg is None:
+                if proc.is_alive() and time.monotonic() - started <= limit:
+                    continue
+                if proc.is_alive():  # past the timeout
+                    proc.kill()
+                    proc.join(10)
+                    what = f"timed out after {limit:.0f} s" + ("" if loaded else " while loading")
+                else:
+                    proc.join(1)
+                    what = f"engine process died ({_exit_text(proc.exitcode)})"
+                msg = ("dead", what)
+            kind = msg[0]
+            if kind == "loaded":
+                loaded = True
+                version = msg[1].get("engine_version")
+                limit = self.plan.settings.point_timeout_s
+                started = time.monotonic()
+            elif kind == "start":
+                current = by_key[msg[1]]
+                started = time.monotonic()
+                self.progress.start(engine, current)
+            elif kind == "point":
+                _, key, status, error, fields = msg
+                self._row(engine, by_key[key], status, error, fields, version)
+                done.add(key)
+                self.progress.finish(engine, by_key[key], status)
+                current = None
+            elif kind == "load_failed":
+                _, status, error = msg
+                self._fail_all(engine, [p for p in points if p.key not in done], status, error)
+                return {p.key for p in points}
+            elif kind == "done":
+                return done
+            elif kind in ("dead", "eof"):
+                if kind == "eof":
+                    proc.join(5)
+                    what = f"engine process died ({_exit_text(proc.exitcode)})"
+                else:
+                    what = msg[1]
+                tail = _tail(log_path)
+                reason = what + (f"; last lines of {log_path.name}:\n{tail}" if tail else "")
+                if not loaded:
+                    self._fail_all(engine, [p for p in points if p.key not in done], "failed", "load: " + reason)
+                    return {p.key for p in points}
+                if current is not None:
+                    self._row(engine, current, "failed", reason, {}, version)
+                    done.add(current.key)
+                    self.progress.finish(engine, current, "failed")
+                return done
+
+    def _fail_all(self, engine: str, points: list[Point], status: str, error: str) -> None:
+        for p in points:
+            self._row(engine, p, status, error, {})
+        self.progress.skip(len(points), engine, status)
+
+    def _end(self, proc: Any) -> None:
+        if proc.is_alive():
+            proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        self._proc = None
+
+    def stop_children(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+    def run(self) -> list[dict[str, Any]]:
+        try:
+            for engine in self.plan.engines:
+                self.run_engine(engine)
+        finally:
+            self.stop_children()
+            self.writer.close()
+            self.progress.close()
+        return self.rows
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

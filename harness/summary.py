@@ -1,0 +1,41 @@
+"""The short summary table printed at the end of a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "ms":
+        return f"{value * 1e3:.2f}"
+    if fmt == "mib":
+        return f"{value / 2**20:.0f}"
+    if fmt == "d":
+        return str(value)
+    try:
+        return format(value, fmt)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def summary_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """Rows grouped by engine, one line per point; failures and unavailable engines listed
+    with their reasons below the table."""
+    cols = [("engine", "engine", "s")] + list(columns)
+    ok = [r for r in rows if r.get("status") == "ok"]
+    body = [[_cell(r.get(f), fmt) for f, _, fmt in cols] for r in ok]
+    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, (_, h, _) in enumerate(cols)]
+    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, ((_, h, _), w) in enumerate(zip(cols, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for b in body:
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))))
+    if not ok:
+        lines.append("(no point finished)")
+    others = [r for r in rows if r.get("status") != "ok"]
+    for r in others:
+        where = " ".join(f"{k}={v}" for k, v in (r.get("point") or {}).items())
+        err = (r.get("error") or "").splitlines()[0] if r.get("error") else ""
+        lines.append(f"{r['engine']}: {r['status']}{' at ' + where if where else ''}: {err}")
+    return "\n".join(lines)

@@ -1,0 +1,21 @@
+"""What to run: each workload plans points from its config and measures one point through the
+engine interface. A workload knows nothing about any particular engine."""
+
+from __future__ import annotations
+
+import importlib
+
+from workloads.base import Workload
+
+REGISTRY: dict[str, str] = {
+    "sweep": "workloads.sweep:Sweep",
+}
+
+
+def workload_names() -> list[str]:
+    return list(REGISTRY)
+
+
+def get_workload(name: str) -> Workload:
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

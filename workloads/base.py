@@ -1,0 +1,84 @@
+"""The workload interface and the context a workload gets at run time."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from adapters.base import Capabilities, Engine
+from harness.presets import ModelShape
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured point of a workload: its parameters, JSON-serialisable."""
+
+    workload: str
+    params: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        """Identity of the point across runs (matching, resume): workload + sorted params."""
+        return self.workload + ":" + json.dumps(self.params, sort_keys=True, separators=(",", ":"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workload": self.workload, "params": self.params}
+
+
+@dataclass
+class RunContext:
+    """What the harness hands a workload at run time (in the engine's process)."""
+
+    shape: ModelShape
+    dtype: str
+    device: str
+    seed: int = 0
+    memory_sample_hz: float = 100.0
+    token_low: int = 4  # prompts draw token ids from [token_low, token_high) minus avoid_ids
+    token_high: int = 4096
+    avoid_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def prompts(self, batch: int, length: int, key: str) -> list[list[int]]:
+        from workloads.prompts import synthetic_prompts
+        return synthetic_prompts(batch, length, self.token_low, self.token_high, self.avoid_ids,
+                                 seed=self.seed, key=key)
+
+    def sampler(self):
+        from harness.memory import MemorySampler
+        return MemorySampler(self.memory_sample_hz, self.device)
+
+
+class Workload(ABC):
+    name: ClassVar[str]
+    config_cls: ClassVar[type]  # dataclass schema of conf/workload/<name>.yaml
+    reset_prefix_cache: ClassVar[bool] = True  # reset between points (False: prefix reuse is the point)
+    # (row field, column header, format) for the terminal summary
+    summary_columns: ClassVar[list[tuple[str, str, str]]] = []
+
+    @abstractmethod
+    def plan(self, cfg: Any) -> list[Point]:
+        """The points to measure, in order."""
+
+    @abstractmethod
+    def max_model_len(self, cfg: Any) -> int:
+        """Longest sequence (prompt + output tokens) any point needs."""
+
+    def check(self, cfg: Any, shape: ModelShape) -> list[str]:
+        """Problems beyond field types and ranges (e.g. lengths over the model's maximum)."""
+        need = self.max_model_len(cfg)
+        if need > shape.max_position_embeddings:
+            return [f"workload: prompt + output length reaches {need} tokens, more than the model's "
+                    f"{shape.max_position_embeddings} positions (max_position_embeddings of {shape.name}). "
+                    "Shorten workload lengths or pick a model with more positions."]
+        return []
+
+    def unsupported(self, point: Point, caps: Capabilities) -> str | None:
+        """Why this engine cannot run this point (it is then recorded as skipped), or None."""
+        return None
+
+    @abstractmethod
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
+        """Measure one point; return the row's metric fields."""
