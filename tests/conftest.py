@@ -1,0 +1,35 @@
+"""Shared fixtures: locally materialised checkpoints (random weights, fixed seed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.checkpoint import ensure_checkpoint
+from harness.presets import load_preset
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env = os.environ.get("INFER_BENCH_CACHE")
+    return Path(env) / "models" if env else tmp_path_factory.getbasetemp() / "model-cache"
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _cache_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(model_cache: Path) -> Path:
+    """The `tiny` preset (~5 M parameters, fp32) as a local Hugging Face checkpoint."""
+    return ensure_checkpoint(load_preset("tiny"), model_cache)
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(model_cache: Path) -> Path:
+    """The `small` preset (~125 M parameters, bf16)."""
+    return ensure_checkpoint(load_preset("small"), model_cache)
