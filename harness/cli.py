@@ -58,7 +58,9 @@ def _split_argv(argv: list[str]) -> tuple[bool, list[str], bool]:
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
     """Every job of a basic-sweeper multirun (the cartesian product of comma/range sweeps)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    batches = BasicSweeper.split_arguments(overrides, None)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, None)
     return [list(job) for batch in batches for job in batch]
 
 
@@ -74,7 +76,7 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
             given = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")), "?")
             extra = " (or model=local model.path=DIR for your own checkpoint)" if group == "model" else ""
             return f"{group}={given}: unknown {what}. Choose one of {', '.join(names)}{extra}."
-    if "not in struct" in msg or "Key '" in msg and "is not in struct" in msg:
+    if "Could not override" in msg or "not in struct" in msg:
         key = msg.split("'")[1] if "'" in msg else "?"
         return (f"{key}: unknown setting. Check the spelling (infer-bench --cfg job shows every "
                 f"setting); to add a new key on purpose write +{key}=...")

@@ -132,6 +132,8 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
 
     # engines
     requested = settings.engines
+    if isinstance(requested, str) and requested != "auto":
+        requested = [requested]  # engines=hf means engines=[hf]
     unavailable: dict[str, str] = {}
     engines: list[str] = []
     if requested == "auto":

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="where to initialise the weights (cpu, cuda)")
     args = ap.parse_args(argv)
     try:
+        if args.preset not in preset_names():
+            raise UserError(f"--preset {args.preset}: unknown preset. Choose one of {', '.join(preset_names())}.")
         shape = load_preset(args.preset)
         if args.dtype:
             if args.dtype not in ("float32", "bfloat16", "float16"):

@@ -70,9 +70,9 @@ class Workload(ABC):
         """Problems beyond field types and ranges (e.g. lengths over the model's maximum)."""
         need = self.max_model_len(cfg)
         if need > shape.max_position_embeddings:
-            return [f"workload: prompt + output length reaches {need} tokens, more than the model's "
+            return [f"workload: prompt + output lengths reach {need} tokens, more than the model's "
                     f"{shape.max_position_embeddings} positions (max_position_embeddings of {shape.name}). "
-                    "Shorten workload lengths or pick a model with more positions."]
+                    "Shorten the workload's prompt/output lengths or pick a model with more positions."]
         return []
 
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:

