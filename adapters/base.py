@@ -155,6 +155,7 @@ class Capabilities:
     no_cache_mode: bool = False  # can generate without a KV cache (recompute every step)
     contiguous_layout: bool = False  # can reserve max_model_len per sequence up front
     continuous_batching: bool = False  # serve() admits new requests while others decode
+    paged: bool = False  # the KV cache is split into blocks (block_size applies)
     logits: bool = False  # prefill/decode can return logits (for correctness checks)
     options: tuple[str, ...] = ()  # option names accepted in engine_options.<name>
 
@@ -167,10 +168,28 @@ class EngineUnavailable(Exception):
     and how to fix it; the run records an `unavailable` row with it."""
 
 
+# Options a workload may vary from point to point (the engine is reloaded with them), by these
+# standard names. An adapter that calls one differently maps it in `Engine.option_names`; one
+# that cannot do it says so in its capabilities (the point is then skipped, with the reason).
+STANDARD_OPTIONS = {
+    "kv_cache": "on | none (no KV cache: every step recomputes the whole sequence)",
+    "kv_layout": "paged | contiguous (reserve max_model_len per sequence up front)",
+    "kv_dtype": "auto | fp8 | int8 ... (KV-cache storage dtype)",
+    "block_size": "tokens per KV block",
+    "prefix_caching": "true | false",
+}
+
+
 class Engine(ABC):
     """One inference engine behind the harness's interface."""
 
     name: ClassVar[str]
+    option_names: ClassVar[dict[str, str]] = {}  # standard option name -> this engine's name
+
+    @classmethod
+    def options_for(cls, standard: dict[str, Any]) -> dict[str, Any]:
+        """A workload's standard option overrides, in this engine's own option names."""
+        return {cls.option_names.get(k, k): v for k, v in standard.items()}
 
     # -- availability and capabilities (no engine import needed) ---------------------------
     @classmethod

@@ -28,8 +28,8 @@ class Settings:
     device: str = spec("auto", help="auto | cpu | cuda | cuda:N")
     seed: int = spec(0, ge=0, help="seed of the synthetic prompts")
     model_cache_dir: str | None = spec(None, help="where presets are materialised (default ~/.cache/infer-bench)")
-    point_timeout_s: float = spec(900.0, gt=0, help="a point running longer than this fails (its engine is restarted)")
-    load_timeout_s: float = spec(900.0, gt=0, help="an engine taking longer than this to load fails")
+    point_timeout_s: float = spec(900.0, gt=0, help="a point (including any engine load it needs) running "
+                                  "longer than this fails; the engine process is restarted for the rest")
     memory_sample_hz: float = spec(100.0, ge=0, help="memory sampler rate (0: only start and end)")
     quiet: bool = spec(False, help="no progress lines (CI)")
 

@@ -79,7 +79,7 @@ class Runner:
             status=status, error=error,
         )
         row.update(fields)
-        row["engine_options"] = self.plan.engine_options.get(engine, {})
+        row.setdefault("engine_options", self.plan.engine_options.get(engine, {}))
         self.writer.write(row)
         self.rows.append(row)
         return row
@@ -125,8 +125,7 @@ class Runner:
                 break
             remaining = [p for p in remaining if p.key not in done_keys]
 
-    def _follow(self, engine: str, proc: Any, conn: Any, points: list[Point],
-                log_path: Path) -> set[str]:
+    def _follow(self, engine: str, proc: Any, conn: Any, points: list[Point], log_path: Path) -> set[str]:
         """Read the child's messages until it is done or dies. Returns the keys of the points
         that got a row."""
         by_key = {p.key: p for p in points}
@@ -134,32 +133,25 @@ class Runner:
         version = None
         current: Point | None = None
         started = time.monotonic()
-        limit = self.plan.settings.load_timeout_s
-        loaded = False
+        limit = self.plan.settings.point_timeout_s
         while True:
             msg = None
             if conn.poll(0.1):
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    msg = ("eof",)
+                    msg = ("dead", None)
+            elif not proc.is_alive():
+                msg = ("dead", None)
+            elif time.monotonic() - started > limit:
+                proc.kill()
+                proc.join(10)
+                msg = ("dead", f"timed out after {limit:g} s (point_timeout_s); the engine process was killed")
             if msg is None:
-                if proc.is_alive() and time.monotonic() - started <= limit:
-                    continue
-                if proc.is_alive():  # past the timeout
-                    proc.kill()
-                    proc.join(10)
-                    what = f"timed out after {limit:.0f} s" + ("" if loaded else " while loading")
-                else:
-                    proc.join(1)
-                    what = f"engine process died ({_exit_text(proc.exitcode)})"
-                msg = ("dead", what)
+                continue
             kind = msg[0]
-            if kind == "loaded":
-                loaded = True
-                version = msg[1].get("engine_version")
-                limit = self.plan.settings.point_timeout_s
-                started = time.monotonic()
+            if kind == "ready":
+                version = msg[1]
             elif kind == "start":
                 current = by_key[msg[1]]
                 started = time.monotonic()
@@ -170,27 +162,24 @@ class Runner:
                 done.add(key)
                 self.progress.finish(engine, by_key[key], status)
                 current = None
-            elif kind == "load_failed":
-                _, status, error = msg
-                self._fail_all(engine, [p for p in points if p.key not in done], status, error)
+                started = time.monotonic()
+            elif kind == "unavailable":
+                self._row(engine, None, "unavailable", msg[1], {}, version)
+                self.progress.skip(len(points) - len(done), engine, "unavailable")
                 return {p.key for p in points}
             elif kind == "done":
                 return done
-            elif kind in ("dead", "eof"):
-                if kind == "eof":
-                    proc.join(5)
-                    what = f"engine process died ({_exit_text(proc.exitcode)})"
-                else:
-                    what = msg[1]
+            elif kind == "dead":
+                proc.join(5)
+                what = msg[1] or f"engine process died ({_exit_text(proc.exitcode)})"
                 tail = _tail(log_path)
-                reason = what + (f"; last lines of {log_path.name}:\n{tail}" if tail else "")
-                if not loaded:
-                    self._fail_all(engine, [p for p in points if p.key not in done], "failed", "load: " + reason)
+                reason = what + (f"; last lines of logs/{log_path.name}:\n{tail}" if tail else "")
+                if current is None:  # died outside a point: nothing to blame it on
+                    self._fail_all(engine, [p for p in points if p.key not in done], "failed", reason)
                     return {p.key for p in points}
-                if current is not None:
-                    self._row(engine, current, "failed", reason, {}, version)
-                    done.add(current.key)
-                    self.progress.finish(engine, current, "failed")
+                self._row(engine, current, "failed", reason, {}, version)
+                done.add(current.key)
+                self.progress.finish(engine, current, "failed")
                 return done
 
     def _fail_all(self, engine: str, points: list[Point], status: str, error: str) -> None:

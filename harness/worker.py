@@ -3,11 +3,12 @@
 The parent (harness.runner) starts this with multiprocessing's `spawn`, so the engine gets a
 fresh interpreter: no state shared with other engines or the parent. Messages on the pipe:
 
-    ("loaded", load_info)        the engine is ready
-    ("start", point_key)         a point began (the parent's timeout clock starts)
+    ("ready", engine_version)    imports done; points follow
+    ("start", point_key)         a point began (the parent's timeout clock starts; a point
+                                 includes loading the engine when its options change)
     ("point", key, status, error, fields)
+    ("unavailable", reason)      the engine cannot run here after all (e.g. no GPU)
     ("done",)
-    ("load_failed", status, error)
 """
 
 from __future__ import annotations
@@ -42,13 +43,54 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".strip()
 
 
+class _Loaded:
+    """The engine instance and the options it was loaded with (reloaded when they change)."""
+
+    def __init__(self, cls: Any, spec: Any):
+        self.cls, self.spec = cls, spec
+        self.engine: Any = None
+        self.options: dict[str, Any] | None = None
+        self.load_info: dict[str, Any] | None = None
+        self.failed: dict[str, str] = {}  # options (as text) -> why loading them failed
+
+    def get(self, options: dict[str, Any]) -> tuple[Any, bool]:
+        """(engine loaded with `options`, whether it was loaded just now)."""
+        key = repr(sorted(options.items()))
+        if key in self.failed:
+            raise RuntimeError(self.failed[key])
+        if self.engine is not None and options == self.options:
+            return self.engine, False
+        self.close()
+        engine = self.cls()
+        try:
+            info = engine.load(self.spec, options)
+        except Exception as e:
+            from adapters.base import EngineUnavailable
+            if isinstance(e, EngineUnavailable):
+                raise
+            traceback.print_exc()
+            self.failed[key] = f"load: {_error_text(e)}"
+            try:
+                engine.close()
+            except Exception:
+                pass
+            raise RuntimeError(self.failed[key]) from None
+        self.engine, self.options, self.load_info = engine, dict(options), asdict(info)
+        print(f"[infer-bench worker] loaded {self.cls.name} with {options} in {info.load_time_s:.2f} s", flush=True)
+        return engine, True
+
+    def close(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            finally:
+                self.engine, self.options = None, None
+
+
 def worker_main(conn: Any, job: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     _redirect_output(job["log_path"])
     _quiet_libraries()
-    if job.get("num_threads"):
-        import torch
-        torch.set_num_threads(int(job["num_threads"]))
 
     from adapters import engine_class
     from adapters.base import EngineUnavailable, ModelSpec
@@ -56,42 +98,48 @@ def worker_main(conn: Any, job: dict[str, Any]) -> None:
     from workloads.base import Point, RunContext
 
     print(f"[infer-bench worker] engine={job['engine']} pid={os.getpid()}", flush=True)
-    try:
-        engine = engine_class(job["engine"])()
-        info = engine.load(ModelSpec(**job["model_spec"]), job["options"])
-        conn.send(("loaded", asdict(info)))
-    except EngineUnavailable as e:
-        conn.send(("load_failed", "unavailable", str(e)))
-        return
-    except BaseException as e:
-        traceback.print_exc()
-        conn.send(("load_failed", "failed", f"load: {_error_text(e)}"))
-        return
-
+    cls = engine_class(job["engine"])
+    spec = ModelSpec(**job["model_spec"])
+    conn.send(("ready", cls.version()))
     workload = get_workload(job["workload"])
     ctx = RunContext(**job["context"])
     ctx.extra["workload_cfg"] = job["workload_cfg"]
-    caps = engine.capabilities(job["options"])
+    loaded = _Loaded(cls, spec)
     for pd in job["points"]:
         point = Point(pd["workload"], pd["params"])
         conn.send(("start", point.key))
+        overrides = cls.options_for(workload.engine_overrides(point))
+        options = {**job["options"], **overrides}
+        caps = cls.capabilities(options)
         why_not = workload.unsupported(point, caps)
+        if why_not is None and overrides:
+            problems = cls.check_options(options, spec)
+            why_not = "; ".join(problems) if problems else None
         if why_not:
             conn.send(("point", point.key, "skipped", why_not, {}))
             continue
-        if workload.reset_prefix_cache:
-            engine.reset_prefix_cache()
         try:
+            engine, just_loaded = loaded.get(options)
+            if workload.reset_prefix_cache:
+                engine.reset_prefix_cache()
             fields = workload.run_point(engine, point, ctx)
+            fields["engine_options"] = options
+            if just_loaded:
+                fields["load_time_s"] = loaded.load_info["load_time_s"]
+                fields["weights_bytes"] = loaded.load_info["weights_bytes"]
             conn.send(("point", point.key, "ok", None, fields))
+        except EngineUnavailable as e:
+            conn.send(("unavailable", str(e)))
+            return
         except Exception as e:
             traceback.print_exc()
             try:
-                engine.release()
+                if loaded.engine is not None:
+                    loaded.engine.release()
             except Exception:
                 pass
-            conn.send(("point", point.key, "failed", _error_text(e), {}))
+            conn.send(("point", point.key, "failed", _error_text(e), {"engine_options": options}))
     try:
-        engine.close()
+        loaded.close()
     finally:
         conn.send(("done",))

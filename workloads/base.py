@@ -79,6 +79,15 @@ class Workload(ABC):
         """Why this engine cannot run this point (it is then recorded as skipped), or None."""
         return None
 
+    def engine_overrides(self, point: Point) -> dict[str, Any]:
+        """Engine options this point needs, by their standard names (adapters.base.STANDARD_OPTIONS);
+        the engine is reloaded when they change from one point to the next."""
+        return {}
+
+    def post_summary(self, rows: list[dict[str, Any]]) -> str:
+        """Extra lines for the terminal summary (e.g. fitted slopes across points)."""
+        return ""
+
     @abstractmethod
     def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
         """Measure one point; return the row's metric fields."""
