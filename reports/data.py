@@ -1,0 +1,201 @@
+"""Loading results for the report: results files (or run directories, single runs and
+multiruns) into one pandas DataFrame, plus what each run recorded about itself
+(environment.json, config.resolved.yaml).
+
+Everything here is plain data; nothing knows about HTML.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.errors import UserError
+from harness.results import RESULTS_FILE, read_rows, results_files
+
+# Engines with a fixed colour (Okabe-Ito, colour-blind safe); others take the rest in order.
+ENGINE_COLOURS = {"reference": "#D55E00", "hf": "#0072B2", "vllm": "#009E73", "trtllm": "#CC79A7"}
+SPARE_COLOURS = ["#E69F00", "#56B4E9", "#000000", "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF"]
+# What tells two series of one engine apart, in this order.
+VARIANT_FIELDS = ("model", "dtype", "device")
+
+
+class ReportInputError(UserError):
+    """Input the report cannot use (missing files, no rows): one clear message, exit 2."""
+
+    def render(self) -> str:
+        if len(self.problems) == 1:
+            return f"infer-bench-report: error: {self.problems[0]}"
+        return "\n".join([f"infer-bench-report: {len(self.problems)} problems in the input:"]
+                         + [f"  - {p}" for p in self.problems])
+
+
+@dataclass
+class RunInfo:
+    """One results file and what its run directory recorded."""
+
+    results: Path
+    rows: int
+    environment: dict[str, Any] | None = None
+    config_text: str | None = None
+
+    @property
+    def directory(self) -> Path:
+        return self.results.parent
+
+
+@dataclass
+class ReportData:
+    """Everything a section may read."""
+
+    rows: pd.DataFrame                      # every row, every status
+    runs: list[RunInfo]
+    baseline: pd.DataFrame | None = None    # the baseline's rows (same columns), or None
+    baseline_runs: list[RunInfo] = field(default_factory=list)
+    colours: dict[str, str] = field(default_factory=dict)   # engine -> colour
+
+    @property
+    def ok(self) -> pd.DataFrame:
+        return self.rows[self.rows["status"] == "ok"]
+
+    def workload(self, name: str, status: str = "ok") -> pd.DataFrame:
+        """Rows of one workload (ok rows by default)."""
+        df = self.rows
+        return df[(df["workload"] == name) & (df["status"] == status)]
+
+    def engines(self) -> list[str]:
+        return list(dict.fromkeys(self.rows["engine"].dropna()))
+
+
+def _find_files(paths: list[str | Path], what: str) -> list[Path]:
+    problems = []
+    for p in map(Path, paths):
+        if not p.exists():
+            problems.append(f"{what} {p}: no such file or directory.")
+        elif p.is_dir() and not results_files([p]):
+            problems.append(f"{what} {p}: no {RESULTS_FILE} in this directory or below it. "
+                            f"Give a results file or an infer-bench run directory.")
+    if problems:
+        raise ReportInputError(problems)
+    files = list(dict.fromkeys(f.resolve() for f in results_files(list(paths))))
+    if not files:
+        raise ReportInputError(f"no {what} given.")
+    return files
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+
+
+def load_runs(paths: list[str | Path], what: str = "results") -> tuple[pd.DataFrame, list[RunInfo]]:
+    """All rows of the given results files / run directories, with a `source` column (the
+    results file) and a `series` column (see `add_series`). Raises ReportInputError."""
+    files = _find_files(paths, what)
+    rows: list[dict[str, Any]] = []
+    runs: list[RunInfo] = []
+    for f in files:
+        try:
+            file_rows = read_rows(f)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ReportInputError(f"{what} {f}: cannot read ({e}).") from None
+        except ValueError as e:
+            raise ReportInputError(f"{what} {f}: not a results file (a line is not JSON: {e}).") from None
+        file_rows = [r for r in file_rows if isinstance(r, dict) and r.get("engine") is not None]
+        for r in file_rows:
+            r["source"] = str(f)
+        rows += file_rows
+        runs.append(RunInfo(f, len(file_rows), _read_json(f.parent / "environment.json"),
+                            _read_text(f.parent / "config.resolved.yaml")))
+    if not rows:
+        raise ReportInputError(f"{what} {', '.join(map(str, files))}: no rows (has the run "
+                               f"finished a point?).")
+    return frame(rows), runs
+
+
+def frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Rows (dicts) as a DataFrame with the columns every section may rely on."""
+    df = pd.DataFrame(rows)
+    for col in ("engine", "status", "workload", "model", "point_key", "error", "run_id",
+                "batch_size", "prompt_len", "output_len", "dtype", "device", "source"):
+        if col not in df.columns:
+            df[col] = None
+    df["status"] = df["status"].fillna("ok")
+    df["workload"] = df["workload"].fillna("")
+    return add_series(df)
+
+
+def add_series(df: pd.DataFrame) -> pd.DataFrame:
+    """A `series` label per row: the engine name, plus what tells apart rows of one engine that
+    ran with different models, dtypes, devices or engine options (a multirun over those), plus
+    the run id when the same configuration was measured at the same point by several runs.
+    Rows that lack a field (an `unavailable` row has only engine, status and error) are not
+    told apart by it. One line in a figure is one series; colours follow the engine."""
+    df = df.copy()
+    labels: dict[Any, str] = {}
+    for engine, g in df.groupby("engine", sort=False):
+        records = g.to_dict("records")
+        varying = [c for c in VARIANT_FIELDS if len({str(r[c]) for r in records if _present(r.get(c))}) > 1]
+        options = [r.get("engine_options") if isinstance(r.get("engine_options"), dict) else None for r in records]
+        differing = _differing_options([o for o in options if o is not None])
+        for idx, r, opts in zip(g.index, records, options):
+            parts = [f"{c}={r[c]}" for c in varying if _present(r.get(c))]
+            if opts is not None:
+                parts += [f"{k}={opts.get(k)}" for k in differing]
+            labels[idx] = f"{engine} ({', '.join(parts)})" if parts else str(engine)
+        ok = g[g["status"] == "ok"].assign(_label=[labels[i] for i in g.index[g["status"] == "ok"]])
+        dup = ok.duplicated(["_label", "point_key"], keep=False)
+        if dup.any() and ok.loc[dup, "run_id"].nunique() > 1:
+            for idx, run in zip(g.index, g["run_id"]):
+                labels[idx] += f" · run {run}"
+    df["series"] = [labels.get(i, str(e)) for i, e in zip(df.index, df["engine"])]
+    return df
+
+
+def _present(v: Any) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def _differing_options(options: list[dict[str, Any]]) -> list[str]:
+    """Option keys whose values are not the same in every options dict."""
+    keys: list[str] = []
+    for d in options:
+        keys += [k for k in d if k not in keys]
+    return [k for k in keys if len({json.dumps(d.get(k), sort_keys=True, default=str) for d in options}) > 1]
+
+
+def engine_colours(engines: list[str]) -> dict[str, str]:
+    """A fixed colour per engine: known engines always get theirs, others the spares in order."""
+    spare = [c for c in SPARE_COLOURS]
+    out: dict[str, str] = {}
+    for e in engines:
+        if e in ENGINE_COLOURS:
+            out[e] = ENGINE_COLOURS[e]
+    for e in engines:
+        if e not in out:
+            out[e] = spare.pop(0) if spare else "#444444"
+    return out
+
+
+def load_report_data(paths: list[str | Path], baseline: list[str | Path] | None = None) -> ReportData:
+    rows, runs = load_runs(paths, "results")
+    base, base_runs = (None, [])
+    if baseline:
+        base, base_runs = load_runs(baseline, "baseline")
+    engines = list(dict.fromkeys(list(rows["engine"].dropna()) +
+                                 (list(base["engine"].dropna()) if base is not None else [])))
+    return ReportData(rows, runs, base, base_runs, engine_colours([str(e) for e in engines]))

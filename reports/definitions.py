@@ -1,0 +1,46 @@
+"""The metric definitions the report states next to its numbers (from METRICS.md, the
+project's definitions; keep the two in step)."""
+
+from __future__ import annotations
+
+OFFLINE = [
+    ("prefill latency", "wall time from submitting the batch until every sequence has its first output token"),
+    ("prefill throughput", "B × S / prefill latency (tokens/s), for a batch of B prompts of S tokens"),
+    ("decode step latency", "wall time of one decode step (one new token for every live sequence); "
+                            "the per-step samples, median and p90/p99 are reported"),
+    ("decode throughput", "B / median decode step latency (tokens/s)"),
+    ("end-to-end latency", "prefill latency + sum of decode step latencies (checked against the measured total)"),
+    ("output throughput", "B × O / end-to-end latency, for O output tokens per sequence"),
+]
+
+SERVING = [
+    ("TTFT", "first output token time − scheduled arrival"),
+    ("E2EL", "last output token time − scheduled arrival"),
+    ("TPOT", "(E2EL − TTFT) / (N_out − 1), defined only for N_out > 1; one value per request"),
+    ("ITL", "every gap between consecutive output tokens of one request; pooled over all requests "
+            "(weighted by token, not by request)"),
+    ("queue time", "engine-reported scheduling time − scheduled arrival, where the engine exposes it"),
+    ("request throughput", "completed requests / (last completion − first scheduled arrival)"),
+    ("output token throughput", "Σ N_out / same duration"),
+    ("goodput", "requests meeting every configured SLO (TTFT, TPOT, E2EL) / same duration"),
+]
+
+MEMORY = [
+    ("peak memory", "GPU: NVML memory of this process and all its children (and the framework allocator's "
+                    "peak where the engine runs in-process); CPU: resident memory of the process tree "
+                    "(psutil). Sampled at a fixed rate (default 100 Hz); timeline and peak are kept"),
+    ("KV cache (engine)", "what the engine itself reports: pool size in blocks and bytes, blocks in use"),
+    ("KV cache (estimate)", "bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element "
+                            "(+ per-token scale bytes for quantised caches); paged caches round each sequence "
+                            "up to whole blocks"),
+]
+
+CLOCKS = [
+    ("clock", "one monotonic clock (time.perf_counter_ns) for everything in a run; on a GPU the device is "
+              "synchronised before the host clock is read at every boundary a metric needs"),
+    ("request start", "a request's clock starts at its scheduled arrival time (no coordinated omission)"),
+    ("token counts", "from the token ids the engine returned, never from re-tokenised text"),
+    ("output length", "forced: ignore_eos and an explicit maximum; greedy decoding unless the workload says otherwise"),
+    ("repeats", "every point runs warm-up iterations first (never 0), then repeats until both a minimum "
+                "iteration count and a minimum duration are reached"),
+]

@@ -1,0 +1,127 @@
+"""Helpers the sections share: point labels, derived confidence intervals, best-value marking,
+and a table of values built from a DataFrame."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from reports.blocks import Cell, Table, fmt_num, num_cell
+
+MS = 1e3
+MIB = 1 / 2**20
+SHORT = {"batch_size": "batch", "prompt_len": "prompt", "output_len": "out", "context_len": "context",
+         "request_rate": "rate", "prefix_len": "prefix", "num_requests": "requests"}
+
+
+def point_label(point: Any) -> str:
+    """'batch 4 · prompt 128 · out 8' from a row's point dict."""
+    if not isinstance(point, dict) or not point:
+        return "–"
+    return " · ".join(f"{SHORT.get(k, k)} {v}" for k, v in point.items())
+
+
+INT_FIELDS = ("batch_size", "prompt_len", "output_len", "repeats", "decode_steps", "context_len", "prefix_len",
+              "num_requests", "slots_allocated", "tokens_stored", "first_divergence", "peak_memory_bytes",
+              "kv_cache_bytes", "kv_used_bytes", "kv_est_bytes", "kv_est_bytes_per_token", "warmup")
+
+
+def int_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """Integer fields back to int64 where they have no gaps (a gap elsewhere in the results
+    makes pandas store the whole column as float)."""
+    df = df.copy()
+    for c in INT_FIELDS:
+        if c in df.columns and len(df) and df[c].notna().all():
+            vals = pd.to_numeric(df[c], errors="coerce")
+            if vals.notna().all() and (vals == vals.round()).all():
+                df[c] = vals.astype("int64")
+    return df
+
+
+def has(df: pd.DataFrame, *cols: str) -> bool:
+    """Every column present with at least one value."""
+    return not df.empty and all(c in df.columns and df[c].notna().any() for c in cols)
+
+
+def valid_ci(c: Any) -> bool:
+    return (isinstance(c, (list, tuple)) and len(c) == 2 and all(isinstance(v, (int, float)) and
+            math.isfinite(v) for v in c))
+
+
+def inverse_ci(numerator: pd.Series, ci: pd.Series) -> pd.Series:
+    """CI of numerator / latency from the latency's CI [lo, hi]: [num/hi, num/lo]."""
+    out = []
+    for n, c in zip(numerator, ci):
+        if valid_ci(c) and c[0] > 0 and n is not None and not pd.isna(n):
+            out.append([float(n) / c[1], float(n) / c[0]])
+        else:
+            out.append(None)
+    return pd.Series(out, index=numerator.index, dtype=object)
+
+
+def column(df: pd.DataFrame, name: str) -> pd.Series:
+    """A column, or all-None when the rows lack it."""
+    if name in df.columns:
+        return df[name]
+    return pd.Series([None] * len(df), index=df.index, dtype=object)
+
+
+def mark_best(df: pd.DataFrame, columns: dict[str, str], group: list[str] | str | None = None) -> pd.DataFrame:
+    """Booleans `best_<col>` for each column ("lower" or "higher" is better): True on the best
+    value within each group. Only where the group has two or more values to compare."""
+    out = pd.DataFrame(index=df.index)
+    groups = [df] if group is None else [g for _, g in df.groupby(group, sort=False, dropna=False)]
+    for col, better in columns.items():
+        flags = pd.Series(False, index=df.index)
+        if col in df.columns:
+            for g in groups:
+                vals = pd.to_numeric(g[col], errors="coerce").dropna()
+                if len(vals) < 2:
+                    continue
+                best = vals.min() if better == "lower" else vals.max()
+                flags.loc[vals.index[vals == best]] = True
+        out[f"best_{col}"] = flags
+    return out
+
+
+@dataclass
+class Col:
+    """A table column: header, row field, display scale, CI field, which way is better."""
+
+    header: str
+    field: str
+    scale: float = 1.0
+    ci: str | None = None
+    better: str | None = None   # "lower" | "higher": mark the best value
+    text: bool = False          # show as text, not a number
+
+
+def values_table(df: pd.DataFrame, cols: list[Col], name: str, caption: str = "",
+                 group: list[str] | str | None = None, row_classes: list[str] | None = None) -> Table:
+    """Rows of df as a table. Numeric columns keep the raw value (data-value) beside the
+    formatted text; the best value per column (within `group`) is marked."""
+    cols = [c for c in cols if c.text or has(df, c.field)]   # no all-empty columns
+    best = mark_best(df, {c.field: c.better for c in cols if c.better}, group)
+    rows = []
+    for idx, r in zip(df.index, df.to_dict("records")):
+        cells = []
+        for c in cols:
+            v = r.get(c.field)
+            if c.text:
+                cells.append(Cell("–" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)))
+                continue
+            ci = r.get(c.ci) if c.ci else None
+            is_best = bool(best.at[idx, f"best_{c.field}"]) if c.better else False
+            v = None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+            cells.append(num_cell(v, c.scale, ci if valid_ci(ci) else None, best=is_best))
+        rows.append(cells)
+    return Table([c.header for c in cols], rows, caption, name, row_classes or [])
+
+
+def fmt_bytes(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{fmt_num(v / 2**20)} MiB"

@@ -1,0 +1,40 @@
+"""Definitions: what each number means (METRICS.md) and how the statistics are computed."""
+
+from __future__ import annotations
+
+from harness.stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, PERCENTILE_METHOD, PERCENTILES
+from reports import definitions as d
+from reports.blocks import Block, Cell, Table
+from reports.data import ReportData
+from reports.sections import section
+
+
+def _table(items: list[tuple[str, str]], caption: str, name: str) -> Table:
+    return Table(["metric", "definition"], [[Cell(k), Cell(v, cls="wrap")] for k, v in items], caption, name)
+
+
+def statistics_items() -> list[tuple[str, str]]:
+    return [
+        ("percentiles", f"p{', p'.join(map(str, PERCENTILES))} and the median (p50) by {PERCENTILE_METHOD}; "
+                        f"plus mean, standard deviation (ddof = 1), min, max and the sample count"),
+        ("confidence intervals", f"{CONFIDENCE:.0%} percentile-bootstrap intervals of the median "
+                                 f"({BOOTSTRAP_RESAMPLES} resamples, fixed seed); a throughput's interval "
+                                 f"is its latency's, inverted"),
+        ("comparisons", "a ratio of medians (current / baseline) with a bootstrap CI, resampling both runs "
+                        "independently — not two bare numbers"),
+    ]
+
+
+@section("definitions", "Definitions", "What each number on this page means, and how it was computed.")
+def definitions(data: ReportData) -> list[Block]:
+    workloads = set(data.rows["workload"].dropna())
+    blocks: list[Block] = []
+    if "sweep" in workloads or "kv_ablation" in workloads or data.rows.get("prefill_latency_s") is not None:
+        blocks.append(_table(d.OFFLINE, "Offline (batch) metrics: the prefill/decode split.", "definitions-offline"))
+    if "serving" in workloads or "prefix_sharing" in workloads:
+        blocks.append(_table(d.SERVING, "Online (serving) metrics, per request. TPOT is averaged per "
+                                        "request, ITL per token; they are never relabelled.", "definitions-serving"))
+    blocks.append(_table(d.MEMORY, "Memory.", "definitions-memory"))
+    blocks.append(_table(statistics_items(), "Statistics.", "definitions-statistics"))
+    blocks.append(_table(d.CLOCKS, "Clocks, token counts and repeats.", "definitions-clocks"))
+    return blocks
