@@ -13,7 +13,7 @@ class MultirunSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from harness import cli
         from harness.results import read_rows, results_files
-        from harness.summary import summary_table
+        from harness.summary import parity_lines, summary_table
         from workloads import get_workload, workload_names
 
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -29,7 +29,7 @@ class MultirunSummary(Callback):
         for name, wrows in by_workload.items():
             cols = get_workload(name).summary_columns if name in workload_names() else []
             print(f"\n== {name} ==")
-            print(summary_table(wrows, cols))
+            print(summary_table(wrows, cols) if name != "parity" else parity_lines(wrows))
         if any(r.get("status") == "failed" for r in rows):  # jobs may have run in other processes
             cli._EXIT["code"] = max(cli._EXIT["code"], 1)
         cli._write_report(sweep_dir)

@@ -125,7 +125,7 @@ def run_job(cfg: DictConfig) -> int:
     from harness.paths import model_cache_dir
     from harness.results import RESULTS_FILE, atomic_write_text
     from harness.runner import Runner
-    from harness.summary import summary_table
+    from harness.summary import parity_lines, summary_table
 
     data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     try:
@@ -152,7 +152,11 @@ def run_job(cfg: DictConfig) -> int:
     except KeyboardInterrupt:
         interrupted = True
         rows = runner.rows
-    print(summary_table(rows, plan.workload.summary_columns))
+    main_rows = [r for r in rows if r["workload"] == plan.workload.name or r["status"] == "unavailable"]
+    print(summary_table(main_rows, plan.workload.summary_columns))
+    for extra in (plan.workload.post_summary(main_rows), parity_lines(rows)):
+        if extra:
+            print(extra)
     print(f"results: {out_dir / RESULTS_FILE}")
     _write_report(out_dir)
     if interrupted:

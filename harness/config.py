@@ -32,6 +32,9 @@ class Settings:
                                   "longer than this fails; the engine process is restarted for the rest")
     memory_sample_hz: float = spec(100.0, ge=0, help="memory sampler rate (0: only start and end)")
     quiet: bool = spec(False, help="no progress lines (CI)")
+    roofline: bool = spec(True, help="measure the machine's ceilings (cached) and report each point's fraction")
+    parity: bool = spec(True, help="record every engine's greedy tokens for fixed prompts and compare engines")
+    parity_tokens: int = spec(32, ge=1, le=4096, help="greedy tokens per parity prompt")
 
 
 @dataclass
@@ -160,6 +163,7 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     options = {n: dict(all_options.get(n) or {}) for n in engines}
     max_len = workload.max_model_len(wl_cfg) if workload and wl_cfg else 0
     if shape is not None:
+        max_len = max_len or shape.max_position_embeddings
         spec_ = ModelSpec(path=str(model_cfg.get("path") or ""), name=shape.name, dtype=dtype, device=device,
                           max_model_len=max_len, seed=settings.seed)
         for name in engines:

@@ -21,11 +21,12 @@ import psutil
 log = logging.getLogger(__name__)
 
 
-def process_tree_rss(proc: psutil.Process) -> int:
+def process_tree_rss(proc: psutil.Process, children: list[psutil.Process] | None = None) -> int:
+    """RSS of `proc` plus its children (looked up now unless a list is given)."""
     total = 0
     try:
         total += proc.memory_info().rss
-        for child in proc.children(recursive=True):
+        for child in proc.children(recursive=True) if children is None else children:
             try:
                 total += child.memory_info().rss
             except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -35,26 +36,77 @@ def process_tree_rss(proc: psutil.Process) -> int:
     return total
 
 
+class _Tree:
+    """The process's children, looked up again at most every `refresh_s` (walking /proc for
+    them costs far more than reading memory). On Linux, RSS is read with one pread() of an
+    already open /proc/<pid>/statm per process — about 20 µs a sample instead of ~130 µs
+    through psutil, which opens the file each time."""
+
+    def __init__(self, proc: psutil.Process, refresh_s: float = 1.0):
+        self.proc, self.refresh_s = proc, refresh_s
+        self._children: list[psutil.Process] = []
+        self._at = -1e9
+        self._fds: dict[int, int] = {}
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._proc_fs = os.path.exists(f"/proc/{proc.pid}/statm")
+
+    def children(self) -> list[psutil.Process]:
+        now = time.perf_counter()
+        if now - self._at > self.refresh_s:
+            try:
+                self._children = self.proc.children(recursive=True)
+            except psutil.NoSuchProcess:
+                self._children = []
+            self._at = now
+            if self._proc_fs:
+                self._reopen()
+        return self._children
+
+    def _reopen(self) -> None:
+        want = {self.proc.pid} | {c.pid for c in self._children}
+        for pid in set(self._fds) - want:
+            os.close(self._fds.pop(pid))
+        for pid in want - set(self._fds):
+            try:
+                self._fds[pid] = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+            except OSError:
+                pass
+
+    def rss(self) -> int:
+        children = self.children()
+        if not self._proc_fs:
+            return process_tree_rss(self.proc, children)
+        total = 0
+        for pid, fd in list(self._fds.items()):
+            try:
+                total += int(os.pread(fd, 128, 0).split()[1]) * self._page
+            except (OSError, IndexError, ValueError):  # the process ended
+                os.close(self._fds.pop(pid))
+        return total
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._at = -1e9  # reopen on the next read
+
+
 class _NvmlReader:
     """Device-used memory and this process tree's memory on one NVIDIA GPU."""
 
-    def __init__(self, device_index: int, proc: psutil.Process):
+    def __init__(self, device_index: int, tree: _Tree):
         import pynvml
 
         self.nvml = pynvml
         pynvml.nvmlInit()
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
-        self.proc = proc
+        self.tree = tree
         self.name = pynvml.nvmlDeviceGetName(self.handle)
 
     def read(self) -> tuple[int, int]:
         nv = self.nvml
         used = nv.nvmlDeviceGetMemoryInfo(self.handle).used
-        pids = {self.proc.pid}
-        try:
-            pids |= {c.pid for c in self.proc.children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
+        pids = {self.tree.proc.pid} | {c.pid for c in self.tree.children()}
         mine = 0
         for p in nv.nvmlDeviceGetComputeRunningProcesses(self.handle):
             if p.pid in pids and p.usedGpuMemory is not None:
@@ -71,7 +123,14 @@ class MemoryReport:
     device_peak_used_bytes: int | None = None  # nvml: whole-device used memory
     torch_peak_allocated_bytes: int | None = None
     samples: int = 0
+    sampler_cpu_s: float = 0.0  # CPU time spent by the sampler thread
+    duration_s: float = 0.0
     note: str | None = None
+
+    @property
+    def overhead_frac(self) -> float | None:
+        """Sampler CPU time as a share of the measured wall time (of one core)."""
+        return self.sampler_cpu_s / self.duration_s if self.duration_s else None
 
 
 class MemorySampler:
@@ -80,13 +139,14 @@ class MemorySampler:
     def __init__(self, hz: float = 100.0, device: str = "cpu", pid: int | None = None):
         self.interval = 1.0 / hz if hz > 0 else None
         self.proc = psutil.Process(pid or os.getpid())
+        self.tree = _Tree(self.proc)
         self.device = device
         self.note: str | None = None
         self._nvml: _NvmlReader | None = None
         if device.startswith("cuda"):
             try:
                 index = int(device.split(":")[1]) if ":" in device else 0
-                self._nvml = _NvmlReader(index, self.proc)
+                self._nvml = _NvmlReader(index, self.tree)
             except Exception as e:  # NVML missing, no driver, ...
                 self.note = f"NVML unavailable ({type(e).__name__}: {e}); sampled process RSS instead"
                 log.warning(self.note)
@@ -101,12 +161,16 @@ class MemorySampler:
             except Exception as e:
                 self.note = f"NVML read failed ({type(e).__name__}: {e}); sampled process RSS instead"
                 self._nvml = None
-        return process_tree_rss(self.proc), None
+        return self.tree.rss(), None
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        t0 = time.thread_time()
+        next_at = time.perf_counter()
+        while not self._stop.is_set():  # time.sleep costs far less CPU than Event.wait
             self._sample()
-            self._stop.wait(self.interval)
+            next_at = max(next_at + self.interval, time.perf_counter())  # type: ignore[operator]
+            time.sleep(max(0.0, next_at - time.perf_counter()))
+        self._cpu_s = time.thread_time() - t0  # CPU time the sampling itself used
 
     def _sample(self) -> None:
         value, device_used = self._read()
@@ -119,6 +183,7 @@ class MemorySampler:
         self._timeline: list[tuple[float, int]] = []
         self._peak = 0
         self._device_peak: int | None = None
+        self._cpu_s = 0.0
         self._t0 = time.perf_counter()
         self._torch_cuda = False
         if self._nvml is not None:
@@ -141,6 +206,7 @@ class MemorySampler:
         if self._thread is not None:
             self._thread.join()
         self._sample()
+        self.tree.close()
         torch_peak = None
         if self._torch_cuda:
             import torch
@@ -155,5 +221,6 @@ class MemorySampler:
             peak_bytes=self._peak, baseline_bytes=self._baseline,
             timeline=[(round(t, 4), int(v)) for t, v in tl],
             device_peak_used_bytes=self._device_peak, torch_peak_allocated_bytes=torch_peak,
-            samples=len(self._timeline), note=self.note,
+            samples=len(self._timeline), sampler_cpu_s=self._cpu_s,
+            duration_s=time.perf_counter() - self._t0, note=self.note,
         )

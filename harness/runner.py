@@ -21,6 +21,10 @@ from harness.config import Plan
 from harness.progress import Progress
 from harness.results import RESULTS_FILE, ResultsWriter, make_row
 from workloads.base import Point, RunContext
+from workloads.prompts import synthetic_prompts
+
+# Parity: every engine's greedy tokens for these prompt lengths (one batch of unequal lengths).
+PARITY_PROMPT_LENS = [7, 16, 33, 64]
 
 
 def _tail(path: Path, lines: int = 12) -> str:
@@ -62,7 +66,11 @@ class Runner:
         self.rows: list[dict[str, Any]] = []
         self.writer = ResultsWriter(out_dir / RESULTS_FILE)
         (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        total = len(plan.points) * len(plan.engines)
+        self.parity_point = Point("parity", {"prompt_lens": PARITY_PROMPT_LENS, "tokens": plan.settings.parity_tokens}) \
+            if plan.settings.parity else None
+        self.parity_baseline: tuple[str, list[list[int]]] | None = None  # (engine, tokens)
+        self.ceilings = None
+        total = (len(plan.points) + (1 if self.parity_point else 0)) * len(plan.engines)
         self.progress = Progress(total, quiet=plan.settings.quiet)
         self._proc: mp.process.BaseProcess | None = None
 
@@ -73,13 +81,16 @@ class Runner:
         row = make_row(
             run_id=self.run_id, timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             engine=engine, engine_version=engine_version, model=self.plan.shape.name, model_path=self.model_path,
-            workload=self.plan.workload.name, point=params, point_key=point.key if point else None,
+            workload=point.workload if point else self.plan.workload.name, point=params, point_key=point.key if point else None,
             batch_size=params.get("batch_size"), prompt_len=params.get("prompt_len"),
             output_len=params.get("output_len"), dtype=self.plan.dtype, device=self.plan.device,
             status=status, error=error,
         )
         row.update(fields)
         row.setdefault("engine_options", self.plan.engine_options.get(engine, {}))
+        if self.ceilings is not None and status == "ok" and row["workload"] == "sweep":
+            from harness.roofline import annotate
+            row.update(annotate(row, self.plan.shape, self.ceilings))
         self.writer.write(row)
         self.rows.append(row)
         return row
@@ -87,8 +98,16 @@ class Runner:
     # ---- one engine --------------------------------------------------------------------
     def _job(self, engine: str, points: list[Point], log_path: Path) -> dict[str, Any]:
         low, high, avoid = token_range(self.plan, self.model_path)
+        parity = self.parity_point is not None and any(p.key == self.parity_point.key for p in points)
+        points = [p for p in points if p.workload != "parity"]
+        parity_prompts = None
+        if parity:
+            lens = [min(n, max(1, self.plan.max_model_len - self.plan.settings.parity_tokens))
+                    for n in PARITY_PROMPT_LENS]
+            parity_prompts = [synthetic_prompts(1, n, low, high, avoid, self.plan.settings.seed, f"parity/{i}")[0]
+                              for i, n in enumerate(lens)]
         ctx = RunContext(shape=self.plan.shape, dtype=self.plan.dtype, device=self.plan.device,
-                         seed=self.plan.settings.seed, memory_sample_hz=self.plan.settings.memory_sample_hz,
+                         model_path=self.model_path, max_model_len=self.plan.max_model_len, seed=self.plan.settings.seed, memory_sample_hz=self.plan.settings.memory_sample_hz,
                          token_low=low, token_high=high, avoid_ids=avoid)
         ctx_dict = {k: v for k, v in asdict(ctx).items() if k != "extra"}
         ctx_dict["shape"] = self.plan.shape
@@ -97,6 +116,8 @@ class Runner:
             "model_spec": asdict(self.plan.model_spec(self.model_path)),
             "workload": self.plan.workload.name, "workload_cfg": self.plan.workload_cfg,
             "points": [p.to_dict() for p in points], "context": ctx_dict, "log_path": str(log_path),
+            "parity_prompts": parity_prompts, "parity_tokens": self.plan.settings.parity_tokens,
+            "parity_key": self.parity_point.key if self.parity_point else None,
         }
 
     def run_engine(self, engine: str) -> None:
@@ -104,9 +125,9 @@ class Runner:
 
         if engine in self.plan.unavailable:
             self._row(engine, None, "unavailable", self.plan.unavailable[engine], {})
-            self.progress.skip(len(self.plan.points), engine, "unavailable")
+            self.progress.skip(len(self.plan.points) + (1 if self.parity_point else 0), engine, "unavailable")
             return
-        remaining = list(self.plan.points)
+        remaining = list(self.plan.points) + ([self.parity_point] if self.parity_point else [])
         log_path = self.out_dir / "logs" / f"{engine}.log"
         ctx = mp.get_context("spawn")
         while remaining:
@@ -163,6 +184,14 @@ class Runner:
                 self.progress.finish(engine, by_key[key], status)
                 current = None
                 started = time.monotonic()
+            elif kind == "parity":
+                _, tokens, error = msg
+                assert current is not None
+                self._parity_row(engine, current, tokens, error, version)
+                done.add(current.key)
+                self.progress.finish(engine, current, "ok" if tokens else "failed")
+                current = None
+                started = time.monotonic()
             elif kind == "unavailable":
                 self._row(engine, None, "unavailable", msg[1], {}, version)
                 self.progress.skip(len(points) - len(done), engine, "unavailable")
@@ -181,6 +210,24 @@ class Runner:
                 done.add(current.key)
                 self.progress.finish(engine, current, "failed")
                 return done
+
+    def _parity_row(self, engine: str, point: Point, tokens: list[list[int]] | None, error: str | None,
+                    version: str | None) -> None:
+        """Greedy tokens of this engine beside the baseline's (the reference engine's when it ran).
+        In float32 engines must agree exactly; otherwise agreement is reported, not enforced."""
+        if tokens is None:
+            self._row(engine, point, "failed", error, {}, version)
+            return
+        if self.parity_baseline is None:
+            self.parity_baseline = (engine, tokens)
+        base_engine, base = self.parity_baseline
+        fields = {"parity_tokens": tokens, "parity_baseline": base_engine, **parity_agreement(base, tokens)}
+        status, err = "ok", None
+        if self.plan.dtype == "float32" and fields["agreement"] < 1.0:
+            status = "failed"
+            err = (f"greedy tokens differ from {base_engine}'s in float32 (first divergence at step "
+                   f"{fields['first_divergence']}, agreement {fields['agreement']:.3f})")
+        self._row(engine, point, status, err, fields, version)
 
     def _fail_all(self, engine: str, points: list[Point], status: str, error: str) -> None:
         for p in points:
@@ -202,14 +249,45 @@ class Runner:
             proc.join(10)
 
     def run(self) -> list[dict[str, Any]]:
+        if self.plan.settings.roofline:
+            self.ceilings = _ceilings(self.plan)
+        # the reference engine runs first: it is the baseline of the parity check
+        order = sorted(self.plan.engines, key=lambda e: e != "reference")
         try:
-            for engine in self.plan.engines:
+            for engine in order:
                 self.run_engine(engine)
         finally:
             self.stop_children()
             self.writer.close()
             self.progress.close()
         return self.rows
+
+
+def parity_agreement(base: list[list[int]], tokens: list[list[int]]) -> dict[str, Any]:
+    """Share of positions where the tokens equal the baseline's, and the first step (over all
+    prompts) where they differ (None when they agree everywhere)."""
+    total = same = 0
+    first: int | None = None
+    for b, t in zip(base, tokens):
+        for i, (x, y) in enumerate(zip(b, t)):
+            total += 1
+            if x == y:
+                same += 1
+            elif first is None or i < first:
+                first = i
+    return {"agreement": same / total if total else None, "first_divergence": first}
+
+
+def _ceilings(plan: Plan) -> Any:
+    """The machine's roofline ceilings (cached); None if they cannot be measured."""
+    from harness.paths import model_cache_dir
+    from harness.roofline import cached_ceilings
+    try:
+        return cached_ceilings(plan.device, plan.dtype, model_cache_dir(plan.settings.model_cache_dir).parent
+                               / "roofline.json")
+    except Exception as e:  # never fail a run for it
+        print(f"roofline: ceilings not measured ({type(e).__name__}: {e})")
+        return None
 
 
 def _exit_text(code: int | None) -> str:

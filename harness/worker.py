@@ -108,10 +108,10 @@ def worker_main(conn: Any, job: dict[str, Any]) -> None:
     for pd in job["points"]:
         point = Point(pd["workload"], pd["params"])
         conn.send(("start", point.key))
-        overrides = cls.options_for(workload.engine_overrides(point))
-        options = {**job["options"], **overrides}
-        caps = cls.capabilities(options)
+        caps = cls.capabilities(job["options"])
         why_not = workload.unsupported(point, caps)
+        overrides = cls.options_for(workload.engine_overrides(point, caps)) if why_not is None else {}
+        options = {**job["options"], **overrides}
         if why_not is None and overrides:
             problems = cls.check_options(options, spec)
             why_not = "; ".join(problems) if problems else None
@@ -139,7 +139,28 @@ def worker_main(conn: Any, job: dict[str, Any]) -> None:
             except Exception:
                 pass
             conn.send(("point", point.key, "failed", _error_text(e), {"engine_options": options}))
+    if job.get("parity_prompts"):
+        conn.send(("start", job["parity_key"]))
+        try:
+            engine, _ = loaded.get(job["options"])
+            engine.reset_prefix_cache()
+            conn.send(("parity", greedy_tokens(engine, job["parity_prompts"], job["parity_tokens"]), None))
+        except EngineUnavailable as e:
+            conn.send(("unavailable", str(e)))
+            return
+        except Exception as e:
+            traceback.print_exc()
+            conn.send(("parity", None, _error_text(e)))
     try:
         loaded.close()
     finally:
         conn.send(("done",))
+
+
+def greedy_tokens(engine: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The first n greedy output tokens of every prompt, run as one batch."""
+    pre = engine.prefill(prompts)
+    dec = engine.decode(n - 1) if n > 1 else None
+    engine.release()
+    steps = dec.tokens if dec else []
+    return [[pre.first_tokens[b]] + [step[b] for step in steps] for b in range(len(prompts))]

@@ -9,6 +9,10 @@ from workloads.base import Workload
 
 REGISTRY: dict[str, str] = {
     "sweep": "workloads.sweep:Sweep",
+    "kv_ablation": "workloads.kv_ablation:KVAblation",
+    "prefix_sharing": "workloads.prefix_sharing:PrefixSharing",
+    "serving": "workloads.serving:Serving",
+    "kv_memory": "workloads.kv_memory:KVMemory",
 }
 
 

@@ -34,6 +34,8 @@ class RunContext:
     shape: ModelShape
     dtype: str
     device: str
+    model_path: str = ""
+    max_model_len: int = 0
     seed: int = 0
     memory_sample_hz: float = 100.0
     token_low: int = 4  # prompts draw token ids from [token_low, token_high) minus avoid_ids
@@ -79,9 +81,9 @@ class Workload(ABC):
         """Why this engine cannot run this point (it is then recorded as skipped), or None."""
         return None
 
-    def engine_overrides(self, point: Point) -> dict[str, Any]:
-        """Engine options this point needs, by their standard names (adapters.base.STANDARD_OPTIONS);
-        the engine is reloaded when they change from one point to the next."""
+    def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
+        """Engine options this point needs, by their standard names (adapters.base.STANDARD_OPTIONS),
+        given what the engine can do; the engine is reloaded when they change between points."""
         return {}
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:

@@ -151,5 +151,6 @@ class Sweep(Workload):
         row.update(warmup=cfg.warmup, peak_memory_bytes=mem.peak_bytes, memory_source=mem.source,
                    memory_baseline_bytes=mem.baseline_bytes, memory_timeline=mem.timeline,
                    device_peak_memory_bytes=mem.device_peak_used_bytes,
-                   torch_peak_allocated_bytes=mem.torch_peak_allocated_bytes, memory_note=mem.note)
+                   torch_peak_allocated_bytes=mem.torch_peak_allocated_bytes, memory_note=mem.note,
+                   memory_samples=mem.samples, memory_sampler_overhead_frac=mem.overhead_frac)
         return row

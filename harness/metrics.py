@@ -1,0 +1,122 @@
+"""Online (serving) metrics, exactly as METRICS.md defines them.
+
+Per request, with t_a its scheduled arrival and t_1 ... t_N the times of its N output tokens:
+
+    TTFT = t_1 - t_a            E2EL = t_N - t_a
+    TPOT = (E2EL - TTFT) / (N - 1), only for N > 1 (one value per request)
+    ITL  = every gap t_{k+1} - t_k, pooled over all requests (weighted by token)
+
+Throughputs divide by the duration from the first scheduled arrival to the last completion.
+Goodput counts the requests that meet every configured SLO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.base import Request, TokenEvent
+from harness.stats import bootstrap_ci, summarize
+
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    arrival_ns: int  # scheduled arrival: the request's clock starts here
+    prompt_len: int
+    token_times_ns: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def n_out(self) -> int:
+        return len(self.token_times_ns)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return (self.token_times_ns[0] - self.arrival_ns) / 1e9 if self.token_times_ns else None
+
+    @property
+    def e2el_s(self) -> float | None:
+        return (self.token_times_ns[-1] - self.arrival_ns) / 1e9 if self.token_times_ns else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.n_out < 2:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.n_out - 1)  # type: ignore[operator]
+
+    @property
+    def itls_s(self) -> list[float]:
+        t = self.token_times_ns
+        return [(b - a) / 1e9 for a, b in zip(t, t[1:])]
+
+
+def collect(requests: list[Request], start_ns: int, events: Iterable[TokenEvent]) -> list[RequestTrace]:
+    """Group an engine's token events by request. The clock of each request starts at its
+    scheduled arrival (start_ns + arrival_s), not when the engine took it."""
+    traces = {r.request_id: RequestTrace(r.request_id, start_ns + round(r.arrival_s * 1e9), len(r.prompt_ids))
+              for r in requests}
+    for ev in events:
+        tr = traces[ev.request_id]
+        if ev.index != tr.n_out:
+            raise RuntimeError(f"request {ev.request_id}: token {ev.index} arrived after {tr.n_out} tokens")
+        tr.token_times_ns.append(ev.time_ns)
+        tr.token_ids.append(ev.token_id)
+    return list(traces.values())
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2el_s: float | None = None
+
+    def met(self, tr: RequestTrace) -> bool:
+        if not tr.token_times_ns:
+            return False
+        if self.ttft_s is not None and tr.ttft_s > self.ttft_s:  # type: ignore[operator]
+            return False
+        if self.tpot_s is not None and tr.tpot_s is not None and tr.tpot_s > self.tpot_s:
+            return False
+        if self.e2el_s is not None and tr.e2el_s > self.e2el_s:  # type: ignore[operator]
+            return False
+        return True
+
+
+def _stat_fields(name: str, samples: list[float], with_samples: bool = True) -> dict[str, Any]:
+    s = summarize(samples)
+    out: dict[str, Any] = {f"{name}_{k}": v for k, v in s.items() if k != "count"}
+    out[f"{name}_count"] = s["count"]
+    out[name] = s["p50"]  # the headline value is the median
+    out[f"{name}_ci"] = bootstrap_ci(samples)
+    if with_samples:
+        out[f"{name}_samples"] = samples
+    return out
+
+
+def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
+                    expected_out: dict[str, int] | None = None) -> dict[str, Any]:
+    """Row fields for one serving point."""
+    done = [t for t in traces if t.token_times_ns and
+            (expected_out is None or t.n_out == expected_out.get(t.request_id, t.n_out))]
+    first_arrival = min(t.arrival_ns for t in traces)
+    last_done = max((t.token_times_ns[-1] for t in done), default=first_arrival)
+    duration = (last_done - first_arrival) / 1e9
+    ttft = [t.ttft_s for t in done]
+    e2el = [t.e2el_s for t in done]
+    tpot = [t.tpot_s for t in done if t.tpot_s is not None]
+    itl = [g for t in done for g in t.itls_s]
+    out_tokens = sum(t.n_out for t in done)
+    good = sum(1 for t in done if (slo or SLO()).met(t))
+    row: dict[str, Any] = {
+        "num_requests": len(traces), "completed": len(done), "duration_s": duration,
+        "total_input_tokens": sum(t.prompt_len for t in done), "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration if duration > 0 else None,
+        "output_tok_s": out_tokens / duration if duration > 0 else None,
+        "goodput_req_s": good / duration if duration > 0 else None,
+        "slo_attained_frac": good / len(traces) if traces else None,
+    }
+    for name, samples in (("ttft_s", ttft), ("tpot_s", tpot), ("itl_s", itl), ("e2el_s", e2el)):
+        row.update(_stat_fields(name, samples))
+    return row

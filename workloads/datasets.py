@@ -1,0 +1,131 @@
+"""Request datasets for the serving workload.
+
+- JSONL, the `trtllm-bench` format: one object per line with `input_ids` (a list of token ids)
+  or `prompt` (text, tokenised with the checkpoint's tokenizer), and `output_tokens` (how many
+  tokens to generate). Other keys (e.g. `task_id`) are ignored.
+- ShareGPT JSON (a file the user provides): a list of conversations
+  `{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}`;
+  the first human turn is the prompt and the token count of the reply that follows it is the
+  output length (as `vllm bench serve` does). Conversations without such a pair are skipped.
+
+Every problem names the file and the line (JSONL) or entry (ShareGPT).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import UserError
+
+
+@dataclass
+class DatasetEntry:
+    prompt_ids: list[int] | None
+    prompt_text: str | None
+    output_tokens: int | None  # None: to be measured from `output_text`
+    output_text: str | None = None
+
+
+def detect_format(path: Path) -> str:
+    return "jsonl" if path.suffix == ".jsonl" else "sharegpt"
+
+
+def read_dataset(path: str | Path, fmt: str = "auto", field: str = "workload.dataset") -> list[DatasetEntry]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{field}={path}: no such file. Give a JSONL (trtllm-bench format) or ShareGPT JSON file.")
+    fmt = detect_format(p) if fmt == "auto" else fmt
+    if fmt == "jsonl":
+        entries = _read_jsonl(p, field)
+    elif fmt == "sharegpt":
+        entries = _read_sharegpt(p, field)
+    else:
+        raise UserError(f"workload.dataset_format={fmt}: use auto, jsonl or sharegpt.")
+    if not entries:
+        raise UserError(f"{field}={path}: the file holds no usable requests.")
+    return entries
+
+
+def _read_jsonl(p: Path, field: str) -> list[DatasetEntry]:
+    out, problems = [], []
+    for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{field}={p} line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{where}: not valid JSON ({e.msg}). Each line must be one JSON object.")
+            continue
+        if not isinstance(obj, dict):
+            problems.append(f"{where}: not a JSON object.")
+            continue
+        ids, text, out_n = obj.get("input_ids"), obj.get("prompt"), obj.get("output_tokens")
+        if ids is None and text is None:
+            problems.append(f"{where}: needs \"input_ids\" (token ids) or \"prompt\" (text).")
+            continue
+        if ids is not None and not (isinstance(ids, list) and ids and
+                                    all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            problems.append(f"{where}: \"input_ids\" must be a non-empty list of non-negative integers.")
+            continue
+        if text is not None and ids is None and not (isinstance(text, str) and text):
+            problems.append(f"{where}: \"prompt\" must be a non-empty string.")
+            continue
+        if not (isinstance(out_n, int) and not isinstance(out_n, bool) and out_n >= 1):
+            problems.append(f"{where}: \"output_tokens\" must be a positive integer (got {out_n!r}).")
+            continue
+        out.append(DatasetEntry(ids, text if ids is None else None, out_n))
+        if len(problems) > 20:
+            break
+    if problems:
+        raise UserError(problems)
+    return out
+
+
+def _read_sharegpt(p: Path, field: str) -> list[DatasetEntry]:
+    try:
+        data = json.loads(p.read_text(encoding="utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{field}={p}: not valid JSON ({e.msg} at line {e.lineno}). "
+                        "A ShareGPT file is one JSON list of conversations.") from None
+    if not isinstance(data, list):
+        raise UserError(f"{field}={p}: a ShareGPT file is a JSON list of conversations.")
+    out = []
+    for conv in data:
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not isinstance(turns, list):
+            continue
+        for a, b in zip(turns, turns[1:]):
+            if (isinstance(a, dict) and isinstance(b, dict) and a.get("from") == "human"
+                    and b.get("from") == "gpt" and isinstance(a.get("value"), str)
+                    and isinstance(b.get("value"), str) and a["value"] and b["value"]):
+                out.append(DatasetEntry(None, a["value"], None, b["value"]))
+                break
+    return out
+
+
+def tokenize_entries(entries: list[DatasetEntry], model_path: str, vocab_size: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens) per entry, tokenising text with the checkpoint's tokenizer."""
+    tok = None
+    out = []
+    for e in entries:
+        if e.prompt_ids is None or e.output_tokens is None:
+            if tok is None:
+                try:
+                    from transformers import AutoTokenizer
+                    tok = AutoTokenizer.from_pretrained(model_path)
+                except Exception as err:
+                    raise UserError(f"workload.dataset: text prompts need the checkpoint's tokenizer, which did "
+                                    f"not load from {model_path} ({err}). Use input_ids instead.") from None
+        ids = e.prompt_ids if e.prompt_ids is not None else tok(e.prompt_text, add_special_tokens=False)["input_ids"]
+        n_out = e.output_tokens if e.output_tokens is not None else \
+            len(tok(e.output_text, add_special_tokens=False)["input_ids"])
+        if not ids or n_out < 1:
+            continue
+        if max(ids) >= vocab_size:
+            raise UserError(f"workload.dataset: token id {max(ids)} is outside the model's vocabulary "
+                            f"({vocab_size}). Use ids made for this model.")
+        out.append((list(ids), n_out))
+    return out

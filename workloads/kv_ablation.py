@@ -1,0 +1,114 @@
+"""Generation with and without a KV cache, over growing context — the seed chapter's figure.
+
+For each context length N and mode, an N-token prompt is prefilled and `decode_steps` steps
+are timed. With a cache a step computes one new token against N cached ones (nearly flat in
+N); without one (`kv_cache=none`) every step recomputes the whole sequence, so its cost grows
+with N and generating N tokens costs O(N^2). The summary fits a line to each curve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from adapters.base import Capabilities, Engine
+from harness.schema import spec
+from harness.stats import bootstrap_ci, summarize
+from workloads.base import Point, RunContext, Workload
+from workloads.sweep import repeat_until
+
+MODES = ("cache", "no_cache")
+
+
+@dataclass
+class KVAblationConfig:
+    name: str = spec("kv_ablation")
+    context_lens: list[int] = spec([64, 128, 256, 512, 1024, 2048], ge=1, nonempty=True,
+                                   help="prompt tokens before the timed decode steps")
+    modes: list[str] = spec(list(MODES), choices=MODES, nonempty=True, help="cache and/or no_cache")
+    batch_size: int = spec(1, ge=1)
+    decode_steps: int = spec(8, ge=1, help="timed decode steps per iteration")
+    warmup: int = spec(1, ge=1)
+    min_repeats: int = spec(2, ge=1)
+    min_duration_s: float = spec(0.0, ge=0)
+    max_repeats: int = spec(20, ge=1)
+
+
+def fit_slope(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """Least-squares line y = a + b x: returns (b, a), or None with fewer than two points."""
+    if len(set(xs)) < 2:
+        return None
+    b, a = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return float(b), float(a)
+
+
+class KVAblation(Workload):
+    name = "kv_ablation"
+    config_cls = KVAblationConfig
+    summary_columns = [
+        ("mode", "mode", "s"), ("context_len", "context", "d"), ("batch_size", "batch", "d"),
+        ("decode_step_latency_s", "step ms", "ms"), ("decode_step_latency_s_p90", "step p90 ms", "ms"),
+        ("prefill_latency_s", "prefill ms", "ms"),
+    ]
+
+    def plan(self, cfg: KVAblationConfig) -> list[Point]:
+        return [Point(self.name, {"mode": m, "context_len": n, "batch_size": cfg.batch_size,
+                                  "decode_steps": cfg.decode_steps})
+                for m in dict.fromkeys(cfg.modes) for n in sorted(set(cfg.context_lens))]
+
+    def max_model_len(self, cfg: KVAblationConfig) -> int:
+        return max(cfg.context_lens) + cfg.decode_steps + 1
+
+    def unsupported(self, point: Point, caps: Capabilities) -> str | None:
+        if point.params["mode"] == "no_cache" and not caps.no_cache_mode:
+            return "the engine cannot generate without a KV cache"
+        return None
+
+    def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
+        if not caps.no_cache_mode:
+            return {}
+        return {"kv_cache": "none" if point.params["mode"] == "no_cache" else "on"}
+
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
+        cfg: KVAblationConfig = ctx.extra["workload_cfg"]
+        b, n, steps = point.params["batch_size"], point.params["context_len"], point.params["decode_steps"]
+
+        def once(i: int) -> tuple[float, list[float]]:
+            pre = engine.prefill(ctx.prompts(b, n, f"{point.key}/{i}"))
+            dec = engine.decode(steps)
+            engine.release()
+            return pre.latency_s, dec.step_latencies_s
+
+        for i in range(cfg.warmup):
+            once(-1 - i)
+        its = repeat_until(once, cfg)
+        step_samples = [s for _, st in its for s in st]
+        prefill = [p for p, _ in its]
+        d, p = summarize(step_samples), summarize(prefill)
+        return {
+            "mode": point.params["mode"], "context_len": n, "batch_size": b, "repeats": len(its),
+            "warmup": cfg.warmup,
+            "decode_step_latency_s": d["p50"], "decode_step_latency_s_p90": d["p90"],
+            "decode_step_latency_s_p99": d["p99"], "decode_step_latency_s_ci": bootstrap_ci(step_samples),
+            "decode_step_latency_s_samples": step_samples,
+            "decode_tok_s": b / d["p50"] if d["p50"] else None,
+            "prefill_latency_s": p["p50"], "prefill_latency_s_samples": prefill,
+        }
+
+    def post_summary(self, rows: list[dict[str, Any]]) -> str:
+        lines = []
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for r in rows:
+            if r.get("status") == "ok" and r.get("workload") == self.name:
+                groups.setdefault((r["engine"], r["mode"]), []).append(r)
+        for (engine, mode), rs in sorted(groups.items()):
+            fit = fit_slope([r["context_len"] for r in rs], [r["decode_step_latency_s"] for r in rs])
+            if fit:
+                lo = min(rs, key=lambda r: r["context_len"])
+                hi = max(rs, key=lambda r: r["context_len"])
+                growth = hi["decode_step_latency_s"] / lo["decode_step_latency_s"]
+                lines.append(f"{engine:<9} {mode:<8} slope {fit[0] * 1e6:9.3f} µs per context token; "
+                             f"step at {hi['context_len']} = {growth:.1f} x step at {lo['context_len']}")
+        return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""KV memory: what each engine's KV cache really takes, and how much of it is wasted.
+
+For every KV dtype x block size x layout the engine can run: a batch of `num_sequences`
+prompts with lengths from a distribution is prefilled and decoded `output_len - 1` steps;
+then the engine's own report (pool bytes, bytes per token, blocks, token slots allocated vs
+tokens stored) is set beside the estimator's bytes per token. `kv_waste_frac` is the share of
+allocated token slots that hold no token: the last partial block of each sequence for a paged
+cache, everything past the sequence for a contiguous one (which reserves max_model_len per
+sequence), the left padding for transformers' cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from adapters.base import Capabilities, Engine
+from harness.kvcalc import bytes_per_token, canonical_kv_dtype
+from harness.schema import spec
+from workloads.base import Point, RunContext, Workload
+from workloads.lengths import parse_length
+from workloads.prompts import seed_for
+
+LAYOUTS = ("paged", "contiguous")
+
+
+@dataclass
+class KVMemoryConfig:
+    name: str = spec("kv_memory")
+    kv_dtypes: list[str] = spec(["auto", "int8", "fp8"], nonempty=True, help="auto = the model's dtype")
+    block_sizes: list[int] = spec([16], ge=1, nonempty=True, help="for paged engines")
+    layouts: list[str] = spec(["paged", "contiguous"], choices=LAYOUTS, nonempty=True)
+    num_sequences: int = spec(16, ge=1)
+    prompt_len: Any = spec({"dist": "uniform", "min": 64, "max": 2048}, help="prompt length distribution")
+    output_len: int = spec(16, ge=1)
+
+
+class KVMemory(Workload):
+    name = "kv_memory"
+    config_cls = KVMemoryConfig
+    summary_columns = [
+        ("kv_layout", "layout", "s"), ("kv_dtype", "kv dtype", "s"), ("block_size", "block", "d"),
+        ("kv_bytes_per_token", "B/token", "d"), ("kv_est_bytes_per_token", "est B/token", "d"),
+        ("kv_pool_bytes", "pool MiB", "mib"), ("tokens_stored", "tokens", "d"),
+        ("slots_allocated", "slots", "d"), ("kv_waste_frac", "waste", ".3f"),
+    ]
+
+    def check(self, cfg: KVMemoryConfig, shape: Any) -> list[str]:
+        _, problems = parse_length(cfg.prompt_len, "workload.prompt_len")
+        bad = [d for d in cfg.kv_dtypes if d != "auto" and d.lower() not in
+               ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")]
+        problems += [f"workload.kv_dtypes: unknown KV dtype '{d}'. Use auto, fp8 or int8 (or fp16/bf16/fp32)."
+                     for d in bad]
+        return problems or super().check(cfg, shape)
+
+    def max_model_len(self, cfg: KVMemoryConfig) -> int:
+        dist, _ = parse_length(cfg.prompt_len, "workload.prompt_len")
+        return (dist.bounds()[1] if dist else 0) + cfg.output_len
+
+    def plan(self, cfg: KVMemoryConfig) -> list[Point]:
+        smallest = min(cfg.block_sizes)
+        return [Point(self.name, {"kv_layout": lay, "kv_dtype": d, "block_size": b, "min_block_size": smallest,
+                                  "num_sequences": cfg.num_sequences, "output_len": cfg.output_len})
+                for lay in dict.fromkeys(cfg.layouts) for d in dict.fromkeys(cfg.kv_dtypes)
+                for b in sorted(set(cfg.block_sizes))]
+
+    def unsupported(self, point: Point, caps: Capabilities) -> str | None:
+        if point.params["kv_layout"] == "contiguous" and not caps.contiguous_layout:
+            return "the engine has no contiguous KV layout option"
+        d = point.params["kv_dtype"]
+        if d != "auto" and d not in caps.kv_dtypes:
+            return f"the engine cannot store the KV cache as {d} (it supports {', '.join(caps.kv_dtypes)})"
+        if not caps.paged and point.params["block_size"] != point.params["min_block_size"]:
+            return "block size does not apply: the engine's cache is not paged"
+        return None
+
+    def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if caps.paged:
+            out["block_size"] = point.params["block_size"]
+        if caps.contiguous_layout:
+            out["kv_layout"] = point.params["kv_layout"]
+        if point.params["kv_dtype"] != "auto" or len(caps.kv_dtypes) > 1:
+            out["kv_dtype"] = point.params["kv_dtype"]
+        return out
+
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
+        cfg: KVMemoryConfig = ctx.extra["workload_cfg"]
+        dist, _ = parse_length(cfg.prompt_len, "workload.prompt_len")
+        rng = np.random.default_rng(seed_for(ctx.seed, f"{point.key}/lengths"))
+        lens = dist.sample(cfg.num_sequences, rng)  # type: ignore[union-attr]
+        prompts = [ctx.prompts(1, n, f"{point.key}/p{i}")[0] for i, n in enumerate(lens)]
+        pre = engine.prefill(prompts)
+        dec = engine.decode(cfg.output_len - 1) if cfg.output_len > 1 else None
+        info = engine.kv_cache_info()
+        engine.release()
+        stored_expected = sum(lens) + len(lens) * (cfg.output_len - 1)
+        kv_dtype = info.kv_dtype or canonical_kv_dtype(
+            {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[ctx.dtype])
+        waste = None
+        if info.slots_allocated:
+            waste = 1 - (info.tokens_stored or 0) / info.slots_allocated
+        return {
+            "kv_layout": point.params["kv_layout"], "kv_dtype": kv_dtype,
+            "block_size": info.block_size, "kv_paged": info.block_size is not None,
+            "num_sequences": cfg.num_sequences, "prompt_lens": lens, "output_len": cfg.output_len,
+            "kv_pool_bytes": info.pool_bytes, "kv_bytes_per_token": info.bytes_per_token,
+            "kv_est_bytes_per_token": bytes_per_token(ctx.shape, kv_dtype),
+            "tokens_stored": info.tokens_stored, "tokens_expected": stored_expected,
+            "slots_allocated": info.slots_allocated, "kv_waste_frac": waste,
+            "kv_blocks_in_use": info.blocks_in_use, "kv_num_blocks": info.num_blocks,
+            "kv_cache_bytes": info.pool_bytes,
+            "prefill_latency_s": pre.latency_s,
+            "decode_step_latency_s": float(np.median(dec.step_latencies_s)) if dec else None,
+            "kv_info": info.to_dict(),
+        }
