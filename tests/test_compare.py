@@ -1,0 +1,137 @@
+"""The regression check: statistics on synthetic samples with known effects, and the CLI contract.
+
+Rows here are synthetic (hand-made results rows with drawn samples), used to test our own
+comparison logic; the real end-to-end checks live in test_compare_e2e.py."""
+
+import json
+
+import numpy as np
+import pytest
+
+from harness.compare import compare, compare_metric, run, verdict
+from harness.results import SCHEMA_VERSION
+
+N_PAIRS = 200
+
+
+def samples(rng, mean, n=10, cv=0.05):
+    return list(rng.normal(mean, mean * cv, n))
+
+
+def test_no_false_alarms_on_identical_distributions():
+    flagged = 0
+    for seed in range(N_PAIRS):
+        rng = np.random.default_rng(seed)
+        b = {"decode_step_latency_s_samples": samples(rng, 1.0)}
+        c = {"decode_step_latency_s_samples": samples(rng, 1.0)}
+        _, lo, hi, _ = compare_metric(b, c, "decode_step_latency_s", 0.05, 0.95, seed=seed)
+        flagged += verdict(lo, hi, "lower", 0.05) != "unchanged"
+    assert flagged == 0
+
+
+def test_false_positive_rate_at_stated_confidence_without_threshold():
+    # with no threshold, a 95% two-sided interval excludes 1 on the bad side ~2.5% of the time
+    regressed = 0
+    for seed in range(N_PAIRS):
+        rng = np.random.default_rng(1000 + seed)
+        b = {"prefill_latency_s_samples": samples(rng, 1.0, n=30)}
+        c = {"prefill_latency_s_samples": samples(rng, 1.0, n=30)}
+        _, lo, hi, _ = compare_metric(b, c, "prefill_latency_s", 0.0, 0.95, seed=seed)
+        regressed += verdict(lo, hi, "lower", 0.0) == "regressed"
+    assert regressed / N_PAIRS <= 0.06
+
+
+@pytest.mark.parametrize("metric,factor,better", [
+    ("decode_step_latency_s", 1.2, "lower"),  # 20% slower
+    ("output_tok_s", 1.25, "higher"),  # e2e 25% longer = 20% less throughput
+])
+def test_twenty_percent_shift_always_flagged(metric, factor, better):
+    field = "e2e_latency_s_samples" if metric == "output_tok_s" else f"{metric}_samples"
+    for seed in range(N_PAIRS):
+        rng = np.random.default_rng(seed)
+        b = {field: samples(rng, 1.0)}
+        c = {field: samples(rng, factor)}
+        ratio, lo, hi, _ = compare_metric(b, c, metric, 0.05, 0.95, seed=seed)
+        assert verdict(lo, hi, better, 0.05) == "regressed", (seed, ratio, lo, hi)
+
+
+def test_improvement_flagged_as_improved():
+    rng = np.random.default_rng(3)
+    b = {"ttft_s_samples": samples(rng, 1.0)}
+    c = {"ttft_s_samples": samples(rng, 0.7)}
+    _, lo, hi, _ = compare_metric(b, c, "ttft_s", 0.05, 0.95)
+    assert verdict(lo, hi, "lower", 0.05) == "improved"
+
+
+def row(engine, prompt_len, mean, rng, status="ok", version=SCHEMA_VERSION, n=12):
+    lat = samples(rng, mean, n)
+    return {"schema_version": version, "engine": engine, "model": "tiny", "workload": "sweep",
+            "point_key": f'sweep:{{"prompt_len":{prompt_len}}}', "dtype": "float32", "status": status,
+            "error": None if status == "ok" else "boom",
+            "prefill_latency_s": float(np.median(lat)), "prefill_latency_s_samples": lat,
+            "decode_step_latency_s": float(np.median(lat)), "decode_step_latency_s_samples": lat,
+            "e2e_latency_s_samples": lat, "output_tok_s": 1 / float(np.median(lat)),
+            "peak_memory_bytes": 1000}
+
+
+def test_normalize_by_cancels_a_machine_wide_slowdown():
+    rng = np.random.default_rng(7)
+    # the current machine is 2x slower for every engine: raw says regressed, normalised says unchanged
+    base = [row("reference", 64, 1.0, rng), row("hf", 64, 2.0, rng)]
+    cur = [row("reference", 64, 2.0, rng), row("hf", 64, 4.0, rng)]
+    raw, _ = compare(base, cur, ["prefill_latency_s"], 0.05)
+    assert {c.verdict for c in raw} == {"regressed"}
+    norm, _ = compare(base, cur, ["prefill_latency_s"], 0.05, normalize_by="hf")
+    assert [(c.engine, c.verdict) for c in norm] == [("reference", "unchanged")]
+    # a real 30% slowdown of one engine still shows through the normalisation
+    cur2 = [row("reference", 64, 2.6, rng), row("hf", 64, 4.0, rng)]
+    norm2, _ = compare(base, cur2, ["prefill_latency_s"], 0.05, normalize_by="hf")
+    assert norm2[0].verdict == "regressed" and norm2[0].ratio == pytest.approx(1.3, rel=0.08)
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_cli_exit_codes_and_outputs(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng), row("reference", 128, 1.0, rng)])
+    same = write(tmp_path / "same.jsonl", [row("reference", 64, 1.0, rng), row("reference", 256, 1.0, rng)])
+    slow = write(tmp_path / "slow.jsonl", [row("reference", 64, 1.3, rng)])
+    out = tmp_path / "v.json"
+    assert run(["--baseline", b, "--current", same, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "unmatched (baseline only)" in text and "unmatched (current only)" in text and "128" in text
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "unchanged" and "bootstrap" in doc["method"] and doc["unmatched"]["baseline_only"]
+    assert run(["--baseline", b, "--current", slow, "--json", str(out), "--threshold", "5%"]) == 1
+    assert json.loads(out.read_text())["verdict"] == "regressed"
+    assert "REGRESSED" in capsys.readouterr().out
+
+
+def test_failed_point_is_a_regression(tmp_path):
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng)])
+    c = write(tmp_path / "c.jsonl", [row("reference", 64, 1.0, rng, status="failed")])
+    assert run(["--baseline", b, "--current", c, "--json", str(tmp_path / "v.json")]) == 1
+
+
+@pytest.mark.parametrize("case", ["missing", "version", "nomatch", "threshold", "normalize"])
+def test_cli_unusable_input_exit_2(tmp_path, case, capsys):
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng)])
+    args = {
+        "missing": ["--baseline", b, "--current", str(tmp_path / "nope.jsonl")],
+        "version": ["--baseline", b, "--current",
+                    write(tmp_path / "old.jsonl", [row("reference", 64, 1.0, rng, version=0)])],
+        "nomatch": ["--baseline", b, "--current", write(tmp_path / "o.jsonl", [row("hf", 32, 1.0, rng)])],
+        "threshold": ["--baseline", b, "--current", b, "--threshold", "lots"],
+        "normalize": ["--baseline", b, "--current", b, "--normalize-by", "vllm"],
+    }[case]
+    with pytest.raises(SystemExit) as e:
+        from harness.compare import main
+        main(args + ["--json", str(tmp_path / "v.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("infer-bench-compare: error:") and "Traceback" not in err
