@@ -42,6 +42,7 @@ METRICS: list[Metric] = [
     Metric("ttft_s", "TTFT", "ms", 1e3),
     Metric("tpot_s", "TPOT", "ms", 1e3),
     Metric("itl_s", "ITL", "ms", 1e3),
+    Metric("e2el_s", "E2EL", "ms", 1e3),
     Metric("peak_memory_bytes", "peak memory", "MiB", 1 / 2**20, sampled=False),
 ]
 DEFAULT_TOLERANCE = 0.05

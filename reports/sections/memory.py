@@ -154,7 +154,9 @@ def kv_figure(df: pd.DataFrame, colours: dict[str, str]) -> go.Figure:
                               f"KV tokens: %{{x}}<br>{what}: %{{y:.6~g}} MiB<extra></extra>"))
     vals = pd.concat([pd.to_numeric(df[c], errors="coerce") for c in ("kv_cache_bytes", "kv_used_bytes", "kv_est_bytes")]).dropna()
     vals = vals[vals > 0]
-    log = bool(len(vals)) and vals.max() / vals.min() > 100
-    fig.update_xaxes(title_text="KV tokens held: batch × (prompt + output − 1)", type="log" if log else None)
-    fig.update_yaxes(title_text="KV cache (MiB)", type="log" if log else None)
+    log_y = bool(len(vals)) and vals.max() / vals.min() > 100     # a pre-allocated pool dwarfs the rest
+    toks = pd.to_numeric(df["kv_tokens"], errors="coerce").dropna()
+    log_x = bool(len(toks)) and toks.min() > 0 and toks.max() / toks.min() > 100
+    fig.update_xaxes(title_text="KV tokens held: batch × (prompt + output − 1)", type="log" if log_x else None)
+    fig.update_yaxes(title_text="KV cache (MiB)", type="log" if log_y else None, dtick=1 if log_y else None)
     return base_layout(fig, height=420, title="KV cache: measured vs estimated")

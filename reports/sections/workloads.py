@@ -8,11 +8,11 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from reports.blocks import Block, Figure
+from reports.blocks import Block, Figure, Note, fmt_num
 from reports.data import ReportData
 from reports.figures import bars, base_layout, esc, facet_lines, series_styles
 from reports.sections import section
-from reports.sections.common import MS, Col, column, has, int_columns, point_label, values_table
+from reports.sections.common import MIB, MS, Col, column, has, int_columns, point_label, values_table, varying_labels
 
 PERCENTILE_KEYS = ("p50", "p90", "p99")
 CDF_MAX_POINTS = 400
@@ -120,7 +120,7 @@ def prefix_sharing(data: ReportData) -> list[Block]:
 
 # ---- serving ---------------------------------------------------------------------------------
 
-SERVING_METRICS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL")]
+SERVING_METRICS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2el_s", "E2EL")]
 
 
 def serving_frame(rows: pd.DataFrame) -> pd.DataFrame:
@@ -207,11 +207,12 @@ def kv_memory_frame(rows: pd.DataFrame) -> pd.DataFrame:
     df = _rows(rows, None, "kv_layout", "slots_allocated", "tokens_stored")
     if df.empty:
         return df
-    df["point_label"] = column(df, "point").map(point_label)
+    df["point_label"] = varying_labels(list(column(df, "point")), skip=("kv_layout",))
     df["where"] = df["kv_layout"].astype(str) + " · " + df["point_label"]
     alloc = pd.to_numeric(df["slots_allocated"], errors="coerce")
     df["waste"] = (1 - pd.to_numeric(df["tokens_stored"], errors="coerce") / alloc).where(alloc > 0)
-    keep = ["engine", "series", "kv_layout", "point_label", "where", "slots_allocated", "tokens_stored", "waste"]
+    keep = ["engine", "series", "kv_layout", "point_label", "where", "slots_allocated", "tokens_stored", "waste",
+            "kv_bytes_per_token", "kv_est_bytes_per_token", "kv_pool_bytes"]
     return pd.DataFrame({k: column(df, k) for k in keep}).reset_index(drop=True)
 
 
@@ -234,7 +235,10 @@ def kv_fragmentation(data: ReportData) -> list[Block]:
     fig.update_yaxes(title_text="KV token slots")
     table = values_table(df, [Col("engine", "series", text=True), Col("layout", "kv_layout", text=True),
                               Col("point", "point_label", text=True), Col("slots allocated", "slots_allocated"),
-                              Col("tokens stored", "tokens_stored"), Col("waste %", "waste", 100, None, "lower")],
+                              Col("tokens stored", "tokens_stored"), Col("waste %", "waste", 100, None, "lower"),
+                              Col("bytes/token (engine)", "kv_bytes_per_token"),
+                              Col("bytes/token (estimate)", "kv_est_bytes_per_token"),
+                              Col("pool MiB", "kv_pool_bytes", MIB)],
                          "kv-fragmentation-values", group="point_label")
     return [Figure(base_layout(fig, height=420), "kv-fragmentation",
                    "Pale bar: slots allocated; solid bar: tokens stored in them.", table)]
@@ -253,7 +257,8 @@ def roofline_frame(rows: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     df["point_label"] = column(df, "point").map(point_label)
-    keep = ["engine", "series", "workload", "point_label", "batch_size", "prompt_len", *fields]
+    keep = ["engine", "series", "workload", "point_label", "batch_size", "prompt_len", *fields,
+            "roofline_mem_bw_bytes_s", "roofline_matmul_flops"]
     return pd.DataFrame({k: column(df, k) for k in keep}).reset_index(drop=True)
 
 
@@ -270,10 +275,11 @@ def roofline(data: ReportData) -> list[Block]:
         d = df.dropna(subset=[field]) if field in df.columns else pd.DataFrame()
         if d.empty:
             continue
-        if has(d, x):
+        if (d["workload"] == "sweep").any():      # lines over the sweep's grid; other workloads: the table
+            d = d[d["workload"] == "sweep"]
             fig = facet_lines(d, x=x, y=field, facet=_facet(d, facet), colours=data.colours,
-                              facet_label=lambda v, f=facet: f"{f.replace('_', ' ')} {v}",
-                              x_title=x.replace("_", " ") + (" (tokens)" if x == "prompt_len" else ""),
+                              facet_label=lambda v, f=facet: f"{'prompt length' if f == 'prompt_len' else 'batch size'} {v}",
+                              x_title="prompt length (tokens)" if x == "prompt_len" else "batch size",
                               y_title=f"{what} (%)", scale=100)
         else:
             fig = bars(d, x="point_label", y=field, colours=data.colours, x_title="point",
@@ -284,6 +290,12 @@ def roofline(data: ReportData) -> list[Block]:
                                                           ("prefill_compute_fraction", "prefill % of compute")) if has(df, f)]
     if blocks:
         blocks[-1].table = values_table(df, cols, "roofline-values", group="point_label")
+    bw, flops = column(df, "roofline_mem_bw_bytes_s").dropna(), column(df, "roofline_matmul_flops").dropna()
+    if len(bw) or len(flops):
+        blocks.insert(0, Note("Ceilings measured on this machine: "
+                              + ", ".join(([f"memory bandwidth {fmt_num(bw.iloc[0] / 1e9)} GB/s"] if len(bw) else [])
+                                          + ([f"matrix multiply {fmt_num(flops.iloc[0] / 1e9)} GFLOP/s"] if len(flops) else []))
+                              + "."))
     return blocks
 
 
@@ -295,7 +307,7 @@ def parity_frame(rows: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     df["point_label"] = column(df, "point").map(point_label)
-    keep = ["engine", "series", "status", "point_label", "agreement", "first_divergence"]
+    keep = ["engine", "series", "status", "point_label", "agreement", "first_divergence", "parity_baseline"]
     return pd.DataFrame({k: column(df, k) for k in keep}).reset_index(drop=True)
 
 
@@ -308,6 +320,7 @@ def parity(data: ReportData) -> list[Block]:
     fig = bars(df, x="point_label", y="agreement", colours=data.colours, x_title="point",
                y_title="token agreement with the reference (%)", scale=100)
     table = values_table(df, [Col("engine", "series", text=True), Col("point", "point_label", text=True),
+                              Col("compared with", "parity_baseline", text=True),
                               Col("agreement %", "agreement", 100, None, "higher"),
                               Col("first divergence (token index)", "first_divergence"),
                               Col("status", "status", text=True)], "parity-values")

@@ -1,0 +1,211 @@
+"""Real-browser tests of the report: headless Chromium (Debian's chromium + chromedriver) driven
+by selenium. A small real run's report must load without console errors, draw every expected
+figure and show the results file's numbers in its summary; a page of FAKE rows exercises every
+section; a results file carrying script/HTML payloads must run nothing. Screenshots go to
+test-artifacts/ (git-ignored)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reports import browser, write_report
+from reports.blocks import fmt_num
+from test_report_fakes import other_workload_rows, status_row, sweep_rows, write_results
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts"
+MS, MIB = 1e3, 1 / 2**20
+# the summary table's columns: header -> (row field, display scale); written here, not imported,
+# so a wrong column in the report fails this test
+SUMMARY_FIELDS = {
+    "prefill latency ms [95% CI]": ("prefill_latency_s", MS),
+    "prefill tok/s [95% CI]": ("prefill_tok_s", 1),
+    "decode step ms [95% CI]": ("decode_step_latency_s", MS),
+    "decode tok/s [95% CI]": ("decode_tok_s", 1),
+    "end-to-end ms [95% CI]": ("e2e_latency_s", MS),
+    "output tok/s [95% CI]": ("output_tok_s", 1),
+    "peak memory MiB": ("peak_memory_bytes", MIB),
+    "repeats": ("repeats", 1),
+}
+# script, an event handler, and the tags Plotly itself renders in figure text (bold, links)
+PAYLOAD = ('<script>window.__pwned = "script"; document.title = "pwned"</script>'
+           '<img src=x onerror="window.__pwned = \'img\'; document.title = \'pwned\'">'
+           '<b>bold</b><a href="javascript:window.__pwned=\'link\'">link</a>')
+
+
+@pytest.fixture(scope="module")
+def driver():
+    why = browser.missing()
+    if why:
+        pytest.skip(f"no headless browser: {why}")
+    d = browser.chromium(1400, 1000)
+    yield d
+    d.quit()
+
+
+def console_errors(driver: Any) -> list[dict[str, Any]]:
+    return [e for e in driver.get_log("browser") if e.get("level") in ("SEVERE", "ERROR")]
+
+
+def drawn_figures(driver: Any) -> list[dict[str, Any]]:
+    """Every Plotly figure on the page: its name, trace count and drawn SVG traces."""
+    return driver.execute_script("""
+        return Array.from(document.querySelectorAll('figure[data-figure]')).map(f => {
+            const el = f.querySelector('.js-plotly-plot');
+            return {name: f.dataset.figure, plotted: !!el,
+                    traces: el && el.data ? el.data.length : 0,
+                    drawn: el ? el.querySelectorAll('.scatterlayer .trace, .barlayer .trace, .heatmaplayer .hm').length : 0};
+        });""")
+
+
+def table(driver: Any, name: str) -> dict[str, Any]:
+    return driver.execute_script("""
+        const t = document.querySelector('table[data-table="' + arguments[0] + '"]');
+        if (!t) return null;
+        return {headers: Array.from(t.querySelectorAll('thead th')).map(th => th.textContent.trim()),
+                rows: Array.from(t.querySelectorAll('tbody tr')).map(tr => Array.from(tr.cells).map(td =>
+                    ({text: td.textContent.trim(), value: td.dataset.value === undefined ? null : td.dataset.value})))};
+        """, name)
+
+
+def save_screenshots(driver: Any, stem: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.set_window_size(1400, 1000)
+    driver.execute_script("window.scrollTo(0, 0)")
+    driver.save_screenshot(str(ARTIFACTS / f"{stem}-top.png"))
+    height = driver.execute_script("return document.body.scrollHeight")
+    driver.set_window_size(1400, min(int(height) + 40, 16000))
+    driver.save_screenshot(str(ARTIFACTS / f"{stem}-full.png"))
+    driver.set_window_size(1400, 1000)
+
+
+# ---- a small real run ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("report-run") / "run"
+    cmd = [sys.executable, "-m", "harness.cli", "engines=[hf]", "workload.batch_sizes=[1,2]",
+           "workload.prompt_lens=[16,32]", "workload.output_len=4", "workload.warmup=1",
+           "workload.min_repeats=3", "workload.min_duration_s=0", f"model_cache_dir={model_cache}",
+           f"hydra.run.dir={out}"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, p.stdout
+
+
+def test_real_run_report_in_chromium(driver: Any, real_run: tuple[Path, str]) -> None:
+    run, stdout = real_run
+    report = run / "report.html"
+    assert f"report: {report}" in stdout          # the run ends by printing the report's path
+    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
+    sweep = [r for r in rows if r["workload"] == "sweep" and r["status"] == "ok"]
+    assert len(sweep) == 4
+
+    browser.open_report(driver, report)
+    assert console_errors(driver) == []
+    figs = drawn_figures(driver)
+    names = [f["name"] for f in figs]
+    expected = ["prefill-latency", "prefill-throughput", "decode-latency", "decode-throughput",
+                "decode-heatmap", "memory-peak", "memory-kv", "memory-timeline"]
+    if any(r.get("decode_bw_fraction") is not None for r in rows):
+        expected.append("roofline-decode")
+    if any(r.get("prefill_compute_fraction") is not None for r in rows):
+        expected.append("roofline-prefill")
+    if any(r["workload"] == "parity" and r.get("agreement") is not None for r in rows):
+        expected.append("parity")
+    assert names == expected
+    for f in figs:
+        assert f["plotted"] and f["traces"] > 0 and f["drawn"] > 0, f
+    sections = driver.execute_script("return Array.from(document.querySelectorAll('section')).map(s => s.id)")
+    assert sections[:5] == ["run", "summary", "prefill", "decode", "memory"] and sections[-1] == "definitions"
+
+    summary = table(driver, "summary-points")
+    assert summary is not None and summary["headers"][:2] == ["point", "engine"]
+    assert len(summary["rows"]) == len(sweep)
+    by_key = {(cells[0]["text"], cells[1]["text"]): cells for cells in summary["rows"]}
+    for r in sweep:
+        label = f"batch {r['batch_size']} · prompt {r['prompt_len']} · out {r['output_len']}"
+        cells = by_key[(label, r["engine"])]
+        for header, cell in zip(summary["headers"], cells):
+            if header not in SUMMARY_FIELDS:
+                continue
+            field, scale = SUMMARY_FIELDS[header]
+            assert float(cell["value"]) == r[field], (header, cell, r[field])
+            shown = r[field] if scale == 1 else r[field] * scale
+            assert cell["text"].lstrip("★ ").startswith(fmt_num(shown)), (header, cell["text"])
+    facts = driver.execute_script("return document.querySelector('[data-facts=\"run-facts\"]').innerText")
+    env = json.loads((run / "environment.json").read_text())
+    assert env["git"]["commit"] and env["git"]["commit"] in facts
+    save_screenshots(driver, "report-real-run")
+
+
+# ---- every section, from FAKE rows -----------------------------------------------------------
+
+def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
+    rows = (sweep_rows({"hf": 1.0, "reference": 1.6}, decode_bw_fraction=0.3, prefill_compute_fraction=0.2)
+            + other_workload_rows()
+            + [status_row("vllm", "unavailable", "vllm is not installed"),
+               status_row("hf", "failed", "out of memory", point={"batch_size": 64})])
+    write_results(tmp_path / "cur", rows)
+    write_results(tmp_path / "base", sweep_rows({"hf": 1.2, "reference": 1.5}))
+    report = write_report([tmp_path / "cur"], tmp_path / "fake-report.html", baseline=[tmp_path / "base"])
+    browser.open_report(driver, report)
+    assert console_errors(driver) == []
+    sections = driver.execute_script("return Array.from(document.querySelectorAll('section')).map(s => s.id)")
+    assert sections == ["run", "summary", "baseline", "prefill", "decode", "memory", "kv-ablation", "prefix-sharing",
+                        "serving", "kv-fragmentation", "roofline", "parity", "definitions"]
+    figs = drawn_figures(driver)
+    assert len(figs) >= 20
+    for f in figs:
+        assert f["plotted"] and f["traces"] > 0 and f["drawn"] > 0, f
+    failures = table(driver, "failures")
+    assert [c[1]["text"] for c in failures["rows"]] == ["unavailable", "failed"]
+    regressions = driver.execute_script("return document.querySelectorAll('table[data-table=\"comparison\"] tr.bad').length")
+    assert regressions > 0                           # hf got slower than its baseline: highlighted
+    # the memory timeline's selector switches the point shown
+    switched = driver.execute_script("""
+        const el = document.querySelector('figure[data-figure="memory-timeline"] .js-plotly-plot');
+        const before = el.layout.title.text;
+        return Plotly.update(el, {visible: el.data.map((t, i) => i >= el.data.length - 2)},
+                             {'title.text': 'switched'}).then(() => [before, el.layout.title.text]);""")
+    assert switched[1] == "switched" and switched[0].startswith("Memory timeline: batch 4")
+    save_screenshots(driver, "report-fake-all-sections")
+
+
+# ---- injection -------------------------------------------------------------------------------
+
+def test_payloads_in_results_run_nothing(driver: Any, tmp_path: Path) -> None:
+    rows = (sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(16,), model=PAYLOAD, engine_options={"o": PAYLOAD})
+            + sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(16,), model=PAYLOAD, engine_options={"o": "plain"})
+            + sweep_rows({"eng" + PAYLOAD: 1.2}, batches=(1, 2), prompts=(16,))
+            + [status_row("hf", "failed", "RuntimeError: " + PAYLOAD, point={"batch_size": 8, "note": PAYLOAD}),
+               status_row("vllm" + PAYLOAD, "unavailable", PAYLOAD)])
+    env = {"hostname": PAYLOAD, "argv": ["infer-bench", PAYLOAD], "git": {"commit": PAYLOAD}}
+    write_results(tmp_path / "evil", rows, env=env, config=f"model:\n  name: '{PAYLOAD}'\n")
+    report = write_report([tmp_path / "evil"], tmp_path / "evil.html")
+    browser.open_report(driver, report)
+    assert driver.execute_script("return window.__pwned === undefined")
+    assert driver.title != "pwned" and "<script>" in driver.title    # the title shows the text
+    assert console_errors(driver) == []                             # an <img src=x> would have logged
+    assert driver.execute_script("return document.querySelectorAll('img').length") == 0
+    n_fig = driver.execute_script("return document.querySelectorAll('script.fig-data').length")
+    assert driver.execute_script("return document.querySelectorAll('script').length") == n_fig + 2
+    text = driver.execute_script("return document.body.innerText")
+    assert "RuntimeError: " + PAYLOAD in text                       # the error is shown, as text
+    assert ("name: '" + PAYLOAD + "'") in driver.execute_script(
+        "return document.querySelector('details.pre pre').textContent")
+    legend = driver.execute_script(
+        "return Array.from(document.querySelectorAll('.legendtext')).map(e => e.textContent).join('\\n')")
+    assert "eng" + PAYLOAD in legend and "o=" + PAYLOAD in legend   # Plotly shows the names as text
+    for f in drawn_figures(driver):
+        assert f["drawn"] > 0, f
+    assert driver.execute_script("return window.__pwned === undefined")
+    save_screenshots(driver, "report-injection")
