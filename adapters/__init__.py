@@ -12,6 +12,8 @@ from adapters.base import Engine
 # name -> "module:Class". Order is the order engines run in and are shown in.
 REGISTRY: dict[str, str] = {
     "hf": "adapters.hf:HFEngine",
+    "vllm": "adapters.vllm:VLLMEngine",
+    "trtllm": "adapters.trtllm:TRTLLMEngine",
 }
 
 

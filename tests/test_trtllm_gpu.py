@@ -1,0 +1,66 @@
+"""The TensorRT-LLM adapter against the real engine: only where TensorRT-LLM and an NVIDIA GPU
+exist (skipped elsewhere with the reason). One engine start for the module."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.base import ModelSpec, Request, now_ns
+from adapters.trtllm import TRTLLMEngine
+
+_REASON = TRTLLMEngine.unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"TensorRT-LLM cannot run here: {_REASON}")]
+
+PROMPTS = [[5 + (7 * i) % 4000 for i in range(40)], [20 + (11 * i) % 4000 for i in range(17)],
+           [100 + (13 * i) % 3900 for i in range(64)]]
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    e = TRTLLMEngine()
+    e.load_info = e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", device="cuda",
+                                   max_model_len=256), {"free_gpu_memory_fraction": 0.2})
+    yield e
+    e.close()
+
+
+def test_prefill_decode_timings_and_counts(engine):
+    pre = engine.prefill(PROMPTS)
+    dec = engine.decode(STEPS - 1)
+    kv = engine.kv_cache_info()
+    engine.release()
+    assert pre.latency_s > 0 and len(pre.first_tokens) == len(PROMPTS)
+    assert len(dec.steps) == STEPS - 1
+    assert all(s.num_tokens == len(PROMPTS) and s.end_ns >= s.start_ns for s in dec.steps)
+    assert all(len(row) == len(PROMPTS) for row in dec.tokens)
+    assert kv.num_blocks and kv.block_size == 32 and kv.pool_bytes == kv.num_blocks * kv.bytes_per_block
+
+
+def test_serve_events(engine):
+    reqs = [Request(f"q{i}", PROMPTS[i], 5, arrival_s=0.02 * i) for i in range(3)]
+    t0 = now_ns()
+    events = list(engine.serve(reqs, t0))
+    assert len(events) == 15
+    for r in reqs:
+        mine = [e for e in events if e.request_id == r.request_id]
+        assert [e.index for e in mine] == list(range(5)) and mine[-1].finished
+        assert mine[0].time_ns >= t0 + int(r.arrival_s * 1e9)
+
+
+def test_bf16_agreement_with_transformers_is_reported(engine, tiny_ckpt):
+    from adapters.hf import HFEngine
+    pre = engine.prefill(PROMPTS[:1])
+    dec = engine.decode(STEPS - 1)
+    engine.release()
+    ours = [pre.first_tokens[0]] + [row[0] for row in dec.tokens]
+    hf = HFEngine()
+    hf.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", device="cuda"), {})
+    try:
+        p2 = hf.prefill(PROMPTS[:1])
+        d2 = hf.decode(STEPS - 1)
+    finally:
+        hf.close()
+    theirs = [p2.first_tokens[0]] + [row[0] for row in d2.tokens]
+    same = sum(a == b for a, b in zip(ours, theirs))
+    print(f"TensorRT-LLM bf16 vs transformers bf16: {same}/{STEPS} tokens agree")
