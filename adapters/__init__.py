@@ -11,6 +11,7 @@ from adapters.base import Engine
 
 # name -> "module:Class". Order is the order engines run in and are shown in.
 REGISTRY: dict[str, str] = {
+    "reference": "adapters.reference.engine:ReferenceEngine",
     "hf": "adapters.hf:HFEngine",
     "vllm": "adapters.vllm:VLLMEngine",
     "trtllm": "adapters.trtllm:TRTLLMEngine",

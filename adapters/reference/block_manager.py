@@ -1,0 +1,170 @@
+"""Who owns which block of the KV pool, and which blocks hold a prefix worth reusing.
+
+Every block has a reference count: the number of sequences whose block table lists it. A block
+with no owner is either *free* (nothing worth keeping) or *evictable*: it still holds a full
+block of some earlier sequence, registered in the prefix cache under a chained hash
+
+    hash(block i) = H(hash(block i - 1), token ids of block i)
+
+so equal hashes mean equal prefixes (and the stored token ids guard against a collision). A new
+sequence looks its prompt up block by block and shares the blocks it finds (their reference
+count goes up); it computes only the rest. Evictable blocks are reused, least recently
+released first, only when no free block is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """The identity of a full block: its tokens and, through `parent`, every token before it."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set while the block is registered in the prefix cache
+    token_ids: tuple[int, ...] = ()  # its tokens, compared on every hit (collision guard)
+
+
+@dataclass
+class BlockStats:
+    peak_used: int = 0
+    prefix_queries: int = 0  # full prompt blocks looked up
+    prefix_hits: int = 0  # of which found in the cache
+    evictions: int = 0
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    prefix_caching: bool
+    stats: BlockStats = field(default_factory=BlockStats)
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.free: deque[int] = deque(range(self.num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self.cached: dict[bytes, int] = {}  # chained hash -> block id
+
+    # ---- counts -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def match_prefix(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """Cached blocks holding the longest prefix of `tokens` (whole blocks, at most
+        `max_tokens` tokens). Only looks; `admit` takes them."""
+        if not self.prefix_caching:
+            return []
+        bs, found, parent = self.block_size, [], None
+        for i in range(max_tokens // bs):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, block_tokens)
+            block_id = self.cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens:
+                break
+            found.append(block_id)
+        return found
+
+    def can_admit(self, hits: list[int], num_tokens: int) -> bool:
+        """Whether a sequence sharing `hits` can get blocks for its first `num_tokens` tokens.
+        Hit blocks that sit in the evictable list stop being available to others."""
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.blocks_for(num_tokens) - len(hits) <= self.num_free - revived
+
+    def admit(self, seq, hits: list[int], num_prompt_blocks: int) -> None:
+        """Give `seq` the shared blocks `hits`; count the lookup."""
+        for b in hits:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self.evictable[b]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.block_hashes = [self.blocks[b].hash for b in hits]
+        seq.num_computed = len(hits) * self.block_size
+        if self.prefix_caching:
+            self.stats.prefix_queries += num_prompt_blocks
+            self.stats.prefix_hits += len(hits)
+        self._note_peak()
+
+    def register_full_blocks(self, seq) -> None:
+        """Publish the blocks of `seq` that are full and computed, so later prompts can share them."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed // bs:
+            i = len(seq.block_hashes)
+            tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if i else None, tokens)
+            if h not in self.cached:  # else an identical block is already registered: keep that one
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.token_ids = h, tokens
+                self.cached[h] = block.block_id
+            seq.block_hashes.append(h)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.cached.clear()
+        self.free.extend(self.evictable)
+        self.evictable.clear()
+
+    # ---- allocation ---------------------------------------------------------------------
+    def grow(self, seq, num_tokens: int) -> bool:
+        """Make `seq`'s block table cover `num_tokens` slots. False (and nothing taken) when
+        there are not enough free blocks."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_free:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take())
+        self._note_peak()
+        return True
+
+    def free_sequence(self, seq) -> None:
+        """Drop `seq`'s references. Its last blocks are released first, so that they are also
+        evicted first: a prefix's head is shared more often than its tail."""
+        for b in reversed(seq.block_table):
+            block = self.blocks[b]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {b} released more often than taken"
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+        seq.block_table, seq.block_hashes = [], []
+
+    def _take(self) -> int:
+        if self.free:
+            b = self.free.popleft()
+        else:  # no free block left: evict the least recently released cached one
+            b, _ = self.evictable.popitem(last=False)
+            block = self.blocks[b]
+            if self.cached.get(block.hash) == b:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+            self.stats.evictions += 1
+        self.blocks[b].ref_count = 1
+        return b
+
+    def _note_peak(self) -> None:
+        self.stats.peak_used = max(self.stats.peak_used, self.num_used)

@@ -1,0 +1,293 @@
+"""The reference engine behind the harness's `Engine` interface.
+
+    load()            model weights, then the KV pool sized from the memory budget
+    prefill()/decode()  a fixed batch, driven through the same scheduler as serve()
+    serve()           continuous batching: requests join at their scheduled arrival, and leave
+                      (freeing their blocks) the step they produce their last token
+    kv_cache_info()   pool, blocks, fragmentation, prefix-cache and preemption counters
+
+Options: see config.py (and conf/engine/reference.yaml).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapters.base import (
+    Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
+    StepTiming, TokenEvent, now_ns, wait_until,
+)
+from adapters.reference.block_manager import BlockManager
+from adapters.reference.config import CPU_DEFAULT_KV_BYTES, KV_DTYPES, OPTIONS, EngineConfig, parse_options
+from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
+from adapters.reference.model import Model, ModelConfig
+from adapters.reference.runner import ModelRunner, Sampled
+from adapters.reference.scheduler import Scheduler, Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _budget_problem(cfg: EngineConfig, bpt: int, max_model_len: int, budget: int) -> str | None:
+    """Why a pool of `budget` bytes cannot hold one sequence of `max_model_len` tokens, or None."""
+    block = max_model_len if cfg.contiguous else cfg.block_size
+    need = -(-max_model_len // block) * block * bpt
+    if budget >= need:
+        return None
+    return (f"engine_options.reference.kv_cache_bytes={budget}: the KV pool must hold at least one "
+            f"sequence of max_model_len={max_model_len} tokens, {need} bytes at {bpt} bytes per token. "
+            f"Give kv_cache_bytes >= {need} (or null for the default).")
+
+
+class ReferenceEngine(Engine):
+    name = "reference"
+
+    @classmethod
+    def version(cls) -> str | None:
+        from harness import __version__
+        return f"{__version__} (torch {torch.__version__})"
+
+    @classmethod
+    def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
+        cfg, _ = parse_options(options)
+        paged = cfg.use_cache and not cfg.contiguous  # block size and prefix sharing apply
+        return Capabilities(kv_dtypes=KV_DTYPES, prefix_caching=paged, chunked_prefill=cfg.use_cache,
+                            no_cache_mode=True, contiguous_layout=True, continuous_batching=True,
+                            paged=paged, logits=True, options=OPTIONS)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
+        cfg, problems = parse_options(options)
+        why = check_kv_dtype(cfg.kv_dtype, torch.device(model.device))
+        if why:
+            problems.append(f"engine_options.reference.kv_dtype={cfg.kv_dtype}: {why}. "
+                            "Use kv_dtype=int8 or auto.")
+        if cfg.kv_cache_bytes is not None and cfg.use_cache and not problems:
+            shape = _shape_of(model)
+            if shape is not None:
+                bpt = bytes_per_token(shape.num_hidden_layers, shape.num_key_value_heads, shape.head_dim,
+                                      cfg.kv_dtype, _DTYPES[model.dtype])
+                why = _budget_problem(cfg, bpt, max(model.max_model_len, 1), cfg.kv_cache_bytes)
+                problems += [why] if why else []
+        return problems
+
+    def __init__(self) -> None:
+        self.model: Model | None = None
+        self.pool: KVPool | None = None
+        self.blocks: BlockManager | None = None
+        self._live: list[Sequence] = []  # the fixed batch of prefill()/decode()
+        self._next_id = 0
+
+    # ---- life cycle --------------------------------------------------------------------
+    def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
+        t0 = time.perf_counter()
+        cfg, problems = parse_options(options)
+        self.device = torch.device(model.device)
+        why = check_kv_dtype(cfg.kv_dtype, self.device)
+        if why:
+            problems.append(f"engine_options.reference.kv_dtype={cfg.kv_dtype}: {why}.")
+        if problems:
+            raise ValueError(" ".join(problems))
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.cfg, self.spec = cfg, model
+        mcfg = ModelConfig.from_dir(model.path)
+        dtype = _DTYPES[model.dtype]
+        self.model = Model(mcfg, model.path, dtype, self.device, max_len=model.max_model_len)
+
+        bpt = bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
+        max_len = max(model.max_model_len, 1)
+        self.block_size = max_len if cfg.contiguous else cfg.block_size
+        budget = cfg.kv_cache_bytes
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_fraction)
+        elif budget is None:  # CPU: never more than max_num_seqs sequences of max_model_len can live
+            budget = min(CPU_DEFAULT_KV_BYTES, cfg.max_num_seqs * -(-max_len // self.block_size)
+                         * self.block_size * bpt)
+        if cfg.use_cache:
+            why = _budget_problem(cfg, bpt, max_len, budget)
+            if why:
+                raise ValueError(why)
+            num_blocks = budget // (bpt * self.block_size)
+            self.pool = KVPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
+                               mcfg.head_dim, cfg.kv_dtype, dtype, self.device)
+            self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool)
+        self._sync()
+        return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=self.model.num_bytes(),
+                        kv_pool_bytes=self.pool.nbytes if self.pool else 0, engine_version=self.version(),
+                        details={"options": vars(cfg).copy(), "architecture": mcfg.architecture,
+                                 "num_blocks": self.pool.num_blocks if self.pool else 0})
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.release()
+        self.model = self.pool = self.blocks = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def _new_sequence(self, prompt: list[int], stop_len: int, request_id: str | None = None) -> Sequence:
+        if not prompt:
+            raise ValueError("an empty prompt: every sequence needs at least one token.")
+        if stop_len > self.model.rope_len:
+            raise ValueError(f"a sequence of {stop_len} tokens exceeds the model's {self.model.rope_len} positions.")
+        self._next_id += 1
+        return Sequence(self._next_id, list(prompt), stop_len, request_id=request_id)
+
+    def _step(self, keep_logits: bool = False) -> list[Sampled]:
+        """Schedule and run one step; record what it computed and sampled."""
+        chunks = self.scheduler.schedule()
+        sampled = self.runner.run(chunks, keep_logits)
+        for c in chunks:
+            c.seq.num_computed = c.end if self.pool is not None else 0
+        for s in sampled:
+            s.chunk.seq.tokens.append(s.token)
+            s.chunk.seq.logits = s.logits
+        if self.blocks is not None:
+            for c in chunks:
+                self.blocks.register_full_blocks(c.seq)
+        return sampled
+
+    def _run_batch(self, keep_logits: bool) -> tuple[int, int]:
+        """Steps until every live sequence reached its stop length; the span they took."""
+        self._sync()
+        start = now_ns()
+        while self.scheduler.has_work():
+            self._step(keep_logits)
+        self._sync()
+        return start, now_ns()
+
+    # ---- offline path: one fixed batch ---------------------------------------------------
+    def prefill(self, prompts: list[list[int]], return_logits: bool = False) -> PrefillResult:
+        self.release()
+        self._live = [self._new_sequence(p, len(p) + 1) for p in prompts]
+        for seq in self._live:
+            self.scheduler.add(seq)
+        start, end = self._run_batch(return_logits)
+        logits = torch.stack([s.logits for s in self._live]) if return_logits else None
+        return PrefillResult([s.tokens[-1] for s in self._live], start, end, logits)
+
+    def decode(self, steps: int, return_logits: bool = False) -> DecodeResult:
+        if not self._live:
+            raise RuntimeError("decode() before prefill()")
+        tokens, timings, all_logits = [], [], []
+        for _ in range(steps):
+            for seq in self._live:
+                seq.stop_len = seq.num_tokens + 1
+                if seq.stop_len > self.model.rope_len:
+                    raise ValueError(f"decode past the model's {self.model.rope_len} positions.")
+            start, end = self._run_batch(return_logits)
+            tokens.append([s.tokens[-1] for s in self._live])
+            timings.append(StepTiming(start, end, len(self._live)))
+            if return_logits:
+                all_logits.append(torch.stack([s.logits for s in self._live]))
+        return DecodeResult(tokens, timings, all_logits if return_logits else None)
+
+    def release(self) -> None:
+        for seq in self._live:
+            self.scheduler.finish(seq)
+        self._live = []
+
+    # ---- serving: continuous batching ----------------------------------------------------
+    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]:
+        self.release()
+        for r in requests:
+            if r.max_new_tokens < 1:
+                raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
+        pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        live: list[Sequence] = []
+        try:
+            while pending or self.scheduler.has_work():
+                now = now_ns()
+                while pending and start_ns + int(pending[0].arrival_s * 1e9) <= now:
+                    r = pending.popleft()
+                    seq = self._new_sequence(r.prompt_ids, len(r.prompt_ids) + r.max_new_tokens, r.request_id)
+                    self.scheduler.add(seq)
+                    live.append(seq)
+                if not self.scheduler.has_work():
+                    wait_until(start_ns + int(pending[0].arrival_s * 1e9))
+                    continue
+                sampled = self._step()
+                self._sync()
+                t = now_ns()
+                for s in sampled:
+                    seq = s.chunk.seq
+                    done = not seq.wants_step
+                    if done:
+                        self.scheduler.finish(seq)
+                        live.remove(seq)
+                    yield TokenEvent(seq.request_id, seq.num_outputs - 1, s.token, t, finished=done)
+        finally:  # a consumer that stops early must not leave blocks behind
+            for seq in live:
+                self.scheduler.finish(seq)
+
+    # ---- statistics ------------------------------------------------------------------------
+    def kv_cache_info(self) -> KVCacheInfo:
+        from harness.kvcalc import canonical_kv_dtype
+
+        if self.model is None:
+            return KVCacheInfo()
+        cfg = self.cfg
+        kv_dtype = cfg.kv_dtype if cfg.kv_dtype != "auto" else canonical_kv_dtype(self.spec.dtype)
+        extra: dict[str, Any] = {"kv_cache": cfg.kv_cache, "kv_layout": cfg.kv_layout,
+                                 "prefix_caching": cfg.use_prefix_cache}
+        live = self.scheduler.running
+        if self.pool is None:
+            return KVCacheInfo(kv_dtype=kv_dtype, pool_bytes=0, tokens_stored=0, slots_allocated=0,
+                               preemptions=self.scheduler.preemptions, extra=extra)
+        bs, blocks = self.block_size, self.blocks
+        filled: dict[int, int] = {}  # block id -> slots holding a token (shared blocks once)
+        for seq in live:
+            for i, b in enumerate(seq.block_table):
+                filled[b] = max(filled.get(b, 0), min(bs, max(0, seq.num_computed - i * bs)))
+        stored = sum(filled.values())
+        allocated = blocks.num_used * bs
+        extra.update(
+            pool_tokens=blocks.num_blocks * bs,
+            unused_slots=allocated - stored,  # internal fragmentation (paged) / reserved but unused (contiguous)
+            unused_slot_frac=(allocated - stored) / allocated if allocated else 0.0,
+            cached_free_blocks=len(blocks.evictable),
+            prefix_cache_evictions=blocks.stats.evictions,
+            prefix_hit_rate=(blocks.stats.prefix_hits / blocks.stats.prefix_queries
+                             if blocks.stats.prefix_queries else None),
+            prefix_counts_in="blocks",
+        )
+        if cfg.contiguous:
+            extra["region_tokens"] = bs  # each sequence reserves one region of max_model_len slots
+        return KVCacheInfo(
+            kv_dtype=kv_dtype, block_size=None if cfg.contiguous else bs, num_blocks=blocks.num_blocks,
+            bytes_per_block=self.pool.bytes_per_token * bs, pool_bytes=self.pool.nbytes,
+            bytes_per_token=self.pool.bytes_per_token, blocks_in_use=blocks.num_used,
+            blocks_peak=blocks.stats.peak_used, tokens_stored=stored, slots_allocated=allocated,
+            prefix_cache_queries=blocks.stats.prefix_queries if cfg.use_prefix_cache else None,
+            prefix_cache_hits=blocks.stats.prefix_hits if cfg.use_prefix_cache else None,
+            preemptions=self.scheduler.preemptions, extra=extra)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes, and start the counters (hits, peak, preemptions) afresh."""
+        if self.blocks is not None:
+            self.blocks.reset_prefix_cache()
+            self.blocks.stats = type(self.blocks.stats)(peak_used=self.blocks.num_used)
+        if self.model is not None:
+            self.scheduler.preemptions = 0
+
+
+def _shape_of(model: ModelSpec):
+    """The model's shape before it is loaded: its config.json, or the preset of that name."""
+    from harness.presets import load_preset, shape_from_hf_config
+    try:
+        if model.path and (Path(model.path) / "config.json").is_file():
+            return shape_from_hf_config(model.path)
+        return load_preset(model.name)
+    except Exception:
+        return None

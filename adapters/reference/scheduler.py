@@ -1,0 +1,181 @@
+"""Continuous batching: which tokens of which sequences the next step computes.
+
+A sequence is a list of tokens (prompt, then outputs) of which the first `num_computed` have
+their K/V in the cache. Each step computes a *chunk* of the rest: the whole prompt (prefill), a
+piece of a long prompt (chunked prefill), or the one newest token (decode). When a chunk reaches
+the end of the sequence, the step samples the next token.
+
+Each step (`schedule`):
+  1. running sequences first, in admission order, each one chunk, while the token budget
+     (`max_num_batched_tokens`) lasts. A sequence that needs a block when none is free takes
+     one from the most recently admitted running sequence, which is *preempted*: its blocks
+     are freed and it goes back to the front of the waiting queue, to be recomputed later
+     (prompt and outputs so far, in one prefill).
+  2. then waiting sequences, first come first served, while the budget lasts, fewer than
+     `max_num_seqs` run, and the pool has the blocks for their first chunk (after the prefix
+     cache has supplied what it can).
+A sequence stops being scheduled when it reaches `stop_len` tokens. `serve()` then finishes it
+(its blocks are freed at once); `prefill()`/`decode()` raise `stop_len` by one per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.reference.block_manager import BlockManager
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    tokens: list[int]
+    stop_len: int  # not scheduled once it has this many tokens
+    prompt_len: int = 0
+    num_computed: int = 0  # tokens whose K/V are cached (or, without a cache, computed this step)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its leading full blocks
+    request_id: str | None = None
+    logits: Any = None  # logits of its last sampled token, when asked for
+
+    def __post_init__(self) -> None:
+        self.prompt_len = self.prompt_len or len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def wants_step(self) -> bool:
+        return self.num_tokens < self.stop_len
+
+    @property
+    def num_outputs(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+
+@dataclass
+class Chunk:
+    """Tokens [start, end) of `seq`, computed in this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.seq.num_tokens
+
+
+class PoolTooSmall(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager | None, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks  # None: no KV cache (every step recomputes every sequence whole)
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return any(s.wants_step for s in self.running) or any(s.wants_step for s in self.waiting)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a sequence (done, or released): its blocks go back at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.blocks:
+            self.blocks.free_sequence(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if self.blocks:
+            self.blocks.free_sequence(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        budget = self.budget
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running or not seq.wants_step:
+                continue  # preempted just now, or done for this step
+            n = self._chunk_len(seq, seq.num_computed, budget, first=not chunks)
+            if n == 0:
+                break
+            if not self._make_room(seq, seq.num_computed + n, chunks):
+                continue  # it preempted itself
+            chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + n))
+            budget -= n
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not seq.wants_step:
+                continue  # preempted after its token of this step: it waits for the next step
+            hits: list[int] = []
+            if self.blocks:
+                # prefix cache: whole blocks only, and never the last token (its logits are needed)
+                hits = self.blocks.match_prefix(seq.tokens, seq.num_tokens - 1)
+            start = len(hits) * self.blocks.block_size if self.blocks else 0
+            n = self._chunk_len(seq, start, budget, first=not chunks)
+            if n == 0 or (self.blocks and not self.blocks.can_admit(hits, start + n)):
+                if not chunks and not any(s.wants_step for s in self.running):
+                    if self._preempt_idle():  # a fixed batch: make room, try again
+                        return self.schedule()
+                    raise PoolTooSmall(
+                        "the KV pool cannot hold the sequences of this batch at once, nor one more "
+                        f"token of any of them ({self.blocks.num_free if self.blocks else 0} blocks free); "
+                        "raise engine_options.reference.kv_cache_bytes or use smaller batches.")
+                break
+            self.waiting.remove(seq)
+            if self.blocks:
+                self.blocks.admit(seq, hits, (seq.num_tokens - 1) // self.blocks.block_size)
+                self.blocks.grow(seq, start + n)
+            self.running.append(seq)
+            chunks.append(Chunk(seq, start, start + n))
+            budget -= n
+        return chunks
+
+    def _chunk_len(self, seq: Sequence, start: int, budget: int, first: bool) -> int:
+        """How many of `seq`'s remaining tokens fit in `budget`. Without a cache a sequence
+        cannot be split (nothing would keep the first part): it goes whole, or alone."""
+        remaining = seq.num_tokens - start
+        if self.blocks is None:
+            return remaining if remaining <= budget or first else 0
+        return min(remaining, budget)
+
+    def _make_room(self, seq: Sequence, num_tokens: int, chunks: list[Chunk]) -> bool:
+        """Blocks for `num_tokens` of `seq`, preempting the most recently admitted sequences
+        not yet scheduled in this step. False if `seq` itself had to go."""
+        if self.blocks is None:
+            return True
+        scheduled = {id(c.seq) for c in chunks}
+        while not self.blocks.grow(seq, num_tokens):
+            victims = [s for s in self.running if id(s) not in scheduled]
+            victim = victims[-1]  # `seq` itself is among them, so there is always one
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt_idle(self) -> bool:
+        """Free the blocks of a sequence that holds some but wants no step now (a fixed batch
+        whose other sequences still need this step's token)."""
+        idle = [s for s in self.running if not s.wants_step]
+        if not idle:
+            return False
+        self.preempt(idle[-1])
+        return True
