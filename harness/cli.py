@@ -11,6 +11,7 @@ one message per problem, each naming the field and the fix, and exit code 2. Exi
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,10 +104,17 @@ def check_jobs(argv: list[str]) -> list[str]:
     except Exception as e:
         return [f"overrides: {str(e).splitlines()[0]}"]
     problems: list[str] = []
+    launcher = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra/launcher=")), "basic")
+    n_jobs = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.launcher.n_jobs=")), "-1")
+    parallel = multirun and launcher == "joblib" and n_jobs.strip() != "1"
     for job in jobs:
         label = f"[job {' '.join(job)}] " if multirun and len(jobs) > 1 else ""
         try:
-            build_plan(compose_job(job))
+            plan = build_plan(compose_job(job))
+            if parallel and plan.device.startswith("cuda") and len(jobs) > 1:
+                problems.append(f"{label}hydra/launcher=joblib runs jobs in parallel, and this job uses "
+                                f"device={plan.device}: jobs sharing a GPU would measure each other. Add "
+                                "hydra.launcher.n_jobs=1 (or give each job its own device).")
         except UserError as e:
             problems += [label + p for p in e.problems]
         except Exception as e:  # Hydra could not compose the config
@@ -134,6 +142,12 @@ def run_job(cfg: DictConfig) -> int:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        done = _resume_state(data.get("resume"), out_dir)  # type: ignore[union-attr]
+        device_lock = _lock_device(plan.device)
+    except UserError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
     say = (lambda *a: None) if plan.settings.quiet else (lambda *a: print(*a, flush=True))
     if plan.model_cfg.get("path"):
         model_path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
@@ -145,13 +159,20 @@ def run_job(cfg: DictConfig) -> int:
     atomic_write_text(out_dir / "config.resolved.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     say(f"infer-bench: {plan.workload.name} on {plan.shape.name} ({plan.dtype}, {plan.device}), "
         f"engines {', '.join(plan.engines)}, {len(plan.points)} points -> {out_dir}")
-    runner = Runner(plan, model_path, out_dir, env)
+    if done:
+        say(f"resume: {len(done)} rows already in {out_dir / RESULTS_FILE}; running only what is missing")
+    runner = Runner(plan, model_path, out_dir, env, done=done)
     interrupted = False
+    previous_term = signal.signal(signal.SIGTERM, _terminate)  # e.g. a scheduler pre-empting the job
     try:
         rows = runner.run()
     except KeyboardInterrupt:
         interrupted = True
         rows = runner.rows
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        if device_lock is not None:
+            device_lock.close()
     main_rows = [r for r in rows if r["workload"] == plan.workload.name or r["status"] == "unavailable"]
     print(summary_table(main_rows, plan.workload.summary_columns))
     for extra in (plan.workload.post_summary(main_rows), parity_lines(rows)):
@@ -160,9 +181,51 @@ def run_job(cfg: DictConfig) -> int:
     print(f"results: {out_dir / RESULTS_FILE}")
     _write_report(out_dir)
     if interrupted:
-        print(f"interrupted: {len(rows)} rows kept in {out_dir / RESULTS_FILE}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"interrupted: {len(rows)} rows of this run kept in {out_dir / RESULTS_FILE}; resume with "
+              f"+resume={out_dir} hydra.run.dir={out_dir}", file=sys.stderr)
+        _EXIT["code"] = EXIT_INTERRUPTED
+        raise KeyboardInterrupt  # stop a multirun too
     return EXIT_POINT_FAILED if any(r["status"] == "failed" for r in rows) else EXIT_OK
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _resume_state(resume: Any, out_dir: Path) -> set[tuple[str, str | None]]:
+    """(engine, point_key) of the rows already in out_dir, when resuming; else empty.
+    `+resume=DIR` names the run directory (single run) or the multirun's sweep directory."""
+    from harness.results import RESULTS_FILE, read_rows
+
+    if not resume:
+        return set()
+    target = Path(str(resume)).expanduser().resolve()
+    here = out_dir.resolve()
+    if here != target and target not in here.parents:
+        raise UserError(f"resume={resume}: this run writes to {out_dir}, not there. Resume with "
+                        f"+resume=DIR hydra.run.dir=DIR (or hydra.sweep.dir=DIR for a multirun).")
+    path = here / RESULTS_FILE
+    if not path.exists():
+        return set()
+    return {(r.get("engine"), r.get("point_key")) for r in read_rows(path)}
+
+
+def _lock_device(device: str) -> Any:
+    """Hold a lock on a GPU for the whole job: two jobs on one device would measure each other."""
+    if not device.startswith("cuda"):
+        return None
+    import fcntl
+    import tempfile
+    index = device.split(":")[1] if ":" in device else "0"
+    f = open(Path(tempfile.gettempdir()) / f"infer-bench-cuda{index}.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UserError(f"device={device}: another infer-bench job is running on this GPU. Two jobs on one "
+                        "device would measure each other: wait for it, pick another device, or run the "
+                        "multirun with hydra.launcher.n_jobs=1.") from None
+    return f
 
 
 def _write_report(out_dir: Path) -> None:
@@ -190,7 +253,10 @@ def main() -> None:
     if problems:
         print(UserError(problems).render(), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    _app()
+    try:
+        _app()
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
     sys.exit(_EXIT["code"])
 
 

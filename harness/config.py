@@ -139,14 +139,9 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
         requested = [requested]  # engines=hf means engines=[hf]
     unavailable: dict[str, str] = {}
     engines: list[str] = []
-    if requested == "auto":
-        for name in engine_names():
-            reason = engine_class(name).unavailable_reason()
-            if reason is None:
-                engines.append(name)
-        if not engines:
-            problems.append("engines=auto: no engine is usable here. Install transformers (pip install -e .).")
-    elif isinstance(requested, (list, tuple)) and requested and all(isinstance(e, str) for e in requested):
+    if requested == "auto":  # every registered engine; those that cannot run here get an `unavailable` row
+        requested = engine_names()
+    if isinstance(requested, (list, tuple)) and requested and all(isinstance(e, str) for e in requested):
         for name in requested:
             if name not in engine_names():
                 problems.append(f"engines: unknown engine '{name}'. Known engines: {', '.join(engine_names())}.")
@@ -155,6 +150,8 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
                 reason = engine_class(name).unavailable_reason()
                 if reason is not None:
                     unavailable[name] = reason
+        if engines and len(unavailable) == len(engines):
+            problems += [f"engines: no engine can run here. {n}: {r}" for n, r in unavailable.items()]
     else:
         problems.append(f"engines={requested!r}: give a list of engine names, e.g. engines=[reference,hf], "
                         f"or engines=auto. Known engines: {', '.join(engine_names())}.")

@@ -40,7 +40,9 @@ class Progress:
         if status != "ok":
             self._say(f"          {engine:<9} -> {status}")
 
-    def skip(self, n: int, engine: str, status: str) -> None:
+    def skip(self, n: int, engine: str, status: str, quiet_if_zero: bool = False) -> None:
+        if quiet_if_zero and not n:
+            return
         self.done += n
         self._say(f"[{self.done}/{self.total}] {engine:<9} {status} ({n} point{'s' if n != 1 else ''})")
 

@@ -57,7 +57,11 @@ def token_range(plan: Plan, model_path: str) -> tuple[int, int, tuple[int, ...]]
 
 
 class Runner:
-    def __init__(self, plan: Plan, model_path: str, out_dir: Path, env: dict[str, Any]):
+    def __init__(self, plan: Plan, model_path: str, out_dir: Path, env: dict[str, Any],
+                 done: set[tuple[str, str | None]] | None = None):
+        """`done`: (engine, point_key) pairs that already have a row (resume); they are not run
+        again. An engine's `unavailable` row has point_key None."""
+        self.done = done or set()
         self.plan = plan
         self.model_path = model_path
         self.out_dir = out_dir
@@ -123,11 +127,14 @@ class Runner:
     def run_engine(self, engine: str) -> None:
         from harness.worker import worker_main
 
+        all_points = list(self.plan.points) + ([self.parity_point] if self.parity_point else [])
+        remaining = [p for p in all_points if (engine, p.key) not in self.done]
+        self.progress.skip(len(all_points) - len(remaining), engine, "done before (resume)", quiet_if_zero=True)
         if engine in self.plan.unavailable:
-            self._row(engine, None, "unavailable", self.plan.unavailable[engine], {})
-            self.progress.skip(len(self.plan.points) + (1 if self.parity_point else 0), engine, "unavailable")
+            if (engine, None) not in self.done:
+                self._row(engine, None, "unavailable", self.plan.unavailable[engine], {})
+            self.progress.skip(len(remaining), engine, "unavailable")
             return
-        remaining = list(self.plan.points) + ([self.parity_point] if self.parity_point else [])
         log_path = self.out_dir / "logs" / f"{engine}.log"
         ctx = mp.get_context("spawn")
         while remaining:
@@ -145,6 +152,23 @@ class Runner:
                                f"{log_path}:\n{_tail(log_path)}")
                 break
             remaining = [p for p in remaining if p.key not in done_keys]
+            remaining = self._skip_after_oom(engine, remaining)
+
+    def _skip_after_oom(self, engine: str, points: list[Point]) -> list[Point]:
+        """Points with a larger batch size than one that ran out of memory are recorded as
+        skipped, not run (the worker does the same within one process)."""
+        ooms = [Point(r["workload"], r["point"]) for r in self.rows
+                if r["engine"] == engine and r["status"] == "failed" and r.get("oom")]
+        keep = []
+        for p in points:
+            o = next((o for o in ooms if p.bigger_batch_of(o)), None)
+            if o is None:
+                keep.append(p)
+            else:
+                self._row(engine, p, "skipped", f"batch_size={o.params['batch_size']} of this point ran out "
+                          "of memory", {})
+                self.progress.finish(engine, p, "skipped")
+        return keep
 
     def _follow(self, engine: str, proc: Any, conn: Any, points: list[Point], log_path: Path) -> set[str]:
         """Read the child's messages until it is done or dies. Returns the keys of the points
@@ -155,7 +179,9 @@ class Runner:
         current: Point | None = None
         started = time.monotonic()
         limit = self.plan.settings.point_timeout_s
+        min_avail = 1.0  # lowest share of the machine's memory available during the current point
         while True:
+            min_avail = min(min_avail, _available_share())
             msg = None
             if conn.poll(0.1):
                 try:
@@ -176,6 +202,7 @@ class Runner:
             elif kind == "start":
                 current = by_key[msg[1]]
                 started = time.monotonic()
+                min_avail = 1.0
                 self.progress.start(engine, current)
             elif kind == "point":
                 _, key, status, error, fields = msg
@@ -201,12 +228,16 @@ class Runner:
             elif kind == "dead":
                 proc.join(5)
                 what = msg[1] or f"engine process died ({_exit_text(proc.exitcode)})"
+                oom = proc.exitcode == -9 and min_avail < LOW_MEMORY_SHARE
+                if oom:
+                    what += (f" while only {min_avail:.1%} of the machine's memory was available: likely the "
+                             "kernel's out-of-memory killer")
                 tail = _tail(log_path)
                 reason = what + (f"; last lines of logs/{log_path.name}:\n{tail}" if tail else "")
                 if current is None:  # died outside a point: nothing to blame it on
                     self._fail_all(engine, [p for p in points if p.key not in done], "failed", reason)
                     return {p.key for p in points}
-                self._row(engine, current, "failed", reason, {}, version)
+                self._row(engine, current, "failed", reason, {"oom": oom}, version)
                 done.add(current.key)
                 self.progress.finish(engine, current, "failed")
                 return done
@@ -261,6 +292,17 @@ class Runner:
             self.writer.close()
             self.progress.close()
         return self.rows
+
+
+# A child killed by SIGKILL while less than this share of memory was available is taken for a
+# victim of the kernel's out-of-memory killer.
+LOW_MEMORY_SHARE = 0.03
+
+
+def _available_share() -> float:
+    import psutil
+    vm = psutil.virtual_memory()
+    return vm.available / vm.total
 
 
 def parity_agreement(base: list[list[int]], tokens: list[list[int]]) -> dict[str, Any]:

@@ -95,7 +95,7 @@ def worker_main(conn: Any, job: dict[str, Any]) -> None:
     from adapters import engine_class
     from adapters.base import EngineUnavailable, ModelSpec
     from workloads import get_workload
-    from workloads.base import Point, RunContext
+    from workloads.base import Point, RunContext, is_oom
 
     print(f"[infer-bench worker] engine={job['engine']} pid={os.getpid()}", flush=True)
     cls = engine_class(job["engine"])
@@ -105,11 +105,15 @@ def worker_main(conn: Any, job: dict[str, Any]) -> None:
     ctx = RunContext(**job["context"])
     ctx.extra["workload_cfg"] = job["workload_cfg"]
     loaded = _Loaded(cls, spec)
+    ooms: list[Point] = []
     for pd in job["points"]:
         point = Point(pd["workload"], pd["params"])
         conn.send(("start", point.key))
         caps = cls.capabilities(job["options"])
         why_not = workload.unsupported(point, caps)
+        oom = next((o for o in ooms if point.bigger_batch_of(o)), None)
+        if oom is not None:
+            why_not = f"batch_size={oom.params['batch_size']} of this point ran out of memory"
         overrides = cls.options_for(workload.engine_overrides(point, caps)) if why_not is None else {}
         options = {**job["options"], **overrides}
         if why_not is None and overrides:
@@ -138,7 +142,10 @@ def worker_main(conn: Any, job: dict[str, Any]) -> None:
                     loaded.engine.release()
             except Exception:
                 pass
-            conn.send(("point", point.key, "failed", _error_text(e), {"engine_options": options}))
+            error = _error_text(e)
+            if is_oom(error):
+                ooms.append(point)
+            conn.send(("point", point.key, "failed", error, {"engine_options": options, "oom": is_oom(error)}))
     if job.get("parity_prompts"):
         conn.send(("start", job["parity_key"]))
         try:

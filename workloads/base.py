@@ -26,6 +26,23 @@ class Point:
     def to_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "params": self.params}
 
+    def bigger_batch_of(self, other: "Point") -> bool:
+        """True if this point is `other` with a larger batch size (same everything else): after
+        `other` ran out of memory, this one would too, and is skipped."""
+        if self.workload != other.workload or "batch_size" not in self.params:
+            return False
+        rest = {k: v for k, v in self.params.items() if k != "batch_size"}
+        other_rest = {k: v for k, v in other.params.items() if k != "batch_size"}
+        return rest == other_rest and self.params["batch_size"] > other.params.get("batch_size", 0)
+
+
+OOM_MARKERS = ("out of memory", "outofmemoryerror", "cannot allocate memory", "can't allocate memory",
+               "memoryerror", "failed to allocate")
+
+
+def is_oom(error: str | None) -> bool:
+    return bool(error) and any(m in error.lower() for m in OOM_MARKERS)  # type: ignore[union-attr]
+
 
 @dataclass
 class RunContext:
