@@ -1,7 +1,7 @@
 """Open a report in headless Chromium (Debian's chromium + chromedriver, driven by selenium):
 used by the browser tests, and to take the README's screenshot:
 
-    python -m reports.browser runs/.../report.html docs/report-top.png [--width 1280 --height 860]
+    python -m reports.browser runs/.../report.html docs/report-top.png [--width 1280 --height 1000]
 
 Needs `apt-get install -y chromium chromium-driver` and `pip install selenium` (the [dev] extra).
 """
@@ -67,12 +67,14 @@ def open_report(driver: Any, path: str | Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def screenshot(report: str | Path, out: str | Path, width: int = 1280, height: int = 860) -> Path:
+def screenshot(report: str | Path, out: str | Path, width: int = 1280, height: int = 1000) -> Path:
     """The top of a report as a PNG (palette-quantised when Pillow is present, to stay small)."""
     driver = chromium(width, height)
     try:
         open_report(driver, report)
-        time.sleep(0.5)   # let Plotly finish its transitions
+        inner = driver.execute_script("return [window.innerWidth, window.innerHeight]")
+        driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])   # the viewport, exactly
+        time.sleep(0.5)   # let Plotly finish its transitions and resizes
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(out))
@@ -80,7 +82,7 @@ def screenshot(report: str | Path, out: str | Path, width: int = 1280, height: i
         driver.quit()
     try:
         from PIL import Image
-        Image.open(out).convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(out, optimize=True)
+        Image.open(out).convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE).save(out, optimize=True)
     except ImportError:
         pass
     return out
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("report")
     p.add_argument("out")
     p.add_argument("--width", type=int, default=1280)
-    p.add_argument("--height", type=int, default=860)
+    p.add_argument("--height", type=int, default=1000)
     a = p.parse_args(argv)
     why = missing()
     if why:

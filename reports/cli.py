@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.errors import EXIT_BAD_INPUT, EXIT_OK
+from harness.errors import EXIT_BAD_INPUT, EXIT_OK, UserError
 from reports.data import ReportInputError
 
 
@@ -26,16 +26,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", nargs="+", metavar="B", default=None,
                    help="results files or run directories to compare against: adds the ratio "
                         "current / baseline per metric with its 95%% CI")
+    p.add_argument("--threshold", default="5%", metavar="PCT",
+                   help="with --baseline: the smallest change that counts, as infer-bench-compare's "
+                        "--threshold (default 5%%)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from harness.compare import parse_threshold
     from reports.render import write_report
     try:
-        path = write_report(args.results, args.output, baseline=args.baseline)
+        threshold = parse_threshold(args.threshold)
+        path = write_report(args.results, args.output, baseline=args.baseline, threshold=threshold)
     except ReportInputError as e:
         print(e.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except UserError as e:   # from the threshold's parser
+        print(e.render().replace("infer-bench:", "infer-bench-report:", 1), file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:
         print(f"infer-bench-report: error: -o {args.output}: cannot write ({e.strerror or e}).", file=sys.stderr)

@@ -1,130 +1,72 @@
-"""Baseline vs current: for every point both measured, the ratio current / baseline of each
-metric's median with a 95% bootstrap CI (`harness.stats.bootstrap_ratio_ci` on the raw
-samples), and a verdict. Pure pandas + numpy, so the regression check can reuse it.
-
-Matching: rows match when engine, workload, point, model, dtype, device and engine options are
-equal (only ok rows).
-
-Verdict, for a metric where lower is better (latencies, memory), with tolerance `tol`:
-  regression   the whole CI is above 1 and the ratio is above 1 + tol
-  improvement  the whole CI is below 1 and the ratio is below 1 − tol
-  no change    otherwise
-  no CI        fewer than two samples on a side: the ratio alone, no verdict
-Metrics without samples (peak memory) are judged on the ratio alone against the tolerance.
-"""
+"""Baseline vs current for the report's comparison section. The numbers and verdicts are
+exactly those of the regression check (`harness.compare.compare`, what `infer-bench-compare`
+runs), so the page and the CI gate never disagree; this module only shapes them for display
+(labels, units, the point's parameters, the series name)."""
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict
 from typing import Any
 
 import pandas as pd
 
-from harness.stats import bootstrap_ratio_ci
+from harness.compare import DEFAULT_METRICS, METHOD, compare
+from harness.stats import BOOTSTRAP_RESAMPLES
+
+DEFAULT_THRESHOLD = 0.05   # infer-bench-compare's default (--threshold 5%)
+# metric -> (label, unit, display scale)
+LABELS: dict[str, tuple[str, str, float]] = {
+    "prefill_latency_s": ("prefill latency", "ms", 1e3),
+    "decode_step_latency_s": ("decode step latency", "ms", 1e3),
+    "e2e_latency_s": ("end-to-end latency", "ms", 1e3),
+    "output_tok_s": ("output throughput", "tok/s", 1.0),
+    "ttft_s": ("TTFT", "ms", 1e3),
+    "tpot_s": ("TPOT", "ms", 1e3),
+    "itl_s": ("ITL", "ms", 1e3),
+    "e2el_s": ("E2EL", "ms", 1e3),
+    "peak_memory_bytes": ("peak memory", "MiB", 1 / 2**20),
+    "status": ("status (ok → not ok)", "", 1.0),
+}
+COLUMNS = ["engine", "series", "model", "workload", "point_key", "point", "dtype", "metric", "label", "unit",
+           "scale", "better", "baseline", "current", "ratio", "ci_lo", "ci_hi", "verdict", "note"]
 
 
-@dataclass(frozen=True)
-class Metric:
-    field: str            # the median's field; samples in f"{field}_samples" when `sampled`
-    label: str
-    unit: str
-    scale: float          # display scale (s -> ms ...)
-    better: str = "lower"
-    sampled: bool = True
+def method_text() -> str:
+    return METHOD.format(n=BOOTSTRAP_RESAMPLES)
 
 
-METRICS: list[Metric] = [
-    Metric("prefill_latency_s", "prefill latency", "ms", 1e3),
-    Metric("decode_step_latency_s", "decode step latency", "ms", 1e3),
-    Metric("e2e_latency_s", "end-to-end latency", "ms", 1e3),
-    Metric("ttft_s", "TTFT", "ms", 1e3),
-    Metric("tpot_s", "TPOT", "ms", 1e3),
-    Metric("itl_s", "ITL", "ms", 1e3),
-    Metric("e2el_s", "E2EL", "ms", 1e3),
-    Metric("peak_memory_bytes", "peak memory", "MiB", 1 / 2**20, sampled=False),
-]
-DEFAULT_TOLERANCE = 0.05
-MATCH_FIELDS = ("engine", "workload", "point_key", "model", "dtype", "device")
-
-
-def _match_key(r: dict[str, Any]) -> tuple:
-    opts = json.dumps(r.get("engine_options"), sort_keys=True, default=str)
-    return tuple(str(r.get(f)) for f in MATCH_FIELDS) + (opts,)
-
-
-def _samples(v: Any) -> list[float]:
-    if not isinstance(v, (list, tuple)):
-        return []
-    return [float(x) for x in v if isinstance(x, (int, float)) and math.isfinite(x)]
-
-
-def _number(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return None
-    return float(v)
-
-
-def verdict(ratio: float | None, lo: float | None, hi: float | None, better: str, tol: float,
-            sampled: bool = True) -> str:
-    if ratio is None:
-        return "no data"
-    r, l, h = (ratio, lo, hi) if better == "lower" else (
-        1 / ratio if ratio else math.inf, 1 / hi if hi else None, 1 / lo if lo else None)
-    if not sampled:
-        return "regression" if r > 1 + tol else "improvement" if r < 1 - tol else "no change"
-    if l is None or h is None:
-        return "no CI"
-    if l > 1 and r > 1 + tol:
-        return "regression"
-    if h < 1 and r < 1 - tol:
-        return "improvement"
-    return "no change"
+def _records(rows: pd.DataFrame | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Plain row dicts (a DataFrame's gaps, NaN, back to None), parity rows left out as the
+    regression check does."""
+    recs = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
+    out = []
+    for r in recs:
+        if r.get("workload") == "parity":
+            continue
+        out.append({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
+    return out
 
 
 def compare_rows(baseline: pd.DataFrame | list[dict[str, Any]], current: pd.DataFrame | list[dict[str, Any]],
-                 metrics: list[Metric] | None = None, tolerance: float = DEFAULT_TOLERANCE) -> pd.DataFrame:
-    """One row per (matched point, metric both sides have): engine, workload, point_key, point,
-    metric, label, unit, scale, better, baseline, current, ratio, ci_lo, ci_hi, n_baseline,
-    n_current, verdict. Empty when nothing matches."""
-    metrics = metrics or METRICS
-    base = baseline.to_dict("records") if isinstance(baseline, pd.DataFrame) else list(baseline)
-    cur = current.to_dict("records") if isinstance(current, pd.DataFrame) else list(current)
-    base_by_key = {_match_key(r): r for r in base if r.get("status") == "ok"}   # the last row wins
-    cur_by_key = {_match_key(r): r for r in cur if r.get("status") == "ok"}
+                 threshold: float = DEFAULT_THRESHOLD, metrics: list[str] | None = None
+                 ) -> tuple[pd.DataFrame, dict[str, list[str]]]:
+    """(one row per compared metric and matched point, in COLUMNS; the unmatched points per
+    side). `metrics` None: the regression check's defaults per workload."""
+    base, cur = _records(baseline), _records(current)
+    comps, unmatched = compare(base, cur, metrics, threshold)
+    by_key = {(r.get("engine"), r.get("model"), r.get("workload"), r.get("point_key"), r.get("dtype")): r for r in cur}
     out = []
-    for key, c in cur_by_key.items():
-        b = base_by_key.get(key)
-        if b is None:
-            continue
-        for m in metrics:
-            bv, cv = _number(b.get(m.field)), _number(c.get(m.field))
-            if bv is None or cv is None:
-                continue
-            bs, cs = _samples(b.get(f"{m.field}_samples")), _samples(c.get(f"{m.field}_samples"))
-            ratio = lo = hi = None
-            if m.sampled and len(bs) >= 2 and len(cs) >= 2:
-                res = bootstrap_ratio_ci(bs, cs)
-                if res is not None:
-                    ratio, lo, hi = res
-            if ratio is None and bv:
-                ratio = cv / bv
-            out.append({
-                "engine": c.get("engine"), "series": c.get("series", c.get("engine")),
-                "workload": c.get("workload"), "point_key": c.get("point_key"), "point": c.get("point"),
-                "metric": m.field, "label": m.label, "unit": m.unit, "scale": m.scale, "better": m.better,
-                "baseline": bv, "current": cv, "ratio": ratio, "ci_lo": lo, "ci_hi": hi,
-                "n_baseline": len(bs), "n_current": len(cs),
-                "verdict": verdict(ratio, lo, hi, m.better, tolerance, m.sampled),
-            })
-    return pd.DataFrame(out)
+    for c in comps:
+        row = by_key.get((c.engine, c.model, c.workload, c.point, c.dtype), {})
+        label, unit, scale = LABELS.get(c.metric, (c.metric, "", 1.0))
+        d = asdict(c)
+        out.append({"engine": c.engine, "series": row.get("series", c.engine), "model": c.model,
+                    "workload": c.workload, "point_key": c.point, "point": row.get("point"), "dtype": c.dtype,
+                    "metric": c.metric, "label": label, "unit": unit, "scale": scale, "better": c.better,
+                    "baseline": d["baseline"], "current": d["current"], "ratio": c.ratio,
+                    "ci_lo": c.ci_low, "ci_hi": c.ci_high, "verdict": c.verdict, "note": c.note})
+    return pd.DataFrame(out, columns=COLUMNS), unmatched
 
 
-def unmatched(baseline: pd.DataFrame, current: pd.DataFrame) -> tuple[int, int]:
-    """(ok points only in the current results, ok points only in the baseline), counted over
-    the workloads both have."""
-    shared = set(baseline["workload"]) & set(current["workload"])
-    b = {_match_key(r) for r in baseline.to_dict("records") if r.get("status") == "ok" and r.get("workload") in shared}
-    c = {_match_key(r) for r in current.to_dict("records") if r.get("status") == "ok" and r.get("workload") in shared}
-    return len(c - b), len(b - c)
+__all__ = ["DEFAULT_METRICS", "DEFAULT_THRESHOLD", "LABELS", "compare_rows", "method_text"]

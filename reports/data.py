@@ -58,6 +58,7 @@ class ReportData:
     baseline: pd.DataFrame | None = None    # the baseline's rows (same columns), or None
     baseline_runs: list[RunInfo] = field(default_factory=list)
     colours: dict[str, str] = field(default_factory=dict)   # engine -> colour
+    threshold: float = 0.05                 # smallest change the baseline comparison counts
 
     @property
     def ok(self) -> pd.DataFrame:
@@ -191,11 +192,12 @@ def engine_colours(engines: list[str]) -> dict[str, str]:
     return out
 
 
-def load_report_data(paths: list[str | Path], baseline: list[str | Path] | None = None) -> ReportData:
+def load_report_data(paths: list[str | Path], baseline: list[str | Path] | None = None,
+                     threshold: float = 0.05) -> ReportData:
     rows, runs = load_runs(paths, "results")
     base, base_runs = (None, [])
     if baseline:
         base, base_runs = load_runs(baseline, "baseline")
     engines = list(dict.fromkeys(list(rows["engine"].dropna()) +
                                  (list(base["engine"].dropna()) if base is not None else [])))
-    return ReportData(rows, runs, base, base_runs, engine_colours([str(e) for e in engines]))
+    return ReportData(rows, runs, base, base_runs, engine_colours([str(e) for e in engines]), threshold)

@@ -74,7 +74,7 @@ def _ci_arrays(d: pd.DataFrame, y: str, ci: str | None, scale: float) -> tuple[l
 
 def facet_lines(df: pd.DataFrame, *, x: str, y: str, facet: str | None, colours: dict[str, str],
                 x_title: str, y_title: str, facet_label: Callable[[Any], str] = str,
-                scale: float = 1.0, ci: str | None = None, fmt: str = ".4~g",
+                scale: float = 1.0, ci: str | None = None, fmt: str = ".6~g",
                 hover: Sequence[tuple[str, str, str]] = (), log_x: bool = False,
                 log_y: bool = False, title: str | None = None) -> go.Figure:
     """One line per series (colour = engine), x vs y × scale, one panel per value of `facet`.
@@ -130,7 +130,7 @@ def facet_lines(df: pd.DataFrame, *, x: str, y: str, facet: str | None, colours:
     return base_layout(fig, height=FACET_HEIGHT * nrows + 80, title=title)
 
 
-def heatmap(z: pd.DataFrame, *, x_title: str, y_title: str, z_title: str, fmt: str = ".4~g",
+def heatmap(z: pd.DataFrame, *, x_title: str, y_title: str, z_title: str, fmt: str = ".6~g",
             title: str | None = None, reverse: bool = False) -> go.Figure:
     """A labelled heatmap of a pivot table (index = y, columns = x); values written in cells."""
     fig = go.Figure(go.Heatmap(
@@ -146,7 +146,7 @@ def heatmap(z: pd.DataFrame, *, x_title: str, y_title: str, z_title: str, fmt: s
 
 
 def bars(df: pd.DataFrame, *, x: str, y: str, colours: dict[str, str], x_title: str, y_title: str,
-         scale: float = 1.0, fmt: str = ".4~g", title: str | None = None,
+         scale: float = 1.0, fmt: str = ".6~g", title: str | None = None,
          ci: str | None = None) -> go.Figure:
     """One bar per series at each x (grouped), value written on the bar."""
     fig = go.Figure()

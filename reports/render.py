@@ -94,11 +94,12 @@ def render_report(data: ReportData, title: str | None = None) -> str:
     )
 
 
-def write_report(paths: list[Path | str], out: Path | str, baseline: list[Path | str] | None = None) -> Path:
+def write_report(paths: list[Path | str], out: Path | str, baseline: list[Path | str] | None = None,
+                 *, threshold: float = 0.05) -> Path:
     """Render the report of the given results files / run directories (and an optional
-    baseline) to `out`, atomically. Returns the path written. Raises ReportInputError (a
-    UserError) on input it cannot use."""
-    data = load_report_data(list(paths), list(baseline) if baseline else None)
+    baseline, compared with `threshold` as infer-bench-compare does) to `out`, atomically.
+    Returns the path written. Raises ReportInputError (a UserError) on input it cannot use."""
+    data = load_report_data(list(paths), list(baseline) if baseline else None, threshold)
     out = Path(out)
     atomic_write_text(out, render_report(data))
     return out

@@ -14,10 +14,11 @@ import pandas as pd
 import pytest
 from markupsafe import escape
 
-from harness.stats import PERCENTILE_METHOD, bootstrap_ratio_ci
+from harness.stats import PERCENTILE_METHOD
 from reports import ReportInputError, write_report
 from reports.cli import main as report_main
-from reports.comparison import compare_rows, unmatched, verdict
+from harness.compare import compare as harness_compare
+from reports.comparison import compare_rows
 from reports.data import ENGINE_COLOURS, engine_colours, frame, load_report_data, load_runs
 from reports.render import render_report
 from reports.sections.common import inverse_ci, mark_best, point_label
@@ -179,39 +180,33 @@ def test_timeline_offers_the_largest_point_first() -> None:
 
 # ---- baseline comparison ---------------------------------------------------------------------
 
-def test_compare_rows_ratio_ci_and_verdicts() -> None:
-    base = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,))
-    cur = sweep_rows({"hf": 0.5}, batches=(1,), prompts=(32,))          # twice as slow
-    cmp = compare_rows(frame(base), frame(cur))
-    dec = cmp[cmp["metric"] == "decode_step_latency_s"].iloc[0]
-    expect = bootstrap_ratio_ci(base[0]["decode_step_latency_s_samples"], cur[0]["decode_step_latency_s_samples"])
-    assert (dec["ratio"], dec["ci_lo"], dec["ci_hi"]) == expect
-    assert dec["verdict"] == "regression" and dec["n_current"] == 20
-    mem = cmp[cmp["metric"] == "peak_memory_bytes"].iloc[0]
-    assert mem["ratio"] == 1.0 and mem["verdict"] == "no change" and pd.isna(mem["ci_lo"])
-    back = compare_rows(frame(cur), frame(base))
-    assert set(back.loc[back["metric"] != "peak_memory_bytes", "verdict"]) == {"improvement"}
-    same = compare_rows(frame(base), frame(base))
-    assert set(same["verdict"]) == {"no change"}
+def test_comparison_is_the_regression_checks(tmp_path: Path) -> None:
+    base = sweep_rows({"hf": 1.0, "reference": 1.0}, batches=(1,), prompts=(32,))
+    cur = sweep_rows({"hf": 0.5, "reference": 1.0}, batches=(1,), prompts=(32,))     # hf twice as slow
+    cmp, unmatched_points = compare_rows(frame(base), frame(cur), threshold=0.05)
+    expect, _ = harness_compare(base, cur, None, 0.05)
+    assert [(c.engine, c.metric, c.ratio, c.ci_low, c.ci_high, c.verdict) for c in expect] == list(
+        zip(cmp["engine"], cmp["metric"], cmp["ratio"], cmp["ci_lo"], cmp["ci_hi"], cmp["verdict"]))
+    hf = cmp[cmp["engine"] == "hf"].set_index("metric")["verdict"]
+    assert hf["decode_step_latency_s"] == "regressed" and hf["output_tok_s"] == "regressed"
+    assert hf["peak_memory_bytes"] == "unchanged"
+    assert set(cmp.loc[cmp["engine"] == "reference", "verdict"]) == {"unchanged"}
+    assert cmp.loc[cmp["metric"] == "decode_step_latency_s", "label"].iloc[0] == "decode step latency"
+    assert cmp["point"].iloc[0] == {"batch_size": 1, "prompt_len": 32, "output_len": 8}
+    assert unmatched_points == {"baseline_only": [], "current_only": []}
 
 
-def test_compare_rows_matches_on_configuration() -> None:
+def test_comparison_lists_failures_and_unmatched_points(tmp_path: Path) -> None:
     base = sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(32,))
-    cur = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,)) + sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,),
-                                                                            model="small")
-    cmp = compare_rows(frame(base), frame(cur))
-    assert set(cmp["point_key"]) == {base[0]["point_key"]} and len(cmp) == 4
-    assert unmatched(frame(base), frame(cur)) == (1, 1)
-
-
-def test_verdict_rules() -> None:
-    assert verdict(1.2, 1.1, 1.3, "lower", 0.05) == "regression"
-    assert verdict(1.03, 1.01, 1.05, "lower", 0.05) == "no change"      # significant but within tolerance
-    assert verdict(1.2, 0.9, 1.5, "lower", 0.05) == "no change"         # CI spans 1
-    assert verdict(0.8, 0.7, 0.9, "lower", 0.05) == "improvement"
-    assert verdict(0.8, 0.7, 0.9, "higher", 0.05) == "regression"       # a throughput that fell
-    assert verdict(1.2, None, None, "lower", 0.05) == "no CI"
-    assert verdict(1.2, None, None, "lower", 0.05, sampled=False) == "regression"
+    cur = [sweep_row("hf", 1, 32), status_row("hf", "failed", "OOM", point=base[1]["point"],
+                                              point_key=base[1]["point_key"], model="tiny", dtype="float32"),
+           sweep_row("hf", 4, 32)]
+    cmp, unmatched_points = compare_rows(frame(base), frame(cur))
+    assert "failed" in set(cmp["verdict"]) and len(unmatched_points["current_only"]) == 1
+    write_results(tmp_path / "cur", cur)
+    write_results(tmp_path / "base", base)
+    html = render_report(load_report_data([tmp_path / "cur"], [tmp_path / "base"]))
+    assert '<tr class="bad">' in html and 'data-table="comparison"' in html
 
 
 # ---- other workloads (planned fields) --------------------------------------------------------
@@ -344,6 +339,12 @@ def test_cli_exit_codes_and_messages(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "no rows" in capsys.readouterr().err
     assert report_main([str(tmp_path / "run"), "--baseline", str(tmp_path / "nope"), "-o", str(tmp_path / "x.html")]) == 2
     assert "baseline" in capsys.readouterr().err
+    assert report_main([str(tmp_path / "run"), "--baseline", str(tmp_path / "run"), "--threshold", "150%",
+                        "-o", str(tmp_path / "x.html")]) == 2
+    assert "--threshold 150%" in capsys.readouterr().err
+    assert report_main([str(tmp_path / "run"), "--baseline", str(tmp_path / "run"), "--threshold", "10%",
+                        "-o", str(tmp_path / "b.html")]) == 0
+    assert "Threshold 10.0%" in (tmp_path / "b.html").read_text()
 
 
 def test_console_script_exit_code(tmp_path: Path) -> None:

@@ -200,8 +200,9 @@ def test_payloads_in_results_run_nothing(driver: Any, tmp_path: Path) -> None:
     assert driver.execute_script("return document.querySelectorAll('script').length") == n_fig + 2
     text = driver.execute_script("return document.body.innerText")
     assert "RuntimeError: " + PAYLOAD in text                       # the error is shown, as text
-    assert ("name: '" + PAYLOAD + "'") in driver.execute_script(
-        "return document.querySelector('details.pre pre').textContent")
+    pres = driver.execute_script(
+        "return Array.from(document.querySelectorAll('details.pre pre')).map(p => p.textContent).join('\\n')")
+    assert ("name: '" + PAYLOAD + "'") in pres and json.dumps(PAYLOAD) in pres   # config, environment.json
     legend = driver.execute_script(
         "return Array.from(document.querySelectorAll('.legendtext')).map(e => e.textContent).join('\\n')")
     assert "eng" + PAYLOAD in legend and "o=" + PAYLOAD in legend   # Plotly shows the names as text

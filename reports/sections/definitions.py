@@ -29,7 +29,7 @@ def statistics_items() -> list[tuple[str, str]]:
 def definitions(data: ReportData) -> list[Block]:
     workloads = set(data.rows["workload"].dropna())
     blocks: list[Block] = []
-    if "sweep" in workloads or "kv_ablation" in workloads or data.rows.get("prefill_latency_s") is not None:
+    if workloads & {"sweep", "kv_ablation"} or "prefill_latency_s" in data.rows.columns:
         blocks.append(_table(d.OFFLINE, "Offline (batch) metrics: the prefill/decode split.", "definitions-offline"))
     if "serving" in workloads or "prefix_sharing" in workloads:
         blocks.append(_table(d.SERVING, "Online (serving) metrics, per request. TPOT is averaged per "

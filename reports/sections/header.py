@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pandas as pd
@@ -31,15 +32,13 @@ def machine_summary(env: dict[str, Any] | None) -> dict[str, str]:
     if git.get("dirty"):
         commit += " (uncommitted changes)"
     return {
-        "host": f"{env.get('hostname', '–')} · {env.get('platform', '–')}",
-        "CPU": f"{cpu.get('model', '–')} · {cpu.get('logical_cores', '–')} logical cores"
-               f" (affinity {cpu.get('affinity', '–')}, torch threads {cpu.get('torch_threads', '–')})",
-        "CPU ISA": ", ".join(cpu.get("isa") or []) or "–",
-        "memory": _gib(env.get("memory_total_bytes")),
-        "GPUs": gpu_text,
-        "CUDA": str(env.get("cuda") or "none"),
-        "Python": str(env.get("python", "–")),
-        "packages": ", ".join(f"{k} {v}" for k, v in packages.items()) or "–",
+        "machine": f"{env.get('hostname', '–')} · {cpu.get('model', '–')}, {cpu.get('logical_cores', '–')} logical "
+                   f"cores (affinity {cpu.get('affinity', '–')}, torch threads {cpu.get('torch_threads', '–')}) · "
+                   f"{_gib(env.get('memory_total_bytes'))} · GPUs: {gpu_text}"
+                   + (f" · CUDA {env['cuda']}" if env.get("cuda") else ""),
+        "software": f"Python {env.get('python', '–')} · "
+                    + (", ".join(f"{k} {v}" for k, v in packages.items()) or "–")
+                    + f" · {env.get('platform', '–')}",
         "git commit": commit,
     }
 
@@ -112,6 +111,10 @@ def run_header(data: ReportData) -> list[Block]:
                             "machines"))
     if len(argvs) > 1:
         blocks.append(Pre(f"commands ({len(argvs)} runs)", "\n".join(argvs)))
+    for env in list(machines.values())[:MAX_CONFIGS]:
+        blocks.append(Pre("environment.json" + (f" ({env.get('hostname')}, {env.get('timestamp')})"
+                                                if len(machines) > 1 else ""),
+                          json.dumps(env, indent=2, default=str)))
     configs: dict[str, list[str]] = {}
     for r in runs:
         if r.config_text:
