@@ -1,24 +1,13 @@
 """The results file: every row field documented, required fields present, durable writes."""
 
 import json
-import re
 import subprocess
 import sys
 
 import pytest
 
 from harness.results import BASE_FIELDS, SCHEMA_VERSION, ResultsWriter, make_row, read_rows
-from harness.paths import REPO_ROOT as REPO
-
-
-def documented_fields() -> set[str]:
-    text = (REPO / "docs" / "results-schema.md").read_text()
-    names: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("| `"):
-            first_cell = line.split("|")[1]
-            names |= set(re.findall(r"`([a-z0-9_]+)`", first_cell))
-    return names
+from tests_support import documented_fields
 
 
 @pytest.fixture(scope="module")
