@@ -21,7 +21,7 @@ from harness.compare import compare as harness_compare
 from reports.comparison import compare_rows
 from reports.data import ENGINE_COLOURS, engine_colours, frame, load_report_data, load_runs
 from reports.render import render_report
-from reports.sections.common import inverse_ci, mark_best, point_label
+from reports.sections.common import inverse_ci, mark_best, point_label, varying_labels
 from reports.sections.memory import chosen_points, downsample_max, memory_frame, timeline_frame
 from reports.sections.summary import failures_frame, headline_frame, sweep_frame
 from reports.sections.sweep import decode_frame, decode_heatmaps, prefill_frame
@@ -106,6 +106,14 @@ def test_sweep_frame_derives_throughput_cis_and_orders_points() -> None:
 def test_inverse_ci_skips_missing() -> None:
     out = inverse_ci(pd.Series([10.0, 10.0, 10.0]), pd.Series([[1.0, 2.0], None, [0.0, 1.0]]))
     assert out.iloc[0] == [5.0, 10.0] and out.iloc[1] is None and out.iloc[2] is None
+
+
+def test_point_labels() -> None:
+    assert point_label({"batch_size": 4, "prompt_len": 128, "output_len": 8}) == "batch 4 · prompt 128 · out 8"
+    assert point_label(None) == "–"
+    pts = [{"kv_layout": "paged", "block_size": 16, "n": 8}, {"kv_layout": "contiguous", "block_size": 32, "n": 8}]
+    assert varying_labels(pts, skip=("kv_layout",)) == ["block_size 16", "block_size 32"]
+    assert varying_labels([{"n": 8}, {"n": 8}]) == ["n 8", "n 8"]
 
 
 def test_mark_best_within_groups() -> None:
