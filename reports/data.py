@@ -153,6 +153,14 @@ def add_series(df: pd.DataFrame) -> pd.DataFrame:
         varying = [c for c in VARIANT_FIELDS if len({str(r[c]) for r in records if _present(r.get(c))}) > 1]
         options = [r.get("engine_options") if isinstance(r.get("engine_options"), dict) else None for r in records]
         differing = _differing_options([o for o in options if o is not None])
+        # an option that changes within one run is a workload's per-point override (kv_cache
+        # for the KV ablation, prefix_caching for prefix sharing): the point already says it
+        per_run: dict[Any, list[dict[str, Any]]] = {}
+        for r, o in zip(records, options):
+            if o is not None:
+                per_run.setdefault(r.get("run_id"), []).append(o)
+        overrides = {k for opts in per_run.values() for k in _differing_options(opts)}
+        differing = [k for k in differing if k not in overrides]
         for idx, r, opts in zip(g.index, records, options):
             parts = [f"{c}={r[c]}" for c in varying if _present(r.get(c))]
             if opts is not None:

@@ -76,10 +76,10 @@ def facet_lines(df: pd.DataFrame, *, x: str, y: str, facet: str | None, colours:
                 x_title: str, y_title: str, facet_label: Callable[[Any], str] = str,
                 scale: float = 1.0, ci: str | None = None, fmt: str = ".6~g",
                 hover: Sequence[tuple[str, str, str]] = (), log_x: bool = False,
-                log_y: bool = False, title: str | None = None) -> go.Figure:
+                log_y: bool = False, title: str | None = None, labels: bool = True) -> go.Figure:
     """One line per series (colour = engine), x vs y × scale, one panel per value of `facet`.
     `ci`: a column of [lo, hi] drawn as error bars. `hover`: extra (column, label, d3-format)
-    shown on hover."""
+    shown on hover. `labels`: write each point's value beside it (when there are few)."""
     facets = sorted(df[facet].dropna().unique()) if facet else [None]
     cols = min(FACET_COLS, len(facets))
     nrows = math.ceil(len(facets) / cols)
@@ -102,7 +102,7 @@ def facet_lines(df: pd.DataFrame, *, x: str, y: str, facet: str | None, colours:
                 tmpl += f"<br>95% CI: −%{{error_y.arrayminus:{fmt}}} / +%{{error_y.array:{fmt}}}"
             for k, (_, label, hfmt) in enumerate(hover):
                 tmpl += f"<br>{esc(label)}: %{{customdata[{k}]{':' + hfmt if hfmt else ''}}}"
-            label_points = len(d) <= MAX_LABELLED_POINTS
+            label_points = labels and len(d) <= MAX_LABELLED_POINTS
             fig.add_trace(go.Scatter(
                 x=list(d[x]), y=[v * scale for v in d[y]], name=esc(s), legendgroup=esc(s),
                 showlegend=s not in shown, mode="lines+markers+text" if label_points else "lines+markers",

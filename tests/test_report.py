@@ -25,7 +25,7 @@ from reports.sections.common import inverse_ci, mark_best, point_label, varying_
 from reports.sections.memory import chosen_points, downsample_max, memory_frame, timeline_frame
 from reports.sections.summary import failures_frame, headline_frame, sweep_frame
 from reports.sections.sweep import decode_frame, decode_heatmaps, prefill_frame
-from reports.sections.workloads import (cdf_frame, kv_ablation_frame, kv_memory_frame, parity_frame,
+from reports.sections.workloads import (cdf_frame, kv_ablation_fits, kv_ablation_frame, kv_memory_frame, parity_frame,
                                         prefix_sharing_frame, roofline_frame, serving_frame, serving_percentiles)
 from test_report_fakes import other_workload_rows, status_row, sweep_row, sweep_rows, write_results
 
@@ -69,8 +69,11 @@ def test_load_multirun_dirs_and_torn_last_line(tmp_path: Path) -> None:
 
 
 def test_series_tell_apart_engine_options_and_repeated_runs() -> None:
-    a = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,), engine_options={"attn_implementation": "sdpa", "x": 1})
-    b = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,), engine_options={"attn_implementation": "eager", "x": 1})
+    # a multirun over an engine option: one run (job) per value
+    a = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,), run_id="job0",
+                   engine_options={"attn_implementation": "sdpa", "x": 1})
+    b = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,), run_id="job1",
+                   engine_options={"attn_implementation": "eager", "x": 1})
     df = frame(a + b)
     assert sorted(df["series"]) == ["hf (attn_implementation=eager)", "hf (attn_implementation=sdpa)"]
     # same configuration measured twice by two runs: told apart by run id
@@ -226,6 +229,11 @@ def test_kv_ablation_frame_slowdown() -> None:
     nc = hf[(hf["mode"] == "no_cache") & (hf["context_len"] == 1024)].iloc[0]
     assert nc["slowdown_vs_cache"] == pytest.approx(16.0)
     assert nc["series"] == "hf · without KV cache"
+    fits = kv_ablation_fits(df).set_index(["base_series", "mode_label"])
+    # the fake no-cache step grows linearly: 2 ms × context / 64
+    assert fits.loc[("hf", "without KV cache"), "slope_s_per_token"] == pytest.approx(2e-3 / 64)
+    assert fits.loc[("hf", "with KV cache"), "slope_s_per_token"] == pytest.approx(0, abs=1e-12)
+    assert fits.loc[("hf", "without KV cache"), "growth"] == pytest.approx(16.0)
 
 
 def test_prefix_sharing_frame() -> None:
@@ -236,12 +244,18 @@ def test_prefix_sharing_frame() -> None:
 
 
 def test_serving_frames() -> None:
-    df = serving_frame(frame(other_workload_rows()))
+    rows = other_workload_rows()
+    for r in rows:                      # a rate of infinity (all at once) is stored as null
+        if r["workload"] == "serving" and r["request_rate"] == 16.0:
+            r["request_rate"] = None
+    df = serving_frame(frame(rows))
     assert len(df) == 6
+    hf = df[df["series"] == "hf"]
+    assert list(hf["rate_label"]) == ["1", "4", "all at once"] and list(hf["rate_x"]) == [1.0, 4.0, 8.0]
     long = serving_percentiles(df, "ttft_s")
     assert len(long) == 18 and set(long["percentile"]) == {"p50", "p90", "p99"}
     cdf = cdf_frame(df)
-    for _, g in cdf.groupby(["series", "request_rate"]):
+    for _, g in cdf.groupby(["series", "rate_x"]):
         assert g["value"].is_monotonic_increasing and g["fraction"].iloc[-1] == 1.0
     assert serving_percentiles(df, "nonexistent_s").empty
 
@@ -251,6 +265,8 @@ def test_kv_memory_roofline_parity_frames() -> None:
                                                      decode_bw_fraction=0.42))
     km = kv_memory_frame(rows)
     assert km.loc[(km["series"] == "hf") & (km["kv_layout"] == "contiguous"), "waste"].iloc[0] == pytest.approx(1 - 300 / 1024)
+    assert set(km["where"]) == {"paged", "contiguous"}        # the layouts' points are otherwise equal
+    assert set(km["point_label"]) == {"batch 4 · prompt 64"}
     rf = roofline_frame(rows)
     assert list(rf["decode_bw_fraction"]) == [0.42]
     pa = parity_frame(rows)
@@ -318,8 +334,8 @@ def test_every_figure_has_axis_titles(tmp_path: Path) -> None:
 
 def test_results_strings_are_escaped_in_html_and_figures(tmp_path: Path) -> None:
     evil = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
-    rows = (sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(32,), model=evil, engine_options={"attn": evil})
-            + sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(32,), model=evil, engine_options={"attn": "sdpa"})
+    rows = (sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(32,), model=evil, run_id="j0", engine_options={"attn": evil})
+            + sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(32,), model=evil, run_id="j1", engine_options={"attn": "sdpa"})
             + sweep_rows({"x" + evil: 1.0}, batches=(1, 2), prompts=(32,))   # an engine name, in legends
             + [status_row("hf", "failed", "boom " + evil)])
     write_results(tmp_path / "cur", rows, config=f"model: {evil}\n")
@@ -361,3 +377,11 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
         pytest.skip("infer-bench-report is not installed (pip install -e .)")
     p = subprocess.run([str(exe), str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "no such file" in p.stderr
+
+
+def test_series_ignore_per_point_option_overrides() -> None:
+    a = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,), run_id="r1", engine_options={"kv_cache": "on"})
+    b = sweep_rows({"hf": 1.0}, batches=(2,), prompts=(32,), run_id="r1", engine_options={"kv_cache": "none"})
+    c = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,), run_id="r2", engine_options={"kv_cache": "on", "t": 2})
+    assert set(frame(a + b)["series"]) == {"hf"}            # one run varied it per point
+    assert set(frame(a + b + c)["series"]) == {"hf (t=None)", "hf (t=2)"}

@@ -183,8 +183,10 @@ def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
 # ---- injection -------------------------------------------------------------------------------
 
 def test_payloads_in_results_run_nothing(driver: Any, tmp_path: Path) -> None:
-    rows = (sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(16,), model=PAYLOAD, engine_options={"o": PAYLOAD})
-            + sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(16,), model=PAYLOAD, engine_options={"o": "plain"})
+    rows = (sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(16,), model=PAYLOAD, run_id="j0",
+                        engine_options={"o": PAYLOAD})
+            + sweep_rows({"hf": 1.0}, batches=(1, 2), prompts=(16,), model=PAYLOAD, run_id="j1",
+                        engine_options={"o": "plain"})
             + sweep_rows({"eng" + PAYLOAD: 1.2}, batches=(1, 2), prompts=(16,))
             + [status_row("hf", "failed", "RuntimeError: " + PAYLOAD, point={"batch_size": 8, "note": PAYLOAD}),
                status_row("vllm" + PAYLOAD, "unavailable", PAYLOAD)])

@@ -41,13 +41,16 @@ def int_columns(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def varying_labels(points: list[Any], skip: tuple[str, ...] = ()) -> list[str]:
+def varying_labels(points: list[Any], skip: tuple[str, ...] = (), full_when_same: bool = True) -> list[str]:
     """Point labels naming only the parameters that differ between the points (and not those
-    in `skip`, shown elsewhere); the full label where nothing differs."""
+    in `skip`, shown elsewhere); where nothing differs, the full label (or "" when not
+    `full_when_same`)."""
     dicts = [p if isinstance(p, dict) else {} for p in points]
     keys = list(dict.fromkeys(k for d in dicts for k in d if k not in skip))
     vary = [k for k in keys if len({repr(d.get(k)) for d in dicts}) > 1]
     if not vary:
+        if not full_when_same:
+            return [""] * len(dicts)
         return [point_label({k: v for k, v in d.items() if k not in skip}) for d in dicts]
     return [point_label({k: d.get(k) for k in vary}) for d in dicts]
 

@@ -55,6 +55,24 @@ def kv_ablation_frame(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({k: column(df, k) for k in keep}).reset_index(drop=True)
 
 
+def kv_ablation_fits(df: pd.DataFrame) -> pd.DataFrame:
+    """A least-squares line step latency = a + b × context per series, mode and batch size:
+    the slope b (s per context token), the intercept a, and how many times slower the step is at
+    the longest context than at the shortest."""
+    out = []
+    for (s, mode, b), g in df.groupby(["base_series", "mode_label", "batch_size"], sort=False, dropna=False):
+        g = g.sort_values("context_len")
+        if g["context_len"].nunique() < 2:
+            continue
+        slope, intercept = np.polyfit(g["context_len"].astype(float), g["decode_step_latency_s"].astype(float), 1)
+        first, last = g.iloc[0], g.iloc[-1]
+        out.append({"engine": g["engine"].iloc[0], "base_series": s, "mode_label": mode, "batch_size": b,
+                    "slope_s_per_token": float(slope), "intercept_s": float(intercept),
+                    "growth": float(last["decode_step_latency_s"] / first["decode_step_latency_s"]),
+                    "span": f"{first['context_len']} → {last['context_len']}"})
+    return pd.DataFrame(out)
+
+
 @section("kv-ablation", "KV ablation", "Decode step latency against context length with the KV cache "
          "and without it (every step recomputes attention over the whole context).")
 def kv_ablation(data: ReportData) -> list[Block]:
@@ -71,7 +89,16 @@ def kv_ablation(data: ReportData) -> list[Block]:
                               Col("step ms [95% CI]", "decode_step_latency_s", MS, "decode_step_latency_s_ci"),
                               Col("p90 ms", "decode_step_latency_s_p90", MS),
                               Col("× slower without cache", "slowdown_vs_cache")], "kv-ablation-values")
-    return [Figure(fig, "kv-ablation", "Solid: with the KV cache; dashed: without it.", table)]
+    blocks: list[Block] = [Figure(fig, "kv-ablation", "Solid: with the KV cache; dashed: without it.", table)]
+    fits = kv_ablation_fits(df)
+    if not fits.empty:
+        blocks.append(values_table(fits, [
+            Col("engine", "base_series", text=True), Col("mode", "mode_label", text=True), Col("batch", "batch_size"),
+            Col("slope µs per context token", "slope_s_per_token", 1e6), Col("intercept ms", "intercept_s", MS),
+            Col("context", "span", text=True), Col("× slower at the longest context", "growth")],
+            "kv-ablation-fits", "A straight line fitted to each curve (least squares): step latency = "
+                                "intercept + slope × context length."))
+    return blocks
 
 
 # ---- prefix sharing --------------------------------------------------------------------------
@@ -123,23 +150,39 @@ def prefix_sharing(data: ReportData) -> list[Block]:
 SERVING_METRICS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2el_s", "E2EL")]
 
 
+ALL_AT_ONCE = "all at once"
+
+
 def serving_frame(rows: pd.DataFrame) -> pd.DataFrame:
-    """Serving rows (ok) in point order: request rate, the percentile columns, goodput."""
-    df = _rows(rows, "serving", "request_rate")
+    """Serving rows (ok) in point order, with `rate_x` (the request rate to plot at; a rate of
+    infinity, stored as null, sits one step right of the largest finite rate) and `rate_label`."""
+    df = _rows(rows, "serving")
     if df.empty:
         return df
-    return df.sort_values(["series", "request_rate"], kind="stable").reset_index(drop=True)
+    rate = pd.to_numeric(column(df, "request_rate"), errors="coerce")
+    finite = rate[np.isfinite(rate)]
+    top = float(finite.max()) * 2 if len(finite) else 1.0
+    df["rate_x"] = rate.where(np.isfinite(rate), top)
+    df["rate_label"] = [f"{v:g}" if np.isfinite(v) else ALL_AT_ONCE for v in rate.fillna(np.inf)]
+    return df.sort_values(["series", "rate_x"], kind="stable").reset_index(drop=True)
+
+
+def _rate_ticks(fig: go.Figure, df: pd.DataFrame) -> go.Figure:
+    """Label the request-rate axis with the rates (and 'all at once')."""
+    ticks = df.drop_duplicates("rate_x").sort_values("rate_x")
+    fig.update_xaxes(tickvals=list(ticks["rate_x"]), ticktext=list(ticks["rate_label"]))
+    return fig
 
 
 def serving_percentiles(df: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Long format for one metric: series, engine, request_rate, percentile ('p50'...), value (s)."""
+    """Long format for one metric: series, engine, rate_x, rate_label, percentile ('p50'...), value (s)."""
     recs = []
     for r in df.to_dict("records"):
         for p in PERCENTILE_KEYS:
             v = r.get(f"{metric}_{p}")
             if v is not None and not (isinstance(v, float) and np.isnan(v)):
-                recs.append({"engine": r["engine"], "series": r["series"], "request_rate": r["request_rate"],
-                             "percentile": p, "value": float(v)})
+                recs.append({"engine": r["engine"], "series": r["series"], "rate_x": r["rate_x"],
+                             "rate_label": r["rate_label"], "percentile": p, "value": float(v)})
     return pd.DataFrame(recs)
 
 
@@ -157,8 +200,8 @@ def cdf_frame(df: pd.DataFrame, samples: str = "ttft_s_samples") -> pd.DataFrame
         n = len(xs)
         idx = np.unique(np.linspace(0, n - 1, min(n, CDF_MAX_POINTS)).round().astype(int))
         for i in idx:
-            recs.append({"engine": r["engine"], "series": r["series"], "request_rate": r["request_rate"],
-                         "value": float(xs[i]), "fraction": (i + 1) / n})
+            recs.append({"engine": r["engine"], "series": r["series"], "rate_x": r["rate_x"],
+                         "rate_label": r["rate_label"], "value": float(xs[i]), "fraction": (i + 1) / n})
     return pd.DataFrame(recs)
 
 
@@ -173,30 +216,32 @@ def serving(data: ReportData) -> list[Block]:
         long = serving_percentiles(df, metric)
         if long.empty:
             continue
-        blocks.append(Figure(facet_lines(
-            long, x="request_rate", y="value", facet="percentile", facet_label=lambda p: p, colours=data.colours,
-            x_title="request rate (req/s)", y_title=f"{label} (ms)", scale=MS),
+        blocks.append(Figure(_rate_ticks(facet_lines(
+            long, x="rate_x", y="value", facet="percentile", facet_label=lambda p: p, colours=data.colours,
+            x_title="request rate (req/s)", y_title=f"{label} (ms)", scale=MS), df),
             f"serving-{metric.removesuffix('_s')}", f"{label} percentiles vs request rate."))
     cdf = cdf_frame(df)
     if not cdf.empty:
-        fig = facet_lines(cdf, x="value", y="fraction", facet="request_rate",
-                          facet_label=lambda r: f"{r:g} req/s", colours=data.colours,
-                          x_title="TTFT (s)", y_title="fraction of requests")
+        labels = dict(zip(df["rate_x"], df["rate_label"]))
+        fig = facet_lines(cdf, x="value", y="fraction", facet="rate_x",
+                          facet_label=lambda r: labels.get(r, ALL_AT_ONCE) + (" req/s" if labels.get(r) != ALL_AT_ONCE else ""),
+                          colours=data.colours,
+                          x_title="TTFT (s)", y_title="fraction of requests", labels=False)
         fig.update_xaxes(tickvals=None)
         blocks.append(Figure(fig, "serving-ttft-cdf", "Cumulative distribution of TTFT, one panel per request rate."))
     if has(df, "goodput_req_s"):
-        blocks.append(Figure(facet_lines(
-            df, x="request_rate", y="goodput_req_s", facet=None, colours=data.colours,
-            x_title="request rate (req/s)", y_title="goodput (req/s)"), "serving-goodput",
+        blocks.append(Figure(_rate_ticks(facet_lines(
+            df, x="rate_x", y="goodput_req_s", facet=None, colours=data.colours,
+            x_title="request rate (req/s)", y_title="goodput (req/s)"), df), "serving-goodput",
             "Requests per second meeting every SLO."))
-    cols = [Col("engine", "series", text=True), Col("rate req/s", "request_rate")]
+    cols = [Col("engine", "series", text=True), Col("rate req/s", "rate_label", text=True)]
     for metric, label in SERVING_METRICS:
         cols += [Col(f"{label} {p} ms", f"{metric}_{p}", MS, None, "lower") for p in PERCENTILE_KEYS
                  if has(df, f"{metric}_{p}")]
     if has(df, "goodput_req_s"):
         cols.append(Col("goodput req/s", "goodput_req_s", 1, None, "higher"))
     if blocks:
-        blocks[-1].table = values_table(df, cols, "serving-values", group="request_rate")
+        blocks[-1].table = values_table(df, cols, "serving-values", group="rate_x")
     return blocks
 
 
@@ -207,8 +252,10 @@ def kv_memory_frame(rows: pd.DataFrame) -> pd.DataFrame:
     df = _rows(rows, None, "kv_layout", "slots_allocated", "tokens_stored")
     if df.empty:
         return df
-    df["point_label"] = varying_labels(list(column(df, "point")), skip=("kv_layout",))
-    df["where"] = df["kv_layout"].astype(str) + " · " + df["point_label"]
+    points = list(column(df, "point"))
+    df["point_label"] = varying_labels(points, skip=("kv_layout",))
+    short = varying_labels(points, skip=("kv_layout",), full_when_same=False)
+    df["where"] = [f"{lay} · {s}" if s else str(lay) for lay, s in zip(df["kv_layout"], short)]
     alloc = pd.to_numeric(df["slots_allocated"], errors="coerce")
     df["waste"] = (1 - pd.to_numeric(df["tokens_stored"], errors="coerce") / alloc).where(alloc > 0)
     keep = ["engine", "series", "kv_layout", "point_label", "where", "slots_allocated", "tokens_stored", "waste",
