@@ -385,3 +385,15 @@ def test_series_ignore_per_point_option_overrides() -> None:
     c = sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,), run_id="r2", engine_options={"kv_cache": "on", "t": 2})
     assert set(frame(a + b)["series"]) == {"hf"}            # one run varied it per point
     assert set(frame(a + b + c)["series"]) == {"hf (t=None)", "hf (t=2)"}
+
+
+def test_header_states_machine_gpus_and_commit() -> None:
+    from reports.sections.header import machine_summary
+    env = {"hostname": "h", "cpu": {"model": "EPYC", "logical_cores": 16}, "memory_total_bytes": 2**37,
+           "gpus": [{"name": "NVIDIA H200", "memory_total_bytes": 141 * 2**30, "driver": "570.1"}],
+           "cuda": "13.0", "python": "3.11.7", "packages": {"torch": "2.11"}, "platform": "Linux",
+           "git": {"commit": "abc123", "dirty": True}}
+    m = machine_summary(env)
+    assert "NVIDIA H200 (141.0 GiB, driver 570.1)" in m["machine"] and "CUDA 13.0" in m["machine"]
+    assert m["git commit"] == "abc123 (uncommitted changes)" and "torch 2.11" in m["software"]
+    assert machine_summary(None) == {}
