@@ -23,12 +23,15 @@ def sweep_run(tmp_path_factory, tiny_ckpt):
 
 def test_rows_written_and_documented(sweep_run):
     out, stdout = sweep_run
-    rows = read_rows(out / "results.jsonl")
+    all_rows = read_rows(out / "results.jsonl")
+    rows = [r for r in all_rows if r["workload"] == "sweep"]
     assert [(r["batch_size"], r["prompt_len"]) for r in rows] == [(1, 16), (2, 16)]
+    assert [r["workload"] for r in all_rows].count("parity") == 1
     doc = documented_fields()
-    for r in rows:
+    for r in all_rows:
         undocumented = set(r) - doc
         assert not undocumented, f"fields missing from docs/results-schema.md: {sorted(undocumented)}"
+    for r in rows:
         assert set(BASE_FIELDS) <= set(r)
         assert r["schema_version"] == SCHEMA_VERSION and r["status"] == "ok" and r["error"] is None
         assert r["engine"] == "hf" and r["dtype"] == "float32" and r["device"] == "cpu"
