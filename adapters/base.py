@@ -43,6 +43,10 @@ class ModelSpec:
     device: str = "cpu"  # cpu | cuda | cuda:N
     max_model_len: int = 2048  # longest sequence (prompt + output) the run will need
     seed: int = 0
+    # Largest batch the run will prefill at once (prefill()): engines that must admit a whole
+    # batch in one step size their per-step limits from these when the user did not set them.
+    max_batch_size: int = 1
+    max_batch_tokens: int = 0
 
 
 @dataclass

@@ -119,6 +119,10 @@ def is_cpu(model: ModelSpec) -> bool:
     return not str(model.device).startswith("cuda")
 
 
+_DEFAULT_MAX_NUM_SEQS = 256
+_DEFAULT_MAX_BATCHED_TOKENS = 4096
+
+
 def engine_kwargs(model: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM(...)` for this model and these options (pure: no vLLM
     import; unit-tested)."""
@@ -143,6 +147,12 @@ def engine_kwargs(model: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
     for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
         if o[k] is not None:
             kw[k] = int(o[k])
+    # prefill() must admit its whole batch in one step: unless the user set the limits, raise
+    # vLLM's defaults (256 sequences, 4096 tokens per step on CPU) to the run's largest batch
+    if o["max_num_seqs"] is None and model.max_batch_size > _DEFAULT_MAX_NUM_SEQS:
+        kw["max_num_seqs"] = int(model.max_batch_size)
+    if o["max_num_batched_tokens"] is None and model.max_batch_tokens > _DEFAULT_MAX_BATCHED_TOKENS:
+        kw["max_num_batched_tokens"] = int(model.max_batch_tokens)
     return kw
 
 

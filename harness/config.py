@@ -51,10 +51,12 @@ class Plan:
     points: list[Point]
     max_model_len: int
     engine_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    max_batch: tuple[int, int] = (1, 0)  # largest prefill batch: (sequences, prompt tokens)
 
     def model_spec(self, path: str) -> ModelSpec:
         return ModelSpec(path=path, name=self.shape.name, dtype=self.dtype, device=self.device,
-                         max_model_len=self.max_model_len, seed=self.settings.seed)
+                         max_model_len=self.max_model_len, seed=self.settings.seed,
+                         max_batch_size=self.max_batch[0], max_batch_tokens=self.max_batch[1])
 
 
 def _cuda_available() -> bool:
@@ -179,4 +181,5 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     assert shape is not None and workload is not None
     return Plan(settings=settings, engines=engines, unavailable=unavailable, shape=shape, model_cfg=model_cfg,
                 dtype=dtype, device=device, workload=workload, workload_cfg=wl_cfg,
-                points=workload.plan(wl_cfg), max_model_len=max_len, engine_options=options)
+                points=workload.plan(wl_cfg), max_model_len=max_len, engine_options=options,
+                max_batch=workload.max_prefill_batch(wl_cfg))

@@ -113,3 +113,15 @@ def test_worker_threads_follow_vllms_own_cpu_binding():
     assert vllm_worker_threads(two_nodes) == 3
     assert vllm_worker_threads([(0, 0, 0)]) == 1 and vllm_worker_threads([]) == 1
     assert engine_kwargs(CPU, {"cpu_threads": 3}).get("cpu_threads") is None  # ours, not vLLM's
+
+
+def test_step_limits_grow_to_the_runs_largest_prefill_batch():
+    from dataclasses import replace
+    small = replace(CPU, max_batch_size=16, max_batch_tokens=2048)
+    kw = engine_kwargs(small, {})
+    assert "max_num_seqs" not in kw and "max_num_batched_tokens" not in kw  # vLLM's defaults suffice
+    big = replace(CPU, max_batch_size=300, max_batch_tokens=17_000)
+    kw = engine_kwargs(big, {})
+    assert kw["max_num_seqs"] == 300 and kw["max_num_batched_tokens"] == 17_000
+    kw = engine_kwargs(big, {"max_num_batched_tokens": 8192})  # the user's setting wins
+    assert kw["max_num_batched_tokens"] == 8192

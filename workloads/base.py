@@ -85,6 +85,10 @@ class Workload(ABC):
     def max_model_len(self, cfg: Any) -> int:
         """Longest sequence (prompt + output tokens) any point needs."""
 
+    def max_prefill_batch(self, cfg: Any) -> tuple[int, int]:
+        """(sequences, prompt tokens) of the largest batch any point passes to prefill()."""
+        return 1, self.max_model_len(cfg)
+
     def check(self, cfg: Any, shape: ModelShape) -> list[str]:
         """Problems beyond field types and ranges (e.g. lengths over the model's maximum)."""
         need = self.max_model_len(cfg)

@@ -61,6 +61,9 @@ class KVAblation(Workload):
     def max_model_len(self, cfg: KVAblationConfig) -> int:
         return max(cfg.context_lens) + cfg.decode_steps + 1
 
+    def max_prefill_batch(self, cfg: KVAblationConfig) -> tuple[int, int]:
+        return cfg.batch_size, cfg.batch_size * max(cfg.context_lens)
+
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:
         if point.params["mode"] == "no_cache" and not caps.no_cache_mode:
             return "the engine cannot generate without a KV cache"

@@ -30,7 +30,8 @@ LAYOUTS = ("paged", "contiguous")
 class KVMemoryConfig:
     name: str = spec("kv_memory")
     kv_dtypes: list[str] = spec(["auto", "int8", "fp8"], nonempty=True, help="auto = the model's dtype")
-    block_sizes: list[int] = spec([16], ge=1, nonempty=True, help="for paged engines")
+    block_sizes: list[int] = spec([16, 32, 128], ge=1, nonempty=True,
+                                  help="for paged engines (vLLM on CPU takes multiples of 32 only)")
     layouts: list[str] = spec(["paged", "contiguous"], choices=LAYOUTS, nonempty=True)
     num_sequences: int = spec(16, ge=1)
     prompt_len: Any = spec({"dist": "uniform", "min": 64, "max": 2048}, help="prompt length distribution")
@@ -64,7 +65,12 @@ class KVMemory(Workload):
         return [Point(self.name, {"kv_layout": lay, "kv_dtype": d, "block_size": b, "min_block_size": smallest,
                                   "num_sequences": cfg.num_sequences, "output_len": cfg.output_len})
                 for lay in dict.fromkeys(cfg.layouts) for d in dict.fromkeys(cfg.kv_dtypes)
-                for b in sorted(set(cfg.block_sizes))]
+                for b in sorted(set(cfg.block_sizes))
+                if lay == "paged" or b == smallest]  # a contiguous cache has no blocks
+
+    def max_prefill_batch(self, cfg: KVMemoryConfig) -> tuple[int, int]:
+        dist, _ = parse_length(cfg.prompt_len, "workload.prompt_len")
+        return cfg.num_sequences, cfg.num_sequences * (dist.bounds()[1] if dist else 1)
 
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:
         if point.params["kv_layout"] == "contiguous" and not caps.contiguous_layout:

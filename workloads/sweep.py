@@ -131,6 +131,9 @@ class Sweep(Workload):
     def max_model_len(self, cfg: SweepConfig) -> int:
         return max(cfg.prompt_lens) + cfg.output_len
 
+    def max_prefill_batch(self, cfg: SweepConfig) -> tuple[int, int]:
+        return max(cfg.batch_sizes), max(cfg.batch_sizes) * max(cfg.prompt_lens)
+
     def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
         cfg: SweepConfig = ctx.extra["workload_cfg"]
         b, s, o = point.params["batch_size"], point.params["prompt_len"], point.params["output_len"]
