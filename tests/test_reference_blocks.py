@@ -63,6 +63,7 @@ def test_allocator_invariants_under_random_schedule(num_blocks, block_size, budg
     prefixes = [[1 + (i * 13 + j) % 40 for j in range(16)] for i in range(4)]
     pending = []
     for i, (p, extra, out, when) in enumerate(requests):
+        out = min(out, max_len - 1)  # every request fits the pool on its own
         prompt = (prefixes[p] + [40 + i] * extra)[: max(1, min(max_len - out, 16 + extra))]
         pending.append((when, Sequence(i, prompt, len(prompt) + out)))
     live, finished = [], []
@@ -163,6 +164,16 @@ def test_pool_too_small_for_one_sequence_raises():
     sched.add(Sequence(1, [1, 2, 3, 4, 5], 6))
     with pytest.raises(PoolTooSmall, match="kv_cache_bytes"):
         sched.schedule()
+
+
+def test_sequence_longer_than_the_pool_raises_instead_of_looping():
+    bm = BlockManager(4, 2, prefix_caching=False)
+    sched = Scheduler(bm, 8, 1)  # one token per step: the prompt fits, the outputs do not
+    seq = Sequence(1, [1, 2], 12)
+    sched.add(seq)
+    with pytest.raises(PoolTooSmall, match="12 tokens|9 tokens"):
+        for _ in range(100):
+            run_steps(sched, [seq], [])
 
 
 def test_no_cache_scheduler_recomputes_whole_sequences():

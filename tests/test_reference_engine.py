@@ -86,6 +86,36 @@ def test_logits_match_transformers(spec, oracle, mode):
     engine.close()
 
 
+def test_logits_match_with_score_slices(spec, oracle, monkeypatch):
+    """A tiny score budget: prefill attention in slices of a few query rows, one sequence at a
+    time (the path long prompts take)."""
+    from adapters.reference import attention
+    monkeypatch.setattr(attention, "SCORE_BUDGET", 8 * 4 * 20)
+    engine = ref_engine(spec)
+    pre = engine.prefill(make_prompts(LENGTHS), return_logits=True)
+    dec = engine.decode(STEPS, return_logits=True)
+    assert_matches(pre, dec, *oracle)
+    engine.close()
+
+
+def test_pool_garbage_never_leaks(spec, oracle):
+    """The pool is allocated uninitialised: fill it with NaN, and nothing of it may reach the
+    logits (blocks are zeroed on first use; masked slots must be finite)."""
+    for options in ({"block_size": 4}, {"kv_dtype": "int8"}, {"kv_layout": "contiguous"}):
+        engine = ref_engine(spec, **options)
+        for t in (engine.pool.k, engine.pool.v):
+            t.view(torch.uint8).fill_(0xFF)  # NaN in float types, -1 in int8, NaN in fp8
+        for t in (engine.pool.k_scale, engine.pool.v_scale):
+            if t is not None:
+                t.fill_(float("nan"))
+        pre = engine.prefill(make_prompts(LENGTHS), return_logits=True)
+        dec = engine.decode(STEPS, return_logits=True)
+        assert all(torch.isfinite(x).all() for x in [pre.logits] + dec.logits)
+        if "kv_dtype" not in options:
+            assert_matches(pre, dec, *oracle)
+        engine.close()
+
+
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_logits_match_across_preemption(spec, oracle, layout):
     """A pool too small for the whole batch: sequences are preempted and recomputed."""

@@ -120,28 +120,33 @@ def test_unsupported_checkpoint(tiny_ckpt, tmp_path, change, message):
         ReferenceEngine().load(spec_for(ckpt), {})
 
 
-def test_qwen2_style_bias_and_tied_embeddings(tmp_path):
-    """A checkpoint with q/k/v biases (Qwen2) and tied embeddings matches transformers too."""
+@pytest.mark.parametrize("arch,extra", [
+    ("qwen2", {"tie_word_embeddings": True}),  # q/k/v biases, tied embeddings
+    ("llama", {"attention_bias": True}),  # q/k/v and o biases
+])
+def test_biases_and_tied_embeddings_match_transformers(tmp_path, arch, extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from adapters.hf import HFEngine
 
-    config = AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = AutoConfig.for_model(arch, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                  max_position_embeddings=256, tie_word_embeddings=True, rope_theta=50000.0)
+                                  max_position_embeddings=256, rope_theta=50000.0, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             torch.nn.init.normal_(p, std=0.5)  # transformers starts biases at zero: make them matter
     model.save_pretrained(tmp_path)
-    spec = spec_for(tmp_path, max_model_len=64, name="qwen2-toy")
+    spec = spec_for(tmp_path, max_model_len=64, name=f"{arch}-toy")
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     hf, ref = HFEngine(), ReferenceEngine()
     hf.load(spec, {}), ref.load(spec, {"block_size": 4})
     a, b = hf.prefill(prompts, return_logits=True), ref.prefill(prompts, return_logits=True)
     da, db = hf.decode(8, return_logits=True), ref.decode(8, return_logits=True)
-    assert ref.model.layers[0].qkv_bias is not None and ref.model.lm_head is ref.model.embed
+    layer = ref.model.layers[0]
+    assert layer.qkv.bias is not None and (layer.o.bias is not None) == (arch == "llama")
+    assert ref.model.tied == (arch == "qwen2")
     for x, y in zip([a.logits] + da.logits, [b.logits] + db.logits):
         assert ((x - y).abs().max() / x.abs().max()).item() < 1e-4
     assert da.tokens == db.tokens

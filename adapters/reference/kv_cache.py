@@ -1,9 +1,13 @@
 """The KV pool: one tensor for K and one for V, allocated once, holding every layer's cache.
 
-    k[layer] : [num_blocks * block_size, kv_heads, head_dim]   one row per token slot
+    k[layer] : [num_blocks, kv_heads, block_size, head_dim]
 
-Slot `s` lives in block `s // block_size`. A sequence's block table lists its blocks; its
-token at position p sits in slot `table[p // block_size] * block_size + p % block_size`.
+A sequence's block table lists its blocks: its token at position p sits in block
+`table[p // block_size]`, at offset `p % block_size`, one row per KV head. A block is one
+contiguous piece of memory per layer (so a gather copies a few large pieces), and within it
+each head's keys are contiguous (so attention can multiply block by block without reordering
+anything; see attention.py). `rows()` turns (block, offset) pairs into row numbers of the
+flattened [num_blocks * kv_heads * block_size, head_dim] view, where writes go.
 
 Storage formats (`kv_dtype`):
   auto  the model's dtype
@@ -56,22 +60,42 @@ def check_kv_dtype(kv_dtype: str, device: torch.device) -> str | None:
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, kv_dtype: str, model_dtype: torch.dtype, device: torch.device):
-        self.num_blocks, self.block_size, self.kv_dtype = num_blocks, block_size, kv_dtype
-        self.model_dtype = model_dtype
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.num_blocks, self.block_size, self.kv_heads = num_blocks, block_size, num_kv_heads
+        self.kv_dtype, self.model_dtype = kv_dtype, model_dtype
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         store = {"int8": torch.int8, "fp8": torch.uint8}.get(kv_dtype, model_dtype)
-        # zeros, not empty: reads gather whole blocks, and the unused tail of a block must hold
-        # finite values (the mask gives them zero weight, but NaN * 0 would still be NaN)
-        self.k = torch.zeros(shape, dtype=store, device=device)
-        self.v = torch.zeros(shape, dtype=store, device=device)
+        # Allocated once, but not written: on a CPU the operating system commits the pages only
+        # when a block is first used. A block is zeroed on its first use (`prepare`), because
+        # reads gather whole blocks and the unused tail of a block must hold finite values (the
+        # mask gives them zero weight, but NaN * 0 is still NaN).
+        self.k = torch.empty(shape, dtype=store, device=device)
+        self.v = torch.empty(shape, dtype=store, device=device)
         self.k_scale = self.v_scale = None
         if kv_dtype == "int8":
-            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
-            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            self.k_scale = torch.empty(shape[:4], dtype=torch.float32, device=device)
+            self.v_scale = torch.empty(shape[:4], dtype=torch.float32, device=device)
+        self.used = bytearray(num_blocks)  # 1 once a block has been zeroed
         self.bytes_per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype, model_dtype)
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale)
                           if t is not None)
         assert self.nbytes == self.bytes_per_token * num_blocks * block_size
+
+    def rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of tokens (in `blocks` at `offsets`, [T] each) for every KV head: [T * kv_heads]."""
+        heads = torch.arange(self.kv_heads, device=blocks.device)
+        return ((blocks[:, None] * self.kv_heads + heads) * self.block_size + offsets[:, None]).reshape(-1)
+
+    def prepare(self, block_ids: set[int]) -> None:
+        """Zero the blocks among `block_ids` that were never used (see __init__)."""
+        fresh = [b for b in block_ids if not self.used[b]]
+        if not fresh:
+            return
+        ids = torch.tensor(fresh, dtype=torch.long, device=self.k.device)
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                t.view(t.shape[0], self.num_blocks, -1).index_fill_(1, ids, 0)
+        for b in fresh:
+            self.used[b] = 1
 
     # ---- quantisation -------------------------------------------------------------------
     def _quantise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -92,28 +116,33 @@ class KVPool:
         return x
 
     # ---- write and read -----------------------------------------------------------------
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the K/V of tokens [T, kv_heads, head_dim] in `slots` [T]."""
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the K/V of tokens [T, kv_heads, head_dim] in `rows` (see `rows()`)."""
+        d = k.shape[-1]
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = self._quantise(x)
-            cache[layer].index_copy_(0, slots, q)
+            cache[layer].view(-1, d).index_copy_(0, rows, q.reshape(-1, d))
             if scales is not None:
-                scales[layer].index_copy_(0, slots, s)
+                scales[layer].view(-1).index_copy_(0, rows, s.reshape(-1))
 
-    def read(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first `length` slots of every block table: [B, n] tables -> [B, length,
-        kv_heads, head_dim] each, in the model's dtype, gathered block by block. Slots past a
-        sequence's own length hold stale values; the attention mask hides them."""
-        b, n = block_tables.shape
+    def read_blocks(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of every block table, gathered: [B, n] tables -> K and V [B, n, kv_heads,
+        block_size, head_dim], in the model's dtype. A single-block table (a contiguous region)
+        gets only its first `length` slots. Slots past a sequence's own length hold stale
+        values; the attention mask hides them."""
         ids = block_tables.reshape(-1)
         out = []
         for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            blocks = cache[layer].view(self.num_blocks, self.block_size, *cache.shape[2:])
-            s = None if scales is None else scales[layer].view(self.num_blocks, self.block_size, -1)
-            if n == 1:  # a single block (a contiguous region): copy only the slots in use
-                blocks = blocks[:, :length]
-                s = None if s is None else s[:, :length]
-            x = blocks.index_select(0, ids)
-            s = None if s is None else s.index_select(0, ids)
-            out.append(self._dequantise(x, s).view(b, -1, *cache.shape[2:])[:, :length])
+            x, s = cache[layer], None if scales is None else scales[layer]
+            if block_tables.shape[1] == 1:
+                x, s = x[:, :, :length], None if s is None else s[:, :, :length]
+            x, s = x.index_select(0, ids), None if s is None else s.index_select(0, ids)
+            out.append(self._dequantise(x, s).view(*block_tables.shape, *x.shape[1:]))
         return out[0], out[1]
+
+    def read(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `length` tokens, head by head: [1, n] table -> K and V
+        [1, kv_heads, length, head_dim], contiguous."""
+        k, v = self.read_blocks(layer, block_table, length)
+        return tuple(x.permute(0, 2, 1, 3, 4).reshape(1, self.kv_heads, -1, x.shape[-1])[:, :, :length].contiguous()
+                     for x in (k, v))

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MLP_ROWS = 1024  # tokens per slice of the MLP (see Model.mlp)
 
 
 @dataclass(frozen=True)
@@ -100,16 +101,51 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+class Linear:
+    """y = x @ W.T + b, optionally plus a residual (`x2 = linear.add(h, x)`: x + h @ W.T + b).
+
+    On a CPU the weight is packed once, at load time, into oneDNN's blocked layout (what
+    torch.compile's CPU backend does for frozen weights): a matrix product then reads the
+    weight as it is instead of reordering it on every call. For the small row counts of decode
+    steps that is a third faster (measured on the `small` preset, bf16, 16 rows), and the
+    residual add is fused into the product. Where oneDNN cannot pack (another device, a dtype
+    it lacks), plain `F.linear` / `torch.addmm`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias, self.packed = weight, bias, None
+        self.shape = tuple(weight.shape)
+        self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+                probe = torch.ones(2, weight.shape[1], dtype=weight.dtype)
+                torch.ops.mkldnn._linear_pointwise.binary(probe, probe[:, :1].expand(2, weight.shape[0]).contiguous(),
+                                                          packed, bias, "add")
+                self.packed, self.weight = packed, None
+            except (RuntimeError, AttributeError):  # no oneDNN kernel for this dtype here
+                pass
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W.T + b, the add fused into the product."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        out = torch.addmm(residual, x, self.weight.t())
+        return out if self.bias is None else out + self.bias
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, hidden]: Q, K and V fused
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear  # [(heads + 2 kv_heads) * head_dim, hidden]: Q, K and V fused (bias: Qwen2)
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate and up fused
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]: gate and up fused
+    down: Linear
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -148,43 +184,59 @@ class Model:
             attn, mlp = p + "self_attn.", p + "mlp."
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")),
-                qkv_bias=cat(take(attn + "q_proj.bias", False), take(attn + "k_proj.bias", False),
-                             take(attn + "v_proj.bias", False)),
-                o=take(attn + "o_proj.weight"),
-                o_bias=take(attn + "o_proj.bias", False),
+                qkv=Linear(cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")),
+                           cat(take(attn + "q_proj.bias", False), take(attn + "k_proj.bias", False),
+                               take(attn + "v_proj.bias", False))),
+                o=Linear(take(attn + "o_proj.weight"), take(attn + "o_proj.bias", False)),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=cat(take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")),
-                down=take(mlp + "down_proj.weight"),
+                gate_up=Linear(cat(take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight"))),
+                down=Linear(take(mlp + "down_proj.weight")),
             ))
         self.norm = take("norm.weight")
         lm_head = raw.pop("lm_head.weight", None)
-        if lm_head is None or cfg.tie_word_embeddings:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = lm_head.to(device=device, dtype=dtype).contiguous()
+        self.tied = lm_head is None or cfg.tie_word_embeddings
+        self.lm_head = Linear(self.embed if self.tied else lm_head.to(device=device, dtype=dtype).contiguous())
+        unused = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
+        if unused:  # e.g. MLP biases: refuse rather than silently compute another model
+            raise ValueError(f"{path}: weights the reference engine does not use: {', '.join(unused[:5])}"
+                             f"{' ...' if len(unused) > 5 else ''}. Use engine hf for this model.")
         # cos/sin for every position, computed once in float32 and stored in the model's dtype
         self.rope_len = max(cfg.max_position_embeddings, max_len)
         freqs = torch.outer(torch.arange(self.rope_len, dtype=torch.float), rope_inv_freq(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        half = cfg.head_dim // 2  # the first half of rotate_half(x) is -x2: store -sin there
+        self.sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1).to(device=device, dtype=dtype)
 
     def num_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Bytes of the model's parameters (a tied output matrix counted once)."""
+        linears = [self.lm_head] if not self.tied else []
+        norms = [self.embed, self.norm]
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+            norms += [layer.input_norm, layer.post_norm]
+        return sum(x.nbytes for x in linears) + sum(t.numel() * t.element_size() for t in norms)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x / rms(x) * weight; torch's fused kernel accumulates in float32."""
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding on [T, heads, head_dim] (halves rotated, not interleaved pairs)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on [T, heads, head_dim], halves rotated (not interleaved pairs):
+        x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) = roll(x) * (-1, +1);
+        the sign is folded into `sin` (see __init__)."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+    def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """x + down(silu(gate(h)) * up(h)) with h = norm(x), in slices of MLP_ROWS tokens: the
+        [tokens, 2 * intermediate] activations of a long prefill then stay in the CPU's caches
+        (measured: ~25% faster for 4,096 tokens of the `small` preset)."""
+        out = []
+        for i in range(0, x.shape[0], MLP_ROWS):
+            xs = x[i:i + MLP_ROWS]
+            gate, up = layer.gate_up(self.rms_norm(xs, layer.post_norm)).chunk(2, dim=-1)
+            out.append(layer.down.add(F.silu(gate).mul_(up), xs))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -197,15 +249,15 @@ class Model:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(self.rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(self.rms_norm(x, layer.input_norm))
             # Q and K sit side by side in the fused output: one rotation for both
             qk = self.rotate(qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].view(t, c.num_kv_heads, c.head_dim)
             o = attend(i, q, k, v)  # [T, heads * head_dim]
             if i == len(self.layers) - 1:  # past the last attention only the sampled rows matter
+                if logits_indices.numel() == 0:  # a step of unfinished prompt chunks only
+                    return torch.empty(0, c.vocab_size, device=x.device)
                 o, x = o[logits_indices], x[logits_indices]
-            x = x + F.linear(o, layer.o, layer.o_bias)
-            gate, up = F.linear(self.rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        return F.linear(self.rms_norm(x, self.norm), self.lm_head).float()
+            x = self.mlp(layer.o.add(o, x), layer)
+        return self.lm_head(self.rms_norm(x, self.norm)).float()
