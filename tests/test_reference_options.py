@@ -173,3 +173,22 @@ def test_cli_rejects_bad_option_with_nonzero_exit(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "engine_options.reference.block_size" in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_harness_runs_reference_engine_end_to_end(tmp_path):
+    """The whole path: CLI -> spawned engine process -> sweep points -> results.jsonl."""
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "engines=[reference]", "model=tiny",
+         "workload.batch_sizes=[1,3]", "workload.prompt_lens=[16]", "workload.output_len=4",
+         "workload.min_repeats=1", "workload.min_duration_s=0", "engine_options.reference.block_size=8",
+         f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    sweep = [r for r in rows if r["workload"] == "sweep"]
+    assert len(sweep) == 2 and all(r["status"] == "ok" and r["engine"] == "reference" for r in sweep)
+    for r in sweep:
+        info = r["kv_info"]
+        assert info["block_size"] == 8 and info["bytes_per_token"] == r["kv_est_bytes_per_token"]
+        assert info["tokens_stored"] == r["batch_size"] * (16 + 4 - 1)

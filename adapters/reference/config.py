@@ -9,7 +9,7 @@ from typing import Any
 KV_CACHE_MODES = ("on", "none")
 KV_LAYOUTS = ("paged", "contiguous")
 KV_DTYPES = ("auto", "int8", "fp8")
-CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: the pool on CPU when kv_cache_bytes is null
+CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: the pool on CPU when kv_cache_bytes is null (at most)
 
 
 @dataclass
@@ -19,7 +19,8 @@ class EngineConfig:
     kv_layout: str = "paged"  # paged | contiguous (each sequence reserves max_model_len slots)
     kv_dtype: str = "auto"  # auto (the model's dtype) | int8 (+ per-token, per-head scales) | fp8 (e4m3)
     prefix_caching: bool = True  # share full blocks of common prefixes (paged layout only)
-    kv_cache_bytes: int | None = None  # KV pool size; null: 1 GiB on CPU, gpu_memory_fraction on CUDA
+    kv_cache_bytes: int | None = None  # KV pool size; null: CPU: min(1 GiB, max_num_seqs sequences of
+    #   max_model_len), at least one such sequence; CUDA: gpu_memory_fraction of the free memory
     gpu_memory_fraction: float = 0.8  # CUDA, kv_cache_bytes null: this share of free memory after the weights
     max_num_seqs: int = 256  # most sequences running at once
     max_num_batched_tokens: int = 8192  # token budget of one step (longer prompts are prefilled in chunks)

@@ -33,15 +33,20 @@ from adapters.reference.scheduler import Scheduler, Sequence
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _budget_problem(cfg: EngineConfig, bpt: int, max_model_len: int, budget: int) -> str | None:
-    """Why a pool of `budget` bytes cannot hold one sequence of `max_model_len` tokens, or None."""
+def _one_sequence_bytes(cfg: EngineConfig, bpt: int, max_model_len: int) -> int:
+    """KV bytes of one sequence of max_model_len tokens, in whole blocks (or one region)."""
     block = max_model_len if cfg.contiguous else cfg.block_size
-    need = -(-max_model_len // block) * block * bpt
+    return -(-max_model_len // block) * block * bpt
+
+
+def _budget_problem(cfg: EngineConfig, bpt: int, max_model_len: int, budget: int, source: str) -> str | None:
+    """Why a pool of `budget` bytes cannot hold one sequence of `max_model_len` tokens, or None."""
+    need = _one_sequence_bytes(cfg, bpt, max_model_len)
     if budget >= need:
         return None
-    return (f"engine_options.reference.kv_cache_bytes={budget}: the KV pool must hold at least one "
-            f"sequence of max_model_len={max_model_len} tokens, {need} bytes at {bpt} bytes per token. "
-            f"Give kv_cache_bytes >= {need} (or null for the default).")
+    return (f"{source}: the KV pool ({budget} bytes) must hold at least one sequence of "
+            f"max_model_len={max_model_len} tokens, {need} bytes at {bpt} bytes per token. "
+            f"Give engine_options.reference.kv_cache_bytes >= {need}.")
 
 
 class ReferenceEngine(Engine):
@@ -72,7 +77,8 @@ class ReferenceEngine(Engine):
             if shape is not None:
                 bpt = bytes_per_token(shape.num_hidden_layers, shape.num_key_value_heads, shape.head_dim,
                                       cfg.kv_dtype, _DTYPES[model.dtype])
-                why = _budget_problem(cfg, bpt, max(model.max_model_len, 1), cfg.kv_cache_bytes)
+                why = _budget_problem(cfg, bpt, max(model.max_model_len, 1), cfg.kv_cache_bytes,
+                                      f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}")
                 problems += [why] if why else []
         return problems
 
@@ -103,22 +109,25 @@ class ReferenceEngine(Engine):
         bpt = bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
         max_len = max(model.max_model_len, 1)
         self.block_size = max_len if cfg.contiguous else cfg.block_size
-        budget = cfg.kv_cache_bytes
+        budget, source = cfg.kv_cache_bytes, f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}"
+        one_sequence = _one_sequence_bytes(cfg, bpt, max_len)
         if budget is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.gpu_memory_fraction)
-        elif budget is None:  # CPU: never more than max_num_seqs sequences of max_model_len can live
-            budget = min(CPU_DEFAULT_KV_BYTES, cfg.max_num_seqs * -(-max_len // self.block_size)
-                         * self.block_size * bpt)
+            source = f"engine_options.reference.gpu_memory_fraction={cfg.gpu_memory_fraction} of {free} free bytes"
+        elif budget is None:  # CPU: 1 GiB, but no more than max_num_seqs sequences could use
+            budget = max(one_sequence, min(CPU_DEFAULT_KV_BYTES, cfg.max_num_seqs * one_sequence))
         if cfg.use_cache:
-            why = _budget_problem(cfg, bpt, max_len, budget)
+            why = _budget_problem(cfg, bpt, max_len, budget, source)
             if why:
                 raise ValueError(why)
             num_blocks = budget // (bpt * self.block_size)
             self.pool = KVPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
                                mcfg.head_dim, cfg.kv_dtype, dtype, self.device)
             self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        # a fixed batch (prefill()) is admitted whole: at least the run's largest batch may run
+        max_seqs = max(cfg.max_num_seqs, model.max_batch_size)
+        self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool)
         self._sync()
         return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=self.model.num_bytes(),
@@ -170,6 +179,9 @@ class ReferenceEngine(Engine):
     # ---- offline path: one fixed batch ---------------------------------------------------
     def prefill(self, prompts: list[list[int]], return_logits: bool = False) -> PrefillResult:
         self.release()
+        if len(prompts) > self.scheduler.max_num_seqs:
+            raise ValueError(f"a batch of {len(prompts)} sequences exceeds max_num_seqs="
+                             f"{self.scheduler.max_num_seqs}; raise engine_options.reference.max_num_seqs.")
         self._live = [self._new_sequence(p, len(p) + 1) for p in prompts]
         for seq in self._live:
             self.scheduler.add(seq)
