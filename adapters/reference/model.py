@@ -22,7 +22,18 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-MLP_ROWS = 1024  # tokens per slice of the MLP (see Model.mlp)
+ROWS = 1024  # tokens per slice of the token-wise parts of a layer (see in_slices)
+
+
+def in_slices(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """fn over slices of ROWS tokens of `xs` (the same rows of each), results concatenated.
+    A long prefill's big intermediates (the MLP's [tokens, 2 x intermediate] activations, the
+    float32 copies inside RMSNorm) then stay in the CPU's caches: measured ~25% faster for the
+    MLP of 4,096 tokens of the `small` preset, and up to 2x for RMSNorm."""
+    n = xs[0].shape[0]
+    if n <= ROWS:
+        return fn(*xs)
+    return torch.cat([fn(*(x[i:i + ROWS] for x in xs)) for i in range(0, n, ROWS)])
 
 
 @dataclass(frozen=True)
@@ -227,16 +238,15 @@ class Model:
         the sign is folded into `sin` (see __init__)."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
-    def mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        """x + down(silu(gate(h)) * up(h)) with h = norm(x), in slices of MLP_ROWS tokens: the
-        [tokens, 2 * intermediate] activations of a long prefill then stay in the CPU's caches
-        (measured: ~25% faster for 4,096 tokens of the `small` preset)."""
-        out = []
-        for i in range(0, x.shape[0], MLP_ROWS):
-            xs = x[i:i + MLP_ROWS]
-            gate, up = layer.gate_up(self.rms_norm(xs, layer.post_norm)).chunk(2, dim=-1)
-            out.append(layer.down.add(F.silu(gate).mul_(up), xs))
-        return out[0] if len(out) == 1 else torch.cat(out)
+    def attention_input(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """Q, K and V, fused: qkv(norm(x))."""
+        return layer.qkv(self.rms_norm(x, layer.input_norm))
+
+    def attention_output_and_mlp(self, x: torch.Tensor, o: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """h = x + o_proj(o); then h + down(silu(gate(norm(h))) * up(norm(h)))."""
+        h = layer.o.add(o, x)
+        gate, up = layer.gate_up(self.rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
+        return layer.down.add(F.silu(gate).mul_(up), h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -249,7 +259,7 @@ class Model:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self.rms_norm(x, layer.input_norm))
+            qkv = in_slices(lambda xs: self.attention_input(xs, layer), x)
             # Q and K sit side by side in the fused output: one rotation for both
             qk = self.rotate(qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
@@ -259,5 +269,5 @@ class Model:
                 if logits_indices.numel() == 0:  # a step of unfinished prompt chunks only
                     return torch.empty(0, c.vocab_size, device=x.device)
                 o, x = o[logits_indices], x[logits_indices]
-            x = self.mlp(layer.o.add(o, x), layer)
+            x = in_slices(lambda xs, os: self.attention_output_and_mlp(xs, os, layer), x, o)
         return self.lm_head(self.rms_norm(x, self.norm)).float()
