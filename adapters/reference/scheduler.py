@@ -147,6 +147,9 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(Chunk(seq, start, start + n))
             budget -= n
+        if not chunks:  # a safety net: a step that schedules nothing would repeat forever
+            raise PoolTooSmall(f"no sequence could be scheduled ({len(self.running)} running, "
+                               f"{len(self.waiting)} waiting, max_num_seqs={self.max_num_seqs}).")
         return chunks
 
     def _chunk_len(self, seq: Sequence, start: int, budget: int, first: bool) -> int:
