@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -52,7 +52,9 @@ class BlockManager:
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free: deque[int] = deque(range(self.num_blocks))
+        # a stack: the most recently freed block is reused first (its memory is warm, and blocks
+        # never used stay untouched; see KVPool.prepare)
+        self.free: list[int] = list(reversed(range(self.num_blocks)))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
         self.cached: dict[bytes, int] = {}  # chained hash -> block id
 
@@ -155,7 +157,7 @@ class BlockManager:
 
     def _take(self) -> int:
         if self.free:
-            b = self.free.popleft()
+            b = self.free.pop()
         else:  # no free block left: evict the least recently released cached one
             b, _ = self.evictable.popitem(last=False)
             block = self.blocks[b]
