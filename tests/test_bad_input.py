@@ -1,5 +1,6 @@
 """Bad input: one clear message naming the field, exit code 2, nothing run, no results file."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -47,6 +48,17 @@ CASES = [
     (["engine_options.hf.kv_cache=sometimes"], "engine_options.hf.kv_cache=sometimes"),
     (["+engine_options.hf.turbo=true"], "engine_options.hf.turbo: unknown option"),
     (["workload.warmup=0"], "workload.warmup=0: must be at least 1"),
+    (["engines=[]"], "engines=[]: give a list of engine names"),
+    (["workload.prompt_lens=[]"], "workload.prompt_lens=[]: the list is empty"),
+    (["engines=[reference]", "engine_options.reference.kv_dtype=int4"], "engine_options.reference.kv_dtype"),
+    (["engines=[reference]", "engine_options.reference.block_size=0"], "engine_options.reference.block_size=0"),
+    (["engines=[reference]", "engine_options.reference.kv_cache_bytes=1000"],
+     "engine_options.reference.kv_cache_bytes=1000: the KV pool"),
+    (["workload=serving", "workload.input_len={dist:uniform,min:5}"], "workload.input_len: dist=uniform needs max"),
+    (["workload=serving", "workload.request_rates=[0]"], "workload.request_rates=0.0: must be greater than 0"),
+    (["workload=serving", "workload.dataset=/no/such.jsonl"], "workload.dataset=/no/such.jsonl: no such file"),
+    (["workload=kv_memory", "workload.kv_dtypes=[int4]"], "workload.kv_dtypes: unknown KV dtype 'int4'"),
+    (["workload=kv_ablation", "workload.modes=[cache,sometimes]"], "workload.modes=sometimes"),
 ]
 
 
@@ -54,6 +66,31 @@ CASES = [
 def test_bad_override_named(overrides, expected):
     problems = check_jobs(["engines=[hf]", *overrides] if not overrides[0].startswith("engines") else overrides)
     assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+@pytest.mark.parametrize("option,expected", [("kv_cache_dtype=int8", "vLLM on CPU supports"),
+                                             ("block_size=16", "multiple of 32")])
+def test_vllm_options_checked_before_start(option, expected):
+    problems = check_jobs(["engines=[vllm]", f"engine_options.vllm.{option}"])
+    assert any(f"engine_options.vllm.{option}" in p and expected in p for p in problems), problems
+
+
+def test_malformed_dataset_lines_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [5, 6], "output_tokens": 4}\nnot json\n{"prompt": "w5", "output_tokens": -1}\n')
+    problems = check_jobs(["engines=[hf]", "workload=serving", f"workload.dataset={bad}"])
+    assert any("line 2" in p and "not valid JSON" in p for p in problems), problems
+    assert any("line 3" in p and "output_tokens" in p for p in problems), problems
+
+
+def test_corrupt_checkpoint_config(tmp_path):
+    d = tmp_path / "corrupt"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden')
+    (d / "model.safetensors").write_bytes(b"\0" * 16)
+    problems = check_jobs(["model=local", f"model.path={d}"])
+    assert any("config.json is not valid JSON" in p for p in problems), problems
 
 
 def test_not_a_causal_lm(not_causal_lm):
