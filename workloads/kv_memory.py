@@ -95,9 +95,10 @@ class KVMemory(Workload):
     def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
         cfg: KVMemoryConfig = ctx.extra["workload_cfg"]
         dist, _ = parse_length(cfg.prompt_len, "workload.prompt_len")
-        rng = np.random.default_rng(seed_for(ctx.seed, f"{point.key}/lengths"))
+        # the same sequences for every layout, dtype and block size, so their waste compares directly
+        rng = np.random.default_rng(seed_for(ctx.seed, f"{self.name}/lengths"))
         lens = dist.sample(cfg.num_sequences, rng)  # type: ignore[union-attr]
-        prompts = [ctx.prompts(1, n, f"{point.key}/p{i}")[0] for i, n in enumerate(lens)]
+        prompts = [ctx.prompts(1, n, f"{self.name}/p{i}")[0] for i, n in enumerate(lens)]
         pre = engine.prefill(prompts)
         dec = engine.decode(cfg.output_len - 1) if cfg.output_len > 1 else None
         info = engine.kv_cache_info()
