@@ -64,9 +64,13 @@ def write_checkpoint(shape: ModelShape, out: Path, seed: int = 0, device: str = 
     return out
 
 
+def cached_path(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path:
+    return cache_dir / f"{shape.name}-{shape_key(shape, seed)}"
+
+
 def ensure_checkpoint(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path:
     """The cached checkpoint for (shape, seed), materialised on first use."""
-    target = cache_dir / f"{shape.name}-{shape_key(shape, seed)}"
+    target = cached_path(shape, cache_dir, seed)
     if (target / "config.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -127,7 +127,7 @@ def check_jobs(argv: list[str]) -> list[str]:
 def run_job(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
 
-    from harness.checkpoint import ensure_checkpoint
+    from harness.checkpoint import cached_path, ensure_checkpoint
     from harness.config import build_plan
     from harness.env import environment
     from harness.paths import model_cache_dir
@@ -152,8 +152,10 @@ def run_job(cfg: DictConfig) -> int:
     if plan.model_cfg.get("path"):
         model_path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
     else:
-        say(f"model {plan.shape.name}: materialising random weights (first use) ...")
-        model_path = str(ensure_checkpoint(plan.shape, model_cache_dir(plan.settings.model_cache_dir)))
+        cache = model_cache_dir(plan.settings.model_cache_dir)
+        if not (cached_path(plan.shape, cache) / "config.json").exists():
+            say(f"model {plan.shape.name}: materialising random weights into {cache} (first use) ...")
+        model_path = str(ensure_checkpoint(plan.shape, cache))
     env = environment()
     atomic_write_text(out_dir / "environment.json", json.dumps(env, indent=2))
     atomic_write_text(out_dir / "config.resolved.yaml", OmegaConf.to_yaml(cfg, resolve=True))

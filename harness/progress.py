@@ -37,8 +37,8 @@ class Progress:
 
     def finish(self, engine: str, point: Any, status: str) -> None:
         self.done += 1
-        if status != "ok":
-            self._say(f"          {engine:<9} -> {status}")
+        if status == "failed":
+            self._say(f"          {engine:<9} -> failed")
 
     def skip(self, n: int, engine: str, status: str, quiet_if_zero: bool = False) -> None:
         if quiet_if_zero and not n:

@@ -33,11 +33,16 @@ def summary_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))))
     if not ok:
         lines.append("(no point finished)")
-    others = [r for r in rows if r.get("status") != "ok"]
-    for r in others:
-        where = " ".join(f"{k}={v}" for k, v in (r.get("point") or {}).items())
+    skipped: dict[tuple[str, str], int] = {}
+    for r in rows:
         err = (r.get("error") or "").splitlines()[0] if r.get("error") else ""
-        lines.append(f"{r['engine']}: {r['status']}{' at ' + where if where else ''}: {err}")
+        if r.get("status") == "skipped":  # one line per engine and reason
+            skipped[(r["engine"], err)] = skipped.get((r["engine"], err), 0) + 1
+        elif r.get("status") != "ok":
+            where = " ".join(f"{k}={v}" for k, v in (r.get("point") or {}).items())
+            lines.append(f"{r['engine']}: {r['status']}{' at ' + where if where else ''}: {err}")
+    for (engine, err), n in skipped.items():
+        lines.append(f"{engine}: skipped {n} point{'s' if n > 1 else ''}: {err}")
     return "\n".join(lines)
 
 

@@ -109,8 +109,11 @@ class KVMemory(Workload):
         waste = None
         if info.slots_allocated:
             waste = 1 - (info.tokens_stored or 0) / info.slots_allocated
+        layout = point.params["kv_layout"]
+        if layout == "paged" and info.block_size is None:
+            layout = "padded"  # e.g. transformers: one contiguous cache per batch, left-padded
         return {
-            "kv_layout": point.params["kv_layout"], "kv_dtype": kv_dtype,
+            "kv_layout": layout, "kv_dtype": kv_dtype,
             "block_size": info.block_size, "kv_paged": info.block_size is not None,
             "num_sequences": cfg.num_sequences, "prompt_lens": lens, "output_len": cfg.output_len,
             "kv_pool_bytes": info.pool_bytes, "kv_bytes_per_token": info.bytes_per_token,

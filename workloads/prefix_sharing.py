@@ -42,7 +42,7 @@ class PrefixSharing(Workload):
         ("prefix_caching", "caching", "s"), ("prefix_len", "prefix", "d"), ("num_requests", "R", "d"),
         ("ttft_first_s", "TTFT 1st ms", "ms"), ("ttft_s", "TTFT rest p50 ms", "ms"),
         ("ttft_s_p90", "p90 ms", "ms"), ("prefix_hit_rate", "hit rate", ".3f"),
-        ("output_tok_s", "out tok/s", ".1f"), ("kv_blocks_in_use", "blocks", "d"),
+        ("output_tok_s", "out tok/s", ".1f"), ("kv_blocks_peak", "peak blocks", "d"),
     ]
 
     def plan(self, cfg: PrefixSharingConfig) -> list[Point]:
