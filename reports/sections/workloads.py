@@ -13,6 +13,7 @@ from reports.data import ReportData
 from reports.figures import bars, base_layout, esc, facet_lines, series_styles
 from reports.sections import section
 from reports.sections.common import MIB, MS, Col, column, has, int_columns, point_label, values_table, varying_labels
+from workloads.kv_ablation import fit_slope
 
 PERCENTILE_KEYS = ("p50", "p90", "p99")
 CDF_MAX_POINTS = 400
@@ -64,7 +65,7 @@ def kv_ablation_fits(df: pd.DataFrame) -> pd.DataFrame:
         g = g.sort_values("context_len")
         if g["context_len"].nunique() < 2:
             continue
-        slope, intercept = np.polyfit(g["context_len"].astype(float), g["decode_step_latency_s"].astype(float), 1)
+        slope, intercept = fit_slope(list(g["context_len"]), list(g["decode_step_latency_s"]))
         first, last = g.iloc[0], g.iloc[-1]
         out.append({"engine": g["engine"].iloc[0], "base_series": s, "mode_label": mode, "batch_size": b,
                     "slope_s_per_token": float(slope), "intercept_s": float(intercept),
