@@ -17,6 +17,8 @@ from workloads import get_workload, workload_names
 from workloads.base import Point, Workload
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Parity: every engine's greedy tokens for prompts of these lengths (one batch of unequal lengths).
+PARITY_PROMPT_LENS = [7, 16, 33, 64]
 
 
 @dataclass
@@ -163,6 +165,9 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     max_len = workload.max_model_len(wl_cfg) if workload and wl_cfg else 0
     if shape is not None:
         max_len = max_len or shape.max_position_embeddings
+        if settings.parity:  # room for the parity prompts and their tokens, within the model's positions
+            max_len = min(max(max_len, max(PARITY_PROMPT_LENS) + settings.parity_tokens),
+                          shape.max_position_embeddings)
         spec_ = ModelSpec(path=str(model_cfg.get("path") or ""), name=shape.name, dtype=dtype, device=device,
                           max_model_len=max_len, seed=settings.seed)
         for name in engines:

@@ -17,14 +17,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.config import Plan
+from harness.config import PARITY_PROMPT_LENS, Plan
 from harness.progress import Progress
 from harness.results import RESULTS_FILE, ResultsWriter, make_row
 from workloads.base import Point, RunContext
 from workloads.prompts import synthetic_prompts
-
-# Parity: every engine's greedy tokens for these prompt lengths (one batch of unequal lengths).
-PARITY_PROMPT_LENS = [7, 16, 33, 64]
 
 
 def _tail(path: Path, lines: int = 12) -> str:

