@@ -244,6 +244,21 @@ class Engine(ABC):
         """Free everything. Safe to call twice."""
 
 
+def is_pos_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def option_type_problems(engine: str, options: dict[str, Any], bools: tuple[str, ...] = (),
+                         ints: tuple[str, ...] = ()) -> list[str]:
+    """Problems with boolean options and optional positive-integer options, named as
+    `engine_options.<engine>.<option>` (the checks every adapter's check_options starts with)."""
+    p = f"engine_options.{engine}."
+    problems = [f"{p}{k}={options[k]}: use true or false." for k in bools if not isinstance(options[k], bool)]
+    problems += [f"{p}{k}={options[k]}: must be a positive integer (or null)." for k in ints
+                 if options.get(k) is not None and not is_pos_int(options[k])]
+    return problems
+
+
 def wait_until(deadline_ns: int) -> None:
     """Sleep until the clock reaches `deadline_ns` (used by serve loops for arrivals)."""
     remaining = deadline_ns - now_ns()

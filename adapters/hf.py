@@ -25,7 +25,7 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    StepTiming, TokenEvent, now_ns, wait_until,
+    StepTiming, TokenEvent, now_ns, option_type_problems, wait_until,
 )
 
 OPTIONS = ("attn_implementation", "kv_cache", "max_batch_size", "num_threads")
@@ -58,11 +58,7 @@ class HFEngine(Engine):
         if (options.get("attn_implementation") or "sdpa") not in ("sdpa", "eager"):
             problems.append(f"engine_options.hf.attn_implementation={options['attn_implementation']}: "
                             "use sdpa or eager.")
-        for k in ("max_batch_size", "num_threads"):
-            v = options.get(k)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                problems.append(f"engine_options.hf.{k}={v}: must be a positive integer (or null).")
-        return problems
+        return problems + option_type_problems(cls.name, options, ints=("max_batch_size", "num_threads"))
 
     def __init__(self) -> None:
         self.model = None

@@ -55,7 +55,7 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, EngineUnavailable, KVCacheInfo, LoadInfo, ModelSpec,
-    PrefillResult, Request, StepTiming, TokenEvent, now_ns, wait_until,
+    PrefillResult, Request, StepTiming, TokenEvent, is_pos_int, now_ns, option_type_problems,
 )
 
 TRTLLM_VERSION_WRITTEN_AGAINST = "1.2.1"
@@ -167,10 +167,6 @@ def _cuda_device_count() -> int | None:
             pynvml.nvmlShutdown()
     except Exception:
         return None
-
-
-def _is_pos_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 # ---- token streams ----------------------------------------------------------------------------
@@ -289,16 +285,12 @@ class TRTLLMEngine(Engine):
         problems = super().check_options(options, model)
         o = resolved_options(options)
         p = "engine_options.trtllm."
-        for k in _BOOL_OPTIONS:
-            if not isinstance(o[k], bool):
-                problems.append(f"{p}{k}={o[k]}: use true or false.")
-        for k in ("max_batch_size", "max_num_tokens", "kv_cache_max_tokens"):
-            if o[k] is not None and not _is_pos_int(o[k]):
-                problems.append(f"{p}{k}={o[k]}: must be a positive integer (or null).")
-        if not _is_pos_int(o["tensor_parallel_size"]):
+        problems += option_type_problems(cls.name, o, _BOOL_OPTIONS,
+                                         ("max_batch_size", "max_num_tokens", "kv_cache_max_tokens"))
+        if not is_pos_int(o["tensor_parallel_size"]):
             problems.append(f"{p}tensor_parallel_size={o['tensor_parallel_size']}: must be a positive integer.")
         tpb = o["tokens_per_block"]
-        if not _is_pos_int(tpb) or tpb < 2 or tpb & (tpb - 1):
+        if not is_pos_int(tpb) or tpb < 2 or tpb & (tpb - 1):
             problems.append(f"{p}tokens_per_block={tpb}: TensorRT-LLM needs a power of two greater than 1 "
                             "(e.g. 16, 32, 64).")
         f = o["free_gpu_memory_fraction"]

@@ -71,7 +71,7 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, EngineUnavailable, KVCacheInfo, LoadInfo, ModelSpec,
-    PrefillResult, Request, StepTiming, TokenEvent, now_ns, wait_until,
+    PrefillResult, Request, StepTiming, TokenEvent, is_pos_int, now_ns, option_type_problems, wait_until,
 )
 
 DEFAULTS: dict[str, Any] = {
@@ -198,10 +198,6 @@ def _installed_distribution() -> str | None:
     return None
 
 
-def _is_pos_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
 def _canonical_kv(name: str) -> str:
     from harness.kvcalc import canonical_kv_dtype
     return canonical_kv_dtype(name)
@@ -245,18 +241,13 @@ class VLLMEngine(Engine):
         o = resolved_options(options)
         cpu = is_cpu(model)
         p = "engine_options.vllm."
-        for k in _BOOL_OPTIONS:
-            if not isinstance(o[k], bool):
-                problems.append(f"{p}{k}={o[k]}: use true or false.")
-        for k in _INT_OPTIONS:
-            if o[k] is not None and not _is_pos_int(o[k]):
-                problems.append(f"{p}{k}={o[k]}: must be a positive integer (or null).")
-        if not _is_pos_int(o["tensor_parallel_size"]):
+        problems += option_type_problems(cls.name, o, _BOOL_OPTIONS, _INT_OPTIONS)
+        if not is_pos_int(o["tensor_parallel_size"]):
             problems.append(f"{p}tensor_parallel_size={o['tensor_parallel_size']}: must be a positive integer.")
         elif cpu and o["tensor_parallel_size"] != 1:
             problems.append(f"{p}tensor_parallel_size={o['tensor_parallel_size']}: tensor parallelism is "
                             "for GPUs here; use 1 on CPU.")
-        if cpu and _is_pos_int(o["block_size"]) and o["block_size"] % 32:
+        if cpu and is_pos_int(o["block_size"]) and o["block_size"] % 32:
             problems.append(f"{p}block_size={o['block_size']}: vLLM's CPU attention needs a multiple of 32 "
                             "(32, 64, 128, ...; its default is 128).")
         util = o["gpu_memory_utilization"]
@@ -268,7 +259,7 @@ class VLLMEngine(Engine):
         if kv not in allowed:
             problems.append(f"{p}kv_cache_dtype={o['kv_cache_dtype']}: vLLM on {'CPU' if cpu else 'GPU'} "
                             f"supports {', '.join(allowed)}.")
-        if (o["enable_chunked_prefill"] is False and _is_pos_int(o["max_num_batched_tokens"])
+        if (o["enable_chunked_prefill"] is False and is_pos_int(o["max_num_batched_tokens"])
                 and o["max_num_batched_tokens"] < model.max_model_len):
             problems.append(f"{p}max_num_batched_tokens={o['max_num_batched_tokens']}: without chunked prefill "
                             f"it must be at least max_model_len ({model.max_model_len}, the longest prompt + "
