@@ -7,9 +7,12 @@ The semantics are fixed by DESIGN.md ("The engine interface"):
 - decode(steps)         advance every live sequence by one token per step, `steps` times
 - release()             drop the live sequences and free their KV blocks
 - serve(requests, t0)   continuous batching: requests arrive at scheduled times; yields one
-                        timestamped `TokenEvent` for every output token
+                        timestamped `TokenEvent` for every output token (or a `RequestFailed`)
+- score(seqs, start, k) teacher-forced log-probabilities of given sequences (parity)
 - kv_cache_info()       what the engine can report about its KV cache (None where it cannot)
 - capabilities(...)     which options it supports, so a workload can skip what it cannot do
+- begin_point() / end_point()  bracket each measured point; end_point() returns extra row
+                        fields the engine alone knows (a server's identity, its telemetry)
 - close()
 
 All times are `time.perf_counter_ns()` values of the process running the engine (one monotonic
@@ -47,6 +50,12 @@ class ModelSpec:
     # batch in one step size their per-step limits from these when the user did not set them.
     max_batch_size: int = 1
     max_batch_tokens: int = 0
+    # Equal resources: the compute threads every engine must use (None: the engine's default),
+    # and the CPU cores the engine's process is pinned to (already pinned when load() runs).
+    threads: int | None = None
+    cpus: tuple[int, ...] | None = None
+    # Where the run writes (logs/ under it); None outside a run.
+    run_dir: str | None = None
 
 
 @dataclass
@@ -69,6 +78,7 @@ class LoadInfo:
     weights_bytes: int | None = None  # bytes of the model's parameters as loaded
     kv_pool_bytes: int | None = None  # bytes allocated up front for the KV cache, if any
     engine_version: str | None = None
+    compute_threads: int | None = None  # CPU threads the engine's forward pass uses
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -124,6 +134,29 @@ class TokenEvent:
 
 
 @dataclass
+class RequestFailed:
+    """serve() may yield this for a request that failed (a server's HTTP error, a stream that
+    ended early); the serving workload counts it and measures the completed requests only."""
+
+    request_id: str
+    reason: str
+    time_ns: int
+
+
+@dataclass
+class TokenScores:
+    """Teacher-forced scores of one sequence (`Engine.score`). Entry j describes position
+    p = start + j: the engine's distribution of the token at p given tokens [0, p), as the
+    `top_k` most likely token ids (best first) with their log-probabilities (natural log,
+    normalised over the whole vocabulary, computed in float32), and the log-probability of the
+    token actually at p."""
+
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    target_logprobs: list[float]
+
+
+@dataclass
 class KVCacheInfo:
     """What an engine reports about its KV cache. None means "the engine cannot say"."""
 
@@ -161,6 +194,7 @@ class Capabilities:
     continuous_batching: bool = False  # serve() admits new requests while others decode
     paged: bool = False  # the KV cache is split into blocks (block_size applies)
     logits: bool = False  # prefill/decode can return logits (for correctness checks)
+    scores: bool = False  # score() gives teacher-forced log-probabilities (parity)
     options: tuple[str, ...] = ()  # option names accepted in engine_options.<name>
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,7 +257,11 @@ class Engine(ABC):
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo: ...
 
     @abstractmethod
-    def prefill(self, prompts: list[list[int]], return_logits: bool = False) -> PrefillResult: ...
+    def prefill(self, prompts: list[list[int]], return_logits: bool = False,
+                max_new_tokens: int | None = None) -> PrefillResult:
+        """`max_new_tokens`, when given, is how many tokens each sequence will be asked for in
+        total (the first one plus the decode steps to follow): engines that must declare an
+        output bound up front (a server, TensorRT-LLM) use it; others may ignore it."""
 
     @abstractmethod
     def decode(self, steps: int, return_logits: bool = False) -> DecodeResult: ...
@@ -236,6 +274,21 @@ class Engine(ABC):
 
     @abstractmethod
     def kv_cache_info(self) -> KVCacheInfo: ...
+
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+        """Teacher-forced log-probabilities: for each sequence i and each position p in
+        [start[i], len(sequences[i])), the distribution of the token at p given the sequence's
+        tokens before p (the given tokens are fed, never the engine's own samples). Engines with
+        `capabilities().scores` implement it."""
+        raise NotImplementedError(f"{self.name} cannot score sequences (capabilities().scores is False)")
+
+    def begin_point(self) -> None:
+        """A measured point starts (the harness calls it before the workload runs)."""
+
+    def end_point(self) -> dict[str, Any]:
+        """The point ended: extra row fields only the engine knows (e.g. a server's identity and
+        the telemetry it collected since begin_point()). Default: none."""
+        return {}
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (between measured points). Engines without one: no-op."""

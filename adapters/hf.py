@@ -107,7 +107,8 @@ class HFEngine(Engine):
                          past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
         return out.logits[:, -1, :]
 
-    def prefill(self, prompts: list[list[int]], return_logits: bool = False) -> PrefillResult:
+    def prefill(self, prompts: list[list[int]], return_logits: bool = False,
+                max_new_tokens: int | None = None) -> PrefillResult:
         torch = self.torch
         from transformers import DynamicCache
 
@@ -188,7 +189,7 @@ class HFEngine(Engine):
             self.release()
 
     def kv_cache_info(self) -> KVCacheInfo:
-        from harness.kvcalc import canonical_kv_dtype
+        from harness.core.kvcalc import canonical_kv_dtype
         info = KVCacheInfo(kv_dtype=canonical_kv_dtype(self.kv_dtype) if self.model else None,
                            block_size=None, num_blocks=None, prefix_cache_hits=None)
         if self._cache is None:

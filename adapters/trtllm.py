@@ -459,8 +459,8 @@ class TRTLLMEngine(Engine):
     def kv_cache_info(self) -> KVCacheInfo:
         if self._llm is None:
             return KVCacheInfo()
-        from harness.kvcalc import canonical_kv_dtype
-        from harness.presets import shape_from_hf_config
+        from harness.core.kvcalc import canonical_kv_dtype
+        from harness.core.presets import shape_from_hf_config
         self._poll_stats()
         st = self._stats
         o = self.options
@@ -473,7 +473,7 @@ class TRTLLMEngine(Engine):
             info.prefix_cache_hits = int(reused)
             info.prefix_cache_queries = int(reused) + int(missed or 0)
         try:  # TensorRT-LLM does not report bytes; computed from the model's shape and the KV dtype
-            from harness.kvcalc import bytes_per_token
+            from harness.core.kvcalc import bytes_per_token
             shape = shape_from_hf_config(self.model_spec.path)
             info.bytes_per_token = bytes_per_token(shape, info.kv_dtype)
             info.bytes_per_block = info.bytes_per_token * info.block_size

@@ -199,7 +199,7 @@ def _installed_distribution() -> str | None:
 
 
 def _canonical_kv(name: str) -> str:
-    from harness.kvcalc import canonical_kv_dtype
+    from harness.core.kvcalc import canonical_kv_dtype
     return canonical_kv_dtype(name)
 
 

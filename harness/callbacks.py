@@ -8,17 +8,22 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from harness.core.errors import UserError
+from harness.core.results import load_results
+from harness.outcome import record_exit, write_run_report
+from harness.summary import parity_lines, summary_table
+from workloads import get_workload, workload_names
+
 
 class MultirunSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from harness import cli
-        from harness.results import read_rows, results_files
-        from harness.summary import parity_lines, summary_table
-        from workloads import get_workload, workload_names
-
         sweep_dir = Path(config.hydra.sweep.dir)
-        files = results_files([sweep_dir])
-        rows = [r for f in files for r in read_rows(f)]
+        try:
+            files = load_results([sweep_dir], "multirun")
+        except UserError as e:
+            print(f"multirun: {e.problems[0]}")
+            return
+        rows = [r for f in files for r in f.rows]
         if not rows:
             print(f"multirun: no results under {sweep_dir}")
             return
@@ -31,5 +36,5 @@ class MultirunSummary(Callback):
             print(f"\n== {name} ==")
             print(summary_table(wrows, cols) if name != "parity" else parity_lines(wrows))
         if any(r.get("status") == "failed" for r in rows):  # jobs may have run in other processes
-            cli._EXIT["code"] = max(cli._EXIT["code"], 1)
-        cli._write_report(sweep_dir)
+            record_exit(1)
+        write_run_report(sweep_dir)

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from harness.presets import ModelShape
+from harness.core.presets import ModelShape
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3: pad, bos, eos, unk
 FIRST_ORDINARY_ID = len(SPECIAL_TOKENS)

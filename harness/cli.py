@@ -19,13 +19,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from harness.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
-from harness.paths import CONF_DIR
+from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
+from harness.core.paths import CONF_DIR
+from harness.outcome import EXIT, record_exit, write_run_report
 
 EXIT_INTERRUPTED = 130
-# Hydra's main returns nothing to its caller, so each job records its exit code here (the
-# multirun callback adds what jobs in other processes reported). Process-global by necessity.
-_EXIT: dict[str, int] = {"code": EXIT_OK}
 
 _INFO_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
                "--shell-completion", "-sc", "--resolve", "-p", "--package"}
@@ -67,7 +65,7 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
 
 def _hydra_problem(e: Exception, overrides: list[str]) -> str:
     """Hydra's composition errors, rephrased to name the field and the fix."""
-    from harness.presets import preset_names
+    from harness.core.presets import preset_names
     from workloads import workload_names
 
     msg = str(e).strip()
@@ -129,9 +127,9 @@ def run_job(cfg: DictConfig) -> int:
 
     from harness.checkpoint import cached_path, ensure_checkpoint
     from harness.config import build_plan
-    from harness.env import environment
-    from harness.paths import model_cache_dir
-    from harness.results import RESULTS_FILE, atomic_write_text
+    from harness.core.env import environment
+    from harness.core.paths import model_cache_dir
+    from harness.core.results import RESULTS_FILE, atomic_write_text
     from harness.runner import Runner
     from harness.summary import parity_lines, summary_table
 
@@ -181,11 +179,11 @@ def run_job(cfg: DictConfig) -> int:
         if extra:
             print(extra)
     print(f"results: {out_dir / RESULTS_FILE}")
-    _write_report(out_dir)
+    write_run_report(out_dir)
     if interrupted:
         print(f"interrupted: {len(rows)} rows of this run kept in {out_dir / RESULTS_FILE}; resume with "
               f"+resume={out_dir} hydra.run.dir={out_dir}", file=sys.stderr)
-        _EXIT["code"] = EXIT_INTERRUPTED
+        record_exit(EXIT_INTERRUPTED)
         raise KeyboardInterrupt  # stop a multirun too
     return EXIT_POINT_FAILED if any(r["status"] == "failed" for r in rows) else EXIT_OK
 
@@ -197,7 +195,7 @@ def _terminate(signum: int, frame: Any) -> None:
 def _resume_state(resume: Any, out_dir: Path) -> set[tuple[str, str | None]]:
     """(engine, point_key) of the rows already in out_dir, when resuming; else empty.
     `+resume=DIR` names the run directory (single run) or the multirun's sweep directory."""
-    from harness.results import RESULTS_FILE, read_rows
+    from harness.core.results import RESULTS_FILE, read_rows
 
     if not resume:
         return set()
@@ -230,23 +228,10 @@ def _lock_device(device: str) -> Any:
     return f
 
 
-def _write_report(out_dir: Path) -> None:
-    """The HTML report next to the results, when the report module is present."""
-    try:
-        from reports import write_report
-    except ImportError:
-        return
-    try:
-        path = write_report([out_dir], out_dir / "report.html")
-        print(f"report: {path}")
-    except Exception as e:  # a report problem never loses measured results
-        print(f"report: not written ({type(e).__name__}: {e})", file=sys.stderr)
-
-
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(cfg: DictConfig) -> int:
     code = run_job(cfg)
-    _EXIT["code"] = max(_EXIT["code"], code)
+    record_exit(code)
     return code
 
 
@@ -259,7 +244,7 @@ def main() -> None:
         _app()
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
-    sys.exit(_EXIT["code"])
+    sys.exit(EXIT["code"])
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ from typing import Any
 
 from adapters import engine_class, engine_names
 from adapters.base import ModelSpec
-from harness.errors import UserError
-from harness.presets import ModelShape, preset_names, resolve_shape
-from harness.schema import check, spec
+from harness.core.errors import UserError
+from harness.core.presets import ModelShape, preset_names, resolve_shape
+from harness.core.schema import check, spec
 from workloads import get_workload, workload_names
 from workloads.base import Point, Workload
 

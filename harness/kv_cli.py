@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import sys
 
-from harness.errors import EXIT_BAD_INPUT, UserError
-from harness.kvcalc import KVEstimate, estimate, human_bytes
-from harness.presets import load_preset, preset_names, shape_from_hf_config
+from harness.core.errors import EXIT_BAD_INPUT, UserError
+from harness.core.kvcalc import KVEstimate, estimate, human_bytes
+from harness.core.presets import load_preset, preset_names, shape_from_hf_config
 
 USAGE = __doc__.strip()
 _KEYS = {"model", "model.path", "seq_len", "batch_size", "kv_dtype", "block_size", "format"}

@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness.errors import EXIT_BAD_INPUT, UserError
-from harness.presets import load_preset, preset_names
+from harness.core.errors import EXIT_BAD_INPUT, UserError
+from harness.core.presets import load_preset, preset_names
 
 
 def main(argv: list[str] | None = None) -> int:

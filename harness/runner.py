@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import PARITY_PROMPT_LENS, Plan
+from harness.core.bootstrap import add_intervals
+from harness.core.roofline import annotate
+from workloads import get_workload, workload_names
 from harness.progress import Progress
-from harness.results import RESULTS_FILE, ResultsWriter, make_row
+from harness.core.results import RESULTS_FILE, ResultsWriter, make_row
 from workloads.base import Point, RunContext
 from workloads.prompts import synthetic_prompts
 
@@ -89,8 +92,10 @@ class Runner:
         )
         row.update(fields)
         row.setdefault("engine_options", self.plan.engine_options.get(engine, {}))
+        add_intervals(row)
+        if point is not None and point.workload in workload_names():
+            get_workload(point.workload).finalize_row(row)
         if self.ceilings is not None and status == "ok" and row["workload"] == "sweep":
-            from harness.roofline import annotate
             row.update(annotate(row, self.plan.shape, self.ceilings))
         self.writer.write(row)
         self.rows.append(row)
@@ -319,8 +324,8 @@ def parity_agreement(base: list[list[int]], tokens: list[list[int]]) -> dict[str
 
 def _ceilings(plan: Plan) -> Any:
     """The machine's roofline ceilings (cached); None if they cannot be measured."""
-    from harness.paths import model_cache_dir
-    from harness.roofline import cached_ceilings
+    from harness.core.paths import model_cache_dir
+    from harness.core.roofline import cached_ceilings
     try:
         return cached_ceilings(plan.device, plan.dtype, model_cache_dir(plan.settings.model_cache_dir).parent
                                / "roofline.json")

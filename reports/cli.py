@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.errors import EXIT_BAD_INPUT, EXIT_OK, UserError
+from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, UserError
+from harness.core.compare import parse_threshold
 from reports.data import ReportInputError
+from reports.render import write_report
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,8 +36,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from harness.compare import parse_threshold
-    from reports.render import write_report
     try:
         threshold = parse_threshold(args.threshold)
         path = write_report(args.results, args.output, baseline=args.baseline, threshold=threshold)

@@ -1,5 +1,5 @@
 """Baseline vs current for the report's comparison section. The numbers and verdicts are
-exactly those of the regression check (`harness.compare.compare`, what `infer-bench-compare`
+exactly those of the regression check (`harness.core.compare.compare`, what `infer-bench-compare`
 runs), so the page and the CI gate never disagree; this module only shapes them for display
 (labels, units, the point's parameters, the series name)."""
 
@@ -11,8 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.compare import DEFAULT_METRICS, METHOD, compare
-from harness.stats import BOOTSTRAP_RESAMPLES
+from harness.core.compare import DEFAULT_METRICS, METHOD, compare
 
 DEFAULT_THRESHOLD = 0.05   # infer-bench-compare's default (--threshold 5%)
 # metric -> (label, unit, display scale)
@@ -33,7 +32,7 @@ COLUMNS = ["engine", "series", "model", "workload", "point_key", "point", "dtype
 
 
 def method_text() -> str:
-    return METHOD.format(n=BOOTSTRAP_RESAMPLES)
+    return METHOD
 
 
 def _records(rows: pd.DataFrame | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pandas as pd
 
-from harness.errors import UserError
-from harness.results import RESULTS_FILE, read_rows, results_files
+from harness.core.errors import UserError
+from harness.core.results import load_results
 
 # Engines with a fixed colour (Okabe-Ito, colour-blind safe); others take the rest in order.
 ENGINE_COLOURS = {"reference": "#D55E00", "hf": "#0072B2", "vllm": "#009E73", "trtllm": "#CC79A7"}
@@ -43,6 +43,7 @@ class RunInfo:
     rows: int
     environment: dict[str, Any] | None = None
     config_text: str | None = None
+    other_version_rows: int = 0  # rows of another results schema version, left out
 
     @property
     def directory(self) -> Path:
@@ -73,57 +74,25 @@ class ReportData:
         return list(dict.fromkeys(self.rows["engine"].dropna()))
 
 
-def _find_files(paths: list[str | Path], what: str) -> list[Path]:
-    problems = []
-    for p in map(Path, paths):
-        if not p.exists():
-            problems.append(f"{what} {p}: no such file or directory.")
-        elif p.is_dir() and not results_files([p]):
-            problems.append(f"{what} {p}: no {RESULTS_FILE} in this directory or below it. "
-                            f"Give a results file or an infer-bench run directory.")
-    if problems:
-        raise ReportInputError(problems)
-    files = list(dict.fromkeys(f.resolve() for f in results_files(list(paths))))
-    if not files:
-        raise ReportInputError(f"no {what} given.")
-    return files
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError:
-        return None
-
-
 def load_runs(paths: list[str | Path], what: str = "results") -> tuple[pd.DataFrame, list[RunInfo]]:
-    """All rows of the given results files / run directories, with a `source` column (the
-    results file) and a `series` column (see `add_series`). Raises ReportInputError."""
-    files = _find_files(paths, what)
+    """All rows of the given results files / run directories (read by the one results loader,
+    `harness.core.results.load_results`; rows of another schema version are left out and noted),
+    with a `source` column (the results file) and a `series` column (see `add_series`).
+    Raises ReportInputError."""
+    try:
+        files = load_results(list(paths), what, other_versions="drop")
+    except UserError as e:
+        raise ReportInputError(e.problems) from None
     rows: list[dict[str, Any]] = []
     runs: list[RunInfo] = []
     for f in files:
-        try:
-            file_rows = read_rows(f)
-        except (OSError, UnicodeDecodeError) as e:
-            raise ReportInputError(f"{what} {f}: cannot read ({e}).") from None
-        except ValueError as e:
-            raise ReportInputError(f"{what} {f}: not a results file (a line is not JSON: {e}).") from None
-        file_rows = [r for r in file_rows if isinstance(r, dict) and r.get("engine") is not None]
+        file_rows = [r for r in f.rows if r.get("engine") is not None]
         for r in file_rows:
-            r["source"] = str(f)
+            r["source"] = str(f.path)
         rows += file_rows
-        runs.append(RunInfo(f, len(file_rows), _read_json(f.parent / "environment.json"),
-                            _read_text(f.parent / "config.resolved.yaml")))
+        runs.append(RunInfo(f.path, len(file_rows), f.environment, f.config_text, f.other_version_rows))
     if not rows:
-        raise ReportInputError(f"{what} {', '.join(map(str, files))}: no rows (has the run "
+        raise ReportInputError(f"{what} {', '.join(str(f.path) for f in files)}: no rows (has the run "
                                f"finished a point?).")
     return frame(rows), runs
 

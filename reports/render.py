@@ -13,7 +13,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader
 from markupsafe import Markup
 
-from harness.results import SCHEMA_VERSION, atomic_write_text
+from harness.core.results import SCHEMA_VERSION, atomic_write_text
 from reports.blocks import Block, Figure, KeyValues, Note, Pre, Table
 from reports.data import ReportData, load_report_data
 

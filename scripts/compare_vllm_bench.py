@@ -127,8 +127,8 @@ def main() -> int:
     a = p.parse_args()
 
     from harness.checkpoint import ensure_checkpoint
-    from harness.paths import model_cache_dir
-    from harness.presets import load_preset
+    from harness.core.paths import model_cache_dir
+    from harness.core.presets import load_preset
     shape = load_preset(a.preset)
     if shape.vocab_size <= 10000:
         sys.exit(f"--preset {a.preset}: its vocabulary ({shape.vocab_size}) is too small for vLLM's benchmark, "

@@ -51,7 +51,7 @@ def check_engines(ckpt: Path) -> None:
 def check_sampler() -> None:
     import torch
 
-    from harness.memory import MemorySampler
+    from harness.core.memory import MemorySampler
     s = MemorySampler(100, "cuda").start()
     x = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     time.sleep(1.0)
@@ -74,7 +74,7 @@ def check_sweep(out: Path) -> None:
 
 def main() -> int:
     from harness.checkpoint import ensure_checkpoint
-    from harness.presets import load_preset
+    from harness.core.presets import load_preset
 
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp())
     ckpt = ensure_checkpoint(load_preset("tiny"), out / "models")

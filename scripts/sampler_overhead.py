@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from harness.memory import MemorySampler
+from harness.core.memory import MemorySampler
 
 
 def work(seconds: float) -> float:

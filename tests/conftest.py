@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.checkpoint import ensure_checkpoint
-from harness.presets import load_preset
+from harness.core.presets import load_preset
 
 REPO = Path(__file__).resolve().parent.parent
 

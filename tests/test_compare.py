@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from harness.compare import compare, compare_metric, run, verdict
-from harness.results import SCHEMA_VERSION
+from harness.compare_cli import main, run
+from harness.core.compare import compare, compare_metric, verdict
+from harness.core.results import SCHEMA_VERSION
 
 N_PAIRS = 200
 
@@ -24,7 +25,7 @@ def test_no_false_alarms_on_identical_distributions():
         rng = np.random.default_rng(seed)
         b = {"decode_step_latency_s_samples": samples(rng, 1.0)}
         c = {"decode_step_latency_s_samples": samples(rng, 1.0)}
-        _, lo, hi, _ = compare_metric(b, c, "decode_step_latency_s", 0.05, 0.95, seed=seed)
+        _, lo, hi, _ = compare_metric(b, c, "decode_step_latency_s", 0.95, seed=seed)
         flagged += verdict(lo, hi, "lower", 0.05) != "unchanged"
     assert flagged == 0
 
@@ -36,7 +37,7 @@ def test_false_positive_rate_at_stated_confidence_without_threshold():
         rng = np.random.default_rng(1000 + seed)
         b = {"prefill_latency_s_samples": samples(rng, 1.0, n=30)}
         c = {"prefill_latency_s_samples": samples(rng, 1.0, n=30)}
-        _, lo, hi, _ = compare_metric(b, c, "prefill_latency_s", 0.0, 0.95, seed=seed)
+        _, lo, hi, _ = compare_metric(b, c, "prefill_latency_s", 0.95, seed=seed)
         regressed += verdict(lo, hi, "lower", 0.0) == "regressed"
     assert regressed / N_PAIRS <= 0.06
 
@@ -51,7 +52,7 @@ def test_twenty_percent_shift_always_flagged(metric, factor, better):
         rng = np.random.default_rng(seed)
         b = {field: samples(rng, 1.0)}
         c = {field: samples(rng, factor)}
-        ratio, lo, hi, _ = compare_metric(b, c, metric, 0.05, 0.95, seed=seed)
+        ratio, lo, hi, _ = compare_metric(b, c, metric, 0.95, seed=seed)
         assert verdict(lo, hi, better, 0.05) == "regressed", (seed, ratio, lo, hi)
 
 
@@ -59,7 +60,7 @@ def test_improvement_flagged_as_improved():
     rng = np.random.default_rng(3)
     b = {"ttft_s_samples": samples(rng, 1.0)}
     c = {"ttft_s_samples": samples(rng, 0.7)}
-    _, lo, hi, _ = compare_metric(b, c, "ttft_s", 0.05, 0.95)
+    _, lo, hi, _ = compare_metric(b, c, "ttft_s", 0.95)
     assert verdict(lo, hi, "lower", 0.05) == "improved"
 
 
@@ -89,9 +90,18 @@ def test_normalize_by_cancels_a_machine_wide_slowdown():
     assert norm2[0].verdict == "regressed" and norm2[0].ratio == pytest.approx(1.3, rel=0.08)
 
 
-def write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+MACHINE = {"cpu": {"model": "Test CPU", "isa": ["avx2"], "logical_cores": 2, "affinity": 2},
+           "gpus": [], "packages": {"torch": "2.13.0"}}
+
+
+def write(path, rows, environment=MACHINE):
+    """A results file in a run directory of its own, with the run's environment.json beside it."""
+    run_dir = path.parent / path.stem
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if environment is not None:
+        (run_dir / "environment.json").write_text(json.dumps(environment))
+    return str(run_dir / "results.jsonl")
 
 
 def test_cli_exit_codes_and_outputs(tmp_path, capsys):
@@ -130,8 +140,44 @@ def test_cli_unusable_input_exit_2(tmp_path, case, capsys):
         "normalize": ["--baseline", b, "--current", b, "--normalize-by", "vllm"],
     }[case]
     with pytest.raises(SystemExit) as e:
-        from harness.compare import main
         main(args + ["--json", str(tmp_path / "v.json")])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("infer-bench-compare: error:") and "Traceback" not in err
+
+
+def test_refuses_a_baseline_from_another_machine(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    other = {**MACHINE, "cpu": {**MACHINE["cpu"], "model": "Other CPU", "isa": ["amx_bf16", "avx2"]}}
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng)], environment=other)
+    c = write(tmp_path / "c.jsonl", [row("reference", 64, 1.0, rng)])
+    with pytest.raises(SystemExit) as e:
+        main(["--baseline", b, "--current", c, "--json", str(tmp_path / "v.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "different machines" in err and "cpu model: baseline Other CPU, current Test CPU" in err
+    assert "amx_bf16" in err and "--allow-other-machine" in err and "Traceback" not in err
+    # asked for: compared, and said so
+    assert run(["--baseline", b, "--current", c, "--allow-other-machine", "--json", str(tmp_path / "v.json")]) == 0
+    out = capsys.readouterr().out
+    assert "different machines" in out
+    assert json.loads((tmp_path / "v.json").read_text())["machines"] == "different machines"
+
+
+def test_engine_versions_are_part_of_the_machine(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.jsonl", [{**row("reference", 64, 1.0, rng), "engine_version": "0.1.0 (torch 2.13.0)"}])
+    c = write(tmp_path / "c.jsonl", [{**row("reference", 64, 1.0, rng), "engine_version": "0.2.0 (torch 2.13.0)"}])
+    with pytest.raises(SystemExit) as e:
+        main(["--baseline", b, "--current", c, "--json", str(tmp_path / "v.json")])
+    assert e.value.code == 2
+    assert "engine reference: baseline 0.1.0 (torch 2.13.0), current 0.2.0 (torch 2.13.0)" in capsys.readouterr().err
+
+
+def test_results_without_environment_cannot_be_checked(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng)], environment=None)
+    c = write(tmp_path / "c.jsonl", [row("reference", 64, 1.0, rng)])
+    with pytest.raises(SystemExit) as e:
+        main(["--baseline", b, "--current", c, "--json", str(tmp_path / "v.json")])
+    assert e.value.code == 2 and "no environment.json beside" in capsys.readouterr().err

@@ -26,7 +26,7 @@ def bench(out, ckpt, *extra):
 
 
 def compare(base, cur, verdict_file):
-    r = subprocess.run([sys.executable, "-m", "harness.compare", "--baseline", str(base), "--current", str(cur),
+    r = subprocess.run([sys.executable, "-m", "harness.compare_cli", "--baseline", str(base), "--current", str(cur),
                         "--normalize-by", "hf", "--threshold", "30%", "--json", str(verdict_file)],
                        capture_output=True, text=True, timeout=120)
     return r.returncode, json.loads(verdict_file.read_text()), r.stdout

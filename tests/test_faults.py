@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.results import read_rows
+from harness.core.results import read_rows
 
 pytestmark = pytest.mark.slow
 

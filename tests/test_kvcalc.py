@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from harness.errors import UserError
-from harness.kvcalc import bytes_per_token, estimate
+from harness.core.errors import UserError
+from harness.core.kvcalc import bytes_per_token, estimate
 from harness.kv_cli import run as kv_run
-from harness.presets import load_preset, preset_names
+from harness.core.presets import load_preset, preset_names
 
 # METRICS.md: model, seq, batch, per-token bytes, total bytes (FP16)
 TABLE = [

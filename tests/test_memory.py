@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
-from harness.memory import MemorySampler
+from harness.core.memory import MemorySampler
 
 
 def _hold(n_bytes: int, ready, done) -> None:
@@ -36,7 +36,7 @@ def test_sampler_sees_a_child_process_memory():
 
 
 def test_nvml_failure_falls_back_with_a_reason(monkeypatch):
-    import harness.memory as m
+    import harness.core.memory as m
 
     def broken(*a, **k):
         raise RuntimeError("NVML Shared Library Not Found")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from adapters.base import Request, TokenEvent
-from harness.metrics import SLO, RequestTrace, collect, serving_metrics
+from harness.core.metrics import SLO, RequestTrace, serving_metrics
+from workloads.base import collect
 
 MS = 1_000_000  # ns
 

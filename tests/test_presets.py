@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from harness.presets import load_preset, preset_names, shape_from_hf_config
+from harness.core.presets import load_preset, preset_names, shape_from_hf_config
 
 PUBLISHED = {  # layers, hidden, heads, kv heads (published configs)
     "llama-2-7b": (32, 4096, 32, 32), "llama-2-13b": (40, 5120, 40, 40), "llama-2-70b": (80, 8192, 64, 8),

@@ -10,8 +10,8 @@ import torch
 from adapters.base import ModelSpec, Request, now_ns
 from adapters.hf import HFEngine
 from adapters.reference.engine import ReferenceEngine
-from harness.kvcalc import bytes_per_token
-from harness.presets import load_preset
+from harness.core.kvcalc import bytes_per_token
+from harness.core.presets import load_preset
 
 LENGTHS = (5, 17, 33, 40)  # unequal prompt lengths
 STEPS = 12

@@ -18,8 +18,8 @@ from adapters.base import ModelSpec
 from adapters.reference import kv_cache
 from adapters.reference.config import EngineConfig, parse_options
 from adapters.reference.engine import ReferenceEngine
-from harness.kvcalc import bytes_per_token
-from harness.presets import load_preset
+from harness.core.kvcalc import bytes_per_token
+from harness.core.presets import load_preset
 
 REPO = Path(__file__).resolve().parent.parent
 

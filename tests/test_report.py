@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 from markupsafe import escape
 
-from harness.stats import PERCENTILE_METHOD
+from harness.core.stats import PERCENTILE_METHOD
 from reports import ReportInputError, write_report
 from reports.cli import main as report_main
-from harness.compare import compare as harness_compare
+from harness.core.compare import compare as harness_compare
 from reports.comparison import compare_rows
 from reports.data import ENGINE_COLOURS, engine_colours, frame, load_report_data, load_runs
 from reports.render import render_report

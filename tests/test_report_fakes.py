@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from harness.results import BASE_FIELDS, make_row
-from harness.stats import bootstrap_ci, summarize
+from harness.core.results import BASE_FIELDS, make_row
+from harness.core.bootstrap import median_ci as bootstrap_ci
+from harness.core.stats import summarize
 
 FAKE_ENV = {
     "timestamp": "2026-01-01T00:00:00+00:00", "hostname": "fake-host", "platform": "Linux-fake",

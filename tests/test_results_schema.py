@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from harness.results import BASE_FIELDS, SCHEMA_VERSION, ResultsWriter, make_row, read_rows
+from harness.core.results import BASE_FIELDS, SCHEMA_VERSION, ResultsWriter, make_row, read_rows
 from tests_support import documented_fields
 
 

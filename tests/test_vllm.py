@@ -93,8 +93,8 @@ def test_prefill_and_decode_are_timed_step_by_step(engine):
 
 
 def test_kv_info_equals_what_vllm_logs_and_the_estimator(engine, vllm_log):
-    from harness.kvcalc import bytes_per_token
-    from harness.presets import load_preset
+    from harness.core.kvcalc import bytes_per_token
+    from harness.core.presets import load_preset
 
     logged = [m for m in vllm_log.lines if "KV cache size" in m]
     assert logged, "vLLM did not log its KV cache size"

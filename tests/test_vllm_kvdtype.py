@@ -35,8 +35,8 @@ def fp8_engine(tiny_ckpt):
 
 
 def test_fp8_kv_cache_sizes(fp8_engine):
-    from harness.kvcalc import bytes_per_token
-    from harness.presets import load_preset
+    from harness.core.kvcalc import bytes_per_token
+    from harness.core.presets import load_preset
 
     info = fp8_engine.kv_cache_info()
     assert info.kv_dtype == "fp8" and info.extra["vllm_cache_dtype"] == "fp8"

@@ -6,11 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from harness.errors import UserError
+from harness.core.errors import UserError
 from harness.runner import parity_agreement
 from workloads import get_workload, workload_names
 from workloads.datasets import read_dataset
-from workloads.kv_ablation import fit_slope
 from workloads.lengths import parse_length
 from workloads.prompts import synthetic_prompts
 from workloads.serving import arrival_times
@@ -133,7 +132,3 @@ def test_parity_agreement():
     assert r["agreement"] == pytest.approx(5 / 8) and r["first_divergence"] == 2
 
 
-def test_fit_slope():
-    b, a = fit_slope([64, 128, 256], [0.01 + 1e-5 * n for n in (64, 128, 256)])
-    assert b == pytest.approx(1e-5) and a == pytest.approx(0.01)
-    assert fit_slope([64], [0.1]) is None

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness.results import read_rows
+from harness.core.results import read_rows
 from tests_support import documented_fields, vllm_available
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from harness.paths import REPO_ROOT
+from harness.core.paths import REPO_ROOT
 
 
 def documented_fields() -> set[str]:

@@ -7,8 +7,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from adapters.base import Capabilities, Engine
-from harness.presets import ModelShape
+from collections.abc import Iterable
+
+from adapters.base import Capabilities, Engine, Request, TokenEvent
+from harness.core.memory import MemorySampler
+from harness.core.metrics import RequestTrace
+from harness.core.presets import ModelShape
+from workloads.prompts import synthetic_prompts
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,20 @@ def is_oom(error: str | None) -> bool:
     return bool(error) and any(m in error.lower() for m in OOM_MARKERS)  # type: ignore[union-attr]
 
 
+def collect(requests: list[Request], start_ns: int, events: Iterable[TokenEvent]) -> list[RequestTrace]:
+    """Group an engine's token events by request. The clock of each request starts at its
+    scheduled arrival (start_ns + arrival_s), not when the engine took it."""
+    traces = {r.request_id: RequestTrace(r.request_id, start_ns + round(r.arrival_s * 1e9), len(r.prompt_ids))
+              for r in requests}
+    for ev in events:
+        tr = traces[ev.request_id]
+        if ev.index != tr.n_out:
+            raise RuntimeError(f"request {ev.request_id}: token {ev.index} arrived after {tr.n_out} tokens")
+        tr.token_times_ns.append(ev.time_ns)
+        tr.token_ids.append(ev.token_id)
+    return list(traces.values())
+
+
 @dataclass
 class RunContext:
     """What the harness hands a workload at run time (in the engine's process)."""
@@ -61,12 +80,10 @@ class RunContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def prompts(self, batch: int, length: int, key: str) -> list[list[int]]:
-        from workloads.prompts import synthetic_prompts
         return synthetic_prompts(batch, length, self.token_low, self.token_high, self.avoid_ids,
                                  seed=self.seed, key=key)
 
-    def sampler(self):
-        from harness.memory import MemorySampler
+    def sampler(self) -> MemorySampler:
         return MemorySampler(self.memory_sample_hz, self.device)
 
 
@@ -106,6 +123,10 @@ class Workload(ABC):
         """Engine options this point needs, by their standard names (adapters.base.STANDARD_OPTIONS),
         given what the engine can do; the engine is reloaded when they change between points."""
         return {}
+
+    def finalize_row(self, row: dict[str, Any]) -> None:
+        """Complete a row in the harness's process before it is written, after the generic steps
+        (confidence intervals of every `*_samples` field). Default: nothing."""
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
         """Extra lines for the terminal summary (e.g. fitted slopes across points)."""

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import UserError
+from harness.core.errors import UserError
 
 
 @dataclass

@@ -11,11 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from adapters.base import Capabilities, Engine
-from harness.schema import spec
-from harness.stats import bootstrap_ci, summarize
+from harness.core.schema import spec
+from harness.core.stats import fit_slope, summarize
 from workloads.base import Point, RunContext, Workload
 from workloads.sweep import repeat_until
 
@@ -34,14 +32,6 @@ class KVAblationConfig:
     min_repeats: int = spec(2, ge=1)
     min_duration_s: float = spec(0.0, ge=0)
     max_repeats: int = spec(20, ge=1)
-
-
-def fit_slope(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
-    """Least-squares line y = a + b x: returns (b, a), or None with fewer than two points."""
-    if len(set(xs)) < 2:
-        return None
-    b, a = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-    return float(b), float(a)
 
 
 class KVAblation(Workload):
@@ -94,7 +84,7 @@ class KVAblation(Workload):
             "mode": point.params["mode"], "context_len": n, "batch_size": b, "repeats": len(its),
             "warmup": cfg.warmup,
             "decode_step_latency_s": d["p50"], "decode_step_latency_s_p90": d["p90"],
-            "decode_step_latency_s_p99": d["p99"], "decode_step_latency_s_ci": bootstrap_ci(step_samples),
+            "decode_step_latency_s_p99": d["p99"],
             "decode_step_latency_s_samples": step_samples,
             "decode_tok_s": b / d["p50"] if d["p50"] else None,
             "prefill_latency_s": p["p50"], "prefill_latency_s_samples": prefill,

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Capabilities, Engine
-from harness.kvcalc import bytes_per_token, canonical_kv_dtype
-from harness.schema import spec
+from harness.core.kvcalc import bytes_per_token, canonical_kv_dtype
+from harness.core.schema import spec
 from workloads.base import Point, RunContext, Workload
 from workloads.lengths import parse_length
 from workloads.prompts import seed_for

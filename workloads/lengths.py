@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.schema import check, spec
+from harness.core.schema import check, spec
 
 DISTS = ("fixed", "uniform", "normal", "lognormal")
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters.base import Capabilities, Engine, Request, now_ns
-from harness.metrics import collect, serving_metrics
-from harness.schema import spec
-from workloads.base import Point, RunContext, Workload
+from harness.core.metrics import serving_metrics
+from harness.core.schema import spec
+from workloads.base import Point, RunContext, Workload, collect
 
 
 @dataclass

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Engine, Request, now_ns
-from harness.metrics import SLO, collect, serving_metrics
-from harness.schema import spec
-from workloads.base import Point, RunContext, Workload
+from harness.core.metrics import SLO, serving_metrics
+from harness.core.schema import spec
+from workloads.base import Point, RunContext, Workload, collect
 from workloads.lengths import LengthDist, parse_length
 from workloads.prompts import seed_for
 
@@ -76,7 +76,7 @@ class Serving(Workload):
         _, p2 = parse_length(cfg.output_len, "workload.output_len")
         problems += p1 + p2
         if cfg.dataset:
-            from harness.errors import UserError
+            from harness.core.errors import UserError
             from workloads.datasets import read_dataset
             try:
                 read_dataset(cfg.dataset, cfg.dataset_format)

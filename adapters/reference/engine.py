@@ -245,7 +245,7 @@ class ReferenceEngine(Engine):
 
     # ---- statistics ------------------------------------------------------------------------
     def kv_cache_info(self) -> KVCacheInfo:
-        from harness.kvcalc import canonical_kv_dtype
+        from harness.core.kvcalc import canonical_kv_dtype
 
         if self.model is None:
             return KVCacheInfo()
@@ -296,7 +296,7 @@ class ReferenceEngine(Engine):
 
 def _shape_of(model: ModelSpec):
     """The model's shape before it is loaded: its config.json, or the preset of that name."""
-    from harness.presets import load_preset, shape_from_hf_config
+    from harness.core.presets import load_preset, shape_from_hf_config
     try:
         if model.path and (Path(model.path) / "config.json").is_file():
             return shape_from_hf_config(model.path)

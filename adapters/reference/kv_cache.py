@@ -16,7 +16,7 @@ Storage formats (`kv_dtype`):
   fp8   float8 e4m3 values (kept in uint8 storage, since CPU kernels cannot index float8),
         one scale of 1.0 for the whole tensor: values are clamped to +-448 and rounded
 Reads dequantise to the model's dtype. The bytes per token are exactly what
-harness.kvcalc.bytes_per_token predicts.
+harness.core.kvcalc.bytes_per_token predicts.
 """
 
 from __future__ import annotations

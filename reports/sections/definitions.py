@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from harness.stats import BOOTSTRAP_RESAMPLES, CONFIDENCE, PERCENTILE_METHOD, PERCENTILES
+from harness.core.bootstrap import CONFIDENCE, RESAMPLES
+from harness.core.stats import PERCENTILE_METHOD, PERCENTILES
 from reports import definitions as d
 from reports.blocks import Block, Cell, Table
 from reports.data import ReportData
@@ -18,7 +19,7 @@ def statistics_items() -> list[tuple[str, str]]:
         ("percentiles", f"p{', p'.join(map(str, PERCENTILES))} and the median (p50) by {PERCENTILE_METHOD}; "
                         f"plus mean, standard deviation (ddof = 1), min, max and the sample count"),
         ("confidence intervals", f"{CONFIDENCE:.0%} percentile-bootstrap intervals of the median "
-                                 f"({BOOTSTRAP_RESAMPLES} resamples, fixed seed); a throughput's interval "
+                                 f"({RESAMPLES} resamples, fixed seed); a throughput's interval "
                                  f"is its latency's, inverted"),
         ("comparisons", "a ratio of medians (current / baseline) with a bootstrap CI, resampling both runs "
                         "independently — not two bare numbers"),

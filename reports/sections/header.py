@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.results import SCHEMA_VERSION
+from harness.core.results import SCHEMA_VERSION
 from reports.blocks import Block, Cell, KeyValues, Note, Pre, Table, fmt_num
 from reports.data import ReportData, RunInfo
 from reports.sections import section
@@ -102,10 +102,10 @@ def run_header(data: ReportData) -> list[Block]:
         items.append(("command", argvs[0]))
     items.append(("results", "; ".join(str(r.results) for r in runs)))
     blocks: list[Block] = [KeyValues(items, name="run-facts")]
-    versions = sorted({str(v) for v in rows.get("schema_version", pd.Series(dtype=object)).dropna()} - {str(SCHEMA_VERSION)})
-    if versions:
-        blocks.append(Note(f"Some rows are of results schema version {', '.join(versions)}; this report reads "
-                           f"version {SCHEMA_VERSION}. Fields it does not find are left out."))
+    other = sum(r.other_version_rows for r in runs)
+    if other:
+        blocks.append(Note(f"{other} rows are of another results schema version and are left out; this report "
+                           f"reads version {SCHEMA_VERSION} only."))
     if len(machines) > 1:
         labels = list(machine_summary(envs[0]))
         table_rows = []

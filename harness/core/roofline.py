@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.kvcalc import bytes_per_token
-from harness.presets import ModelShape
+from harness.core.kvcalc import bytes_per_token
+from harness.core.presets import ModelShape
 
 _ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -83,7 +83,7 @@ def measure(device: str, dtype: str) -> Ceilings:
 
 def cached_ceilings(device: str, dtype: str, cache_file: Path) -> Ceilings:
     """The ceilings for this host/device/dtype, measured on first use and cached."""
-    from harness.env import cpu_model
+    from harness.core.env import cpu_model
     import os
     key = f"{platform.node()}|{cpu_model()}|{os.cpu_count()}|{device}|{dtype}"
     try:
@@ -94,7 +94,7 @@ def cached_ceilings(device: str, dtype: str, cache_file: Path) -> Ceilings:
         return Ceilings(**data[key])
     c = measure(device, dtype)
     data[key] = asdict(c)
-    from harness.results import atomic_write_text
+    from harness.core.results import atomic_write_text
     atomic_write_text(cache_file, json.dumps(data, indent=2))
     return c
 

@@ -12,12 +12,10 @@ Goodput counts the requests that meet every configured SLO.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.base import Request, TokenEvent
-from harness.stats import bootstrap_ci, summarize
+from harness.core.stats import summarize
 
 
 @dataclass
@@ -52,20 +50,6 @@ class RequestTrace:
         return [(b - a) / 1e9 for a, b in zip(t, t[1:])]
 
 
-def collect(requests: list[Request], start_ns: int, events: Iterable[TokenEvent]) -> list[RequestTrace]:
-    """Group an engine's token events by request. The clock of each request starts at its
-    scheduled arrival (start_ns + arrival_s), not when the engine took it."""
-    traces = {r.request_id: RequestTrace(r.request_id, start_ns + round(r.arrival_s * 1e9), len(r.prompt_ids))
-              for r in requests}
-    for ev in events:
-        tr = traces[ev.request_id]
-        if ev.index != tr.n_out:
-            raise RuntimeError(f"request {ev.request_id}: token {ev.index} arrived after {tr.n_out} tokens")
-        tr.token_times_ns.append(ev.time_ns)
-        tr.token_ids.append(ev.token_id)
-    return list(traces.values())
-
-
 @dataclass(frozen=True)
 class SLO:
     ttft_s: float | None = None
@@ -88,8 +72,7 @@ def _stat_fields(name: str, samples: list[float], with_samples: bool = True) -> 
     s = summarize(samples)
     out: dict[str, Any] = {f"{name}_{k}": v for k, v in s.items() if k != "count"}
     out[f"{name}_count"] = s["count"]
-    out[name] = s["p50"]  # the headline value is the median
-    out[f"{name}_ci"] = bootstrap_ci(samples)
+    out[name] = s["p50"]  # the headline value is the median (its interval: harness.core.bootstrap)
     if with_samples:
         out[f"{name}_samples"] = samples
     return out

@@ -1,7 +1,9 @@
 """Results: one JSON object per line in results.jsonl, appended and flushed as each point
 finishes, so a run killed at any moment keeps every finished row and the file still parses.
 
-The schema (every field, unit and definition) is in docs/results-schema.md.
+The schema (every field, unit and definition) is in docs/results-schema.md. `load_results` is
+the one way results are read back (compare, the report, the multirun summary): it finds the
+files, reads them, checks the schema version and picks up each run's environment.json.
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.core.errors import UserError
+
 SCHEMA_VERSION = 1
 RESULTS_FILE = "results.jsonl"
+ENVIRONMENT_FILE = "environment.json"
+CONFIG_FILE = "config.resolved.yaml"
 STATUSES = ("ok", "failed", "unavailable", "skipped")
 
 # Fields every row carries (None where they do not apply).
@@ -118,3 +125,73 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@dataclass
+class RunFile:
+    """One results file, its rows, and what its run directory recorded about the run."""
+
+    path: Path
+    rows: list[dict[str, Any]]
+    environment: dict[str, Any] | None = None
+    config_text: str | None = None
+    other_version_rows: int = 0  # rows of another schema version, left out
+
+    @property
+    def directory(self) -> Path:
+        return self.path.parent
+
+
+def _read_json_file(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def load_results(paths: list[str | Path], what: str = "results",
+                 other_versions: str = "refuse") -> list[RunFile]:
+    """Every results file under `paths` (files, run directories, multirun directories), read.
+
+    Rows of another schema version are refused (UserError: this version reads only its own) or,
+    with other_versions="drop", left out and counted in `RunFile.other_version_rows`. Every
+    problem (missing path, no results, unreadable file) is reported at once, naming `what`."""
+    problems = []
+    for p in map(Path, paths):
+        if not p.exists():
+            problems.append(f"{what} {p}: no such file or directory. Give results.jsonl files or run directories.")
+        elif p.is_dir() and not results_files([p]):
+            problems.append(f"{what} {p}: no {RESULTS_FILE} in this directory or below it. "
+                            "Give a results file or an infer-bench run directory.")
+    if problems:
+        raise UserError(problems)
+    files = list(dict.fromkeys(f.resolve() for f in results_files(list(paths))))
+    if not files:
+        raise UserError(f"no {what} given.")
+    out = []
+    for f in files:
+        try:
+            rows = [r for r in read_rows(f) if isinstance(r, dict)]
+        except (OSError, UnicodeDecodeError) as e:
+            problems.append(f"{what} {f}: cannot read ({e}).")
+            continue
+        except ValueError as e:
+            problems.append(f"{what} {f}: not a results file (a line is not JSON: {e}).")
+            continue
+        other = [r for r in rows if r.get("schema_version") != SCHEMA_VERSION]
+        if other and other_versions == "refuse":
+            versions = sorted({str(r.get("schema_version")) for r in other})
+            problems.append(f"{what} {f}: rows of results schema version {', '.join(versions)}; this infer-bench "
+                            f"reads version {SCHEMA_VERSION} only. Re-run with this version (no migration exists "
+                            "for older files).")
+            continue
+        rows = [r for r in rows if r.get("schema_version") == SCHEMA_VERSION]
+        try:
+            config_text = (f.parent / CONFIG_FILE).read_text(encoding="utf-8")
+        except OSError:
+            config_text = None
+        out.append(RunFile(f, rows, _read_json_file(f.parent / ENVIRONMENT_FILE), config_text, len(other)))
+    if problems:
+        raise UserError(problems)
+    return out

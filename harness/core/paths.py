@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "conf"
+import conf
+
+# The directory that holds the `harness` package: the repository in a checkout or an editable
+# install, site-packages in an installed copy.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = Path(conf.__file__).resolve().parent
 
 
 def model_cache_dir(configured: str | None = None) -> Path:

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from harness.errors import UserError
-from harness.paths import CONF_DIR
+from harness.core.errors import UserError
+from harness.core.paths import CONF_DIR
 
 # Hugging Face architecture class and model_type for each family a preset may name.
 ARCHITECTURES = {

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from harness.errors import UserError
-from harness.presets import ModelShape
+from harness.core.errors import UserError
+from harness.core.presets import ModelShape
 
 # Bytes per stored element, by the names users and engines use for KV dtypes.
 _ELEMENT_BYTES = {

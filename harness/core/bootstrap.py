@@ -1,0 +1,81 @@
+"""Confidence intervals: one bootstrap, scipy's (`scipy.stats.bootstrap`, percentile method).
+
+- `median_ci(samples)`: the interval of one sample's median (every `*_ci` field of a row).
+- `ratio_ci(samples, ratio)`: the interval of a ratio of medians of independent samples
+  (the regression check: current / baseline, optionally normalised by a reference engine).
+- `mean_ci(values)`: the interval of a mean (the paired A/B gate: mean of per-round log-ratios).
+
+Each resamples `RESAMPLES` times with a fixed seed, so the same data give the same interval.
+Only the harness's own process imports this module (scipy need not be in an engine's
+environment).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from scipy import stats as _scipy_stats
+
+RESAMPLES = 2000
+CONFIDENCE = 0.95
+METHOD = "percentile"
+
+
+def _interval(data: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray], confidence: float,
+              seed: int) -> tuple[float, float] | None:
+    res = _scipy_stats.bootstrap(data, statistic, vectorized=True, axis=-1, paired=False,
+                                 confidence_level=confidence, n_resamples=RESAMPLES, method=METHOD,
+                                 random_state=np.random.default_rng(seed))
+    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return None
+    return lo, hi
+
+
+def median_ci(samples: Sequence[float], confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float] | None:
+    """Interval of the median; None for fewer than 2 samples."""
+    x = np.asarray(samples, dtype=float)
+    if x.size < 2:
+        return None
+    return _interval((x,), lambda s, axis=-1: np.median(s, axis=axis), confidence, seed)
+
+
+def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float] | None:
+    """Interval of the mean; None for fewer than 2 values."""
+    x = np.asarray(values, dtype=float)
+    if x.size < 2:
+        return None
+    return _interval((x,), lambda s, axis=-1: np.mean(s, axis=axis), confidence, seed)
+
+
+def ratio_ci(samples: Sequence[Sequence[float]], ratio: Callable[..., np.ndarray],
+             confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float] | None:
+    """Interval of `ratio(median(s0), median(s1), ...)`, every sample resampled independently.
+    `ratio` takes arrays of medians (vectorised). None when any sample has fewer than 2 values."""
+    arrays = tuple(np.asarray(s, dtype=float) for s in samples)
+    if any(a.size < 2 for a in arrays):
+        return None
+
+    def statistic(*resampled: np.ndarray, axis: int = -1) -> np.ndarray:
+        return ratio(*(np.median(r, axis=axis) for r in resampled))
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return _interval(arrays, statistic, confidence, seed)
+
+
+SAMPLES_SUFFIX = "_samples"
+
+
+def add_intervals(row: dict, confidence: float = CONFIDENCE) -> dict:
+    """For every `<metric>_samples` list in a row (two or more numbers), set `<metric>_ci`, the
+    interval of its median, unless the row already has one. Workers measure; the harness's own
+    process adds the intervals (so scipy is needed only here). Returns the row."""
+    for key in [k for k in row if k.endswith(SAMPLES_SUFFIX)]:
+        ci_key = key[: -len(SAMPLES_SUFFIX)] + "_ci"
+        samples = row[key]
+        if row.get(ci_key) is None and isinstance(samples, list) and len(samples) >= 2 and \
+                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in samples):
+            ci = median_ci(samples, confidence)
+            row[ci_key] = list(ci) if ci else None
+    return row

@@ -1,0 +1,229 @@
+"""The regression comparison: baseline against current, ratio by ratio, with a verdict.
+
+Rows are matched by engine, model, workload, point and dtype; rows found on one side only are
+listed, not dropped. For each matched metric the ratio current/baseline of the medians gets a
+percentile-bootstrap confidence interval (each side's repeat samples resampled independently;
+`harness.core.bootstrap`). The verdict is **regressed** only when the whole interval lies beyond
+the threshold in the bad direction (slower, less throughput, more memory), **improved** when it
+lies beyond it in the good direction, and **unchanged** otherwise. A point that was ok in the
+baseline and failed in the current run is a regression too.
+
+Runs from different machines are not comparable: a baseline recorded on another CPU turned
+identical code into x1.39 "regressed". `machine_differences` names what differs between two
+runs' environments (CPU model and ISA, cores, GPUs, torch and engine versions); the command
+line refuses such a comparison unless asked (`--allow-other-machine`), and then says
+"different machines" in the verdict.
+
+`infer-bench-compare` (harness.compare_cli) and the report's baseline section both call
+`compare`, so they give the same verdicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from harness.core.bootstrap import RESAMPLES, ratio_ci
+from harness.core.errors import UserError
+
+METHOD = ("ratio of medians (current / baseline) with a percentile-bootstrap confidence interval: each "
+          f"side's repeat samples resampled independently with replacement, {RESAMPLES} resamples "
+          "(scipy.stats.bootstrap)")
+
+# name: (samples field, better, the samples are the inverse of the metric). Throughputs are
+# compared through the latency samples they are computed from (throughput ratio = 1 / latency ratio).
+METRICS: dict[str, tuple[str | None, str, bool]] = {
+    "prefill_latency_s": ("prefill_latency_s_samples", "lower", False),
+    "decode_step_latency_s": ("decode_step_latency_s_samples", "lower", False),
+    "e2e_latency_s": ("e2e_latency_s_samples", "lower", False),
+    "output_tok_s": ("e2e_latency_s_samples", "higher", True),
+    "ttft_s": ("ttft_s_samples", "lower", False),
+    "tpot_s": ("tpot_s_samples", "lower", False),
+    "itl_s": ("itl_s_samples", "lower", False),
+    "e2el_s": ("e2el_s_samples", "lower", False),
+    "peak_memory_bytes": (None, "lower", False),
+}
+DEFAULT_METRICS = {
+    "sweep": ["prefill_latency_s", "decode_step_latency_s", "output_tok_s", "peak_memory_bytes"],
+    "kv_ablation": ["decode_step_latency_s"],
+    "serving": ["ttft_s", "tpot_s", "itl_s", "e2el_s"],
+    "prefix_sharing": ["ttft_s"],
+}
+KEY_FIELDS = ("engine", "model", "workload", "point_key", "dtype")
+# Workloads that are checks, not measurements: never compared.
+NOT_COMPARED = ("parity",)
+
+
+@dataclass
+class Comparison:
+    engine: str
+    model: str
+    workload: str
+    point: str
+    dtype: str
+    metric: str
+    better: str
+    baseline: float | None
+    current: float | None
+    ratio: float | None
+    ci_low: float | None
+    ci_high: float | None
+    verdict: str  # regressed | improved | unchanged | failed | no-data
+    normalized_by: str | None = None
+    note: str | None = None
+
+
+def row_key(r: dict[str, Any]) -> tuple:
+    return tuple(r.get(k) for k in KEY_FIELDS)
+
+
+def verdict(lo: float | None, hi: float | None, better: str, threshold: float) -> str:
+    if lo is None or hi is None:
+        return "no-data"
+    if better == "lower":
+        return "regressed" if lo > 1 + threshold else "improved" if hi < 1 - threshold else "unchanged"
+    return "regressed" if hi < 1 - threshold else "improved" if lo > 1 + threshold else "unchanged"
+
+
+def _plain_ratio(mb: np.ndarray, mc: np.ndarray) -> np.ndarray:
+    return mc / mb
+
+
+def _normalised_ratio(mb: np.ndarray, mc: np.ndarray, rb: np.ndarray, rc: np.ndarray) -> np.ndarray:
+    return (mc / rc) / (mb / rb)
+
+
+def compare_metric(b: dict[str, Any], c: dict[str, Any], metric: str, confidence: float = 0.95,
+                   ref_b: dict[str, Any] | None = None, ref_c: dict[str, Any] | None = None,
+                   seed: int = 0) -> tuple[float | None, float | None, float | None, str | None]:
+    """(ratio, ci_low, ci_high, note) of current/baseline for one metric; with ref_b/ref_c, each
+    side is first divided by a reference engine's metric from the same run."""
+    field, _, inverse = METRICS[metric]
+    sets = [b, c] + ([ref_b, ref_c] if ref_b is not None else [])
+    if field is None:  # a single value per row: the ratio without an interval
+        vals = [r.get(metric) for r in sets]
+        if any(v is None or v == 0 for v in vals):
+            return None, None, None, "missing"
+        ratio = vals[1] / vals[0] if ref_b is None else (vals[1] / vals[3]) / (vals[0] / vals[2])
+        return ratio, ratio, ratio, "single value: no repeat samples, the ratio is its own interval"
+    samples = [np.asarray(r.get(field) or [], dtype=float) for r in sets]
+    if any(s.size < 2 for s in samples):
+        return None, None, None, f"fewer than 2 samples of {field}"
+    fn = _plain_ratio if ref_b is None else _normalised_ratio
+    point = float(fn(*[np.median(s) for s in samples]))
+    ci = ratio_ci(samples, fn, confidence, seed)
+    if ci is None:
+        return point, None, None, "no interval (degenerate samples)"
+    lo, hi = ci
+    if inverse:
+        point, lo, hi = 1 / point, 1 / hi, 1 / lo
+    return point, lo, hi, None
+
+
+def compare(base_rows: list[dict[str, Any]], cur_rows: list[dict[str, Any]], metrics: list[str] | None,
+            threshold: float, confidence: float = 0.95,
+            normalize_by: str | None = None) -> tuple[list[Comparison], dict[str, list[str]]]:
+    """Every matched (row, metric) with its ratio, interval and verdict; and the unmatched keys."""
+    base = {row_key(r): r for r in base_rows if r.get("point_key") and r.get("workload") not in NOT_COMPARED}
+    cur = {row_key(r): r for r in cur_rows if r.get("point_key") and r.get("workload") not in NOT_COMPARED}
+    unmatched = {"baseline_only": sorted(" ".join(map(str, k)) for k in base.keys() - cur.keys()),
+                 "current_only": sorted(" ".join(map(str, k)) for k in cur.keys() - base.keys())}
+    out: list[Comparison] = []
+    for i, k in enumerate(sorted(base.keys() & cur.keys(), key=str)):
+        b, c = base[k], cur[k]
+        engine, model, workload, point, dtype = k
+        if normalize_by and engine == normalize_by:
+            continue
+        names = metrics or DEFAULT_METRICS.get(workload, [])
+        common = dict(engine=engine, model=model, workload=workload, point=point, dtype=dtype,
+                      normalized_by=normalize_by)
+        if b.get("status") != "ok" or c.get("status") != "ok":
+            if b.get("status") == "ok":
+                out.append(Comparison(**common, metric="status", better="ok", baseline=None, current=None,
+                                      ratio=None, ci_low=None, ci_high=None, verdict="failed",
+                                      note=(c.get("error") or c.get("status") or "")[:200]))
+            continue
+        ref_b = ref_c = None
+        if normalize_by:
+            rk = (normalize_by, model, workload, point, dtype)
+            ref_b, ref_c = base.get(rk), cur.get(rk)
+            if not ref_b or not ref_c or ref_b.get("status") != "ok" or ref_c.get("status") != "ok":
+                for m in names:
+                    out.append(Comparison(**common, metric=m, better=METRICS[m][1], baseline=b.get(m),
+                                          current=c.get(m), ratio=None, ci_low=None, ci_high=None,
+                                          verdict="no-data", note=f"{normalize_by} has no ok row at this point"))
+                continue
+        for j, m in enumerate(names):
+            ratio, lo, hi, note = compare_metric(b, c, m, confidence, ref_b, ref_c, seed=i * 131 + j)
+            out.append(Comparison(**common, metric=m, better=METRICS[m][1], baseline=b.get(m), current=c.get(m),
+                                  ratio=ratio, ci_low=lo, ci_high=hi,
+                                  verdict=verdict(lo, hi, METRICS[m][1], threshold), note=note))
+    return out, unmatched
+
+
+def overall_verdict(comps: list[Comparison]) -> tuple[str, dict[str, int]]:
+    counts = {v: sum(c.verdict == v for c in comps) for v in ("regressed", "failed", "improved", "unchanged", "no-data")}
+    return ("regressed" if counts["regressed"] or counts["failed"] else "unchanged"), counts
+
+
+def format_table(comps: list[Comparison], interval: str = "95% CI") -> str:
+    head = ["engine", "workload", "point", "metric", "baseline", "current", "ratio", interval, "verdict"]
+    body = []
+    for c in comps:
+        point = c.point.split(":", 1)[-1] if c.point else ""
+        fmt = (lambda v: "-" if v is None else f"{v:.4g}")
+        body.append([c.engine, c.workload, point, c.metric, fmt(c.baseline), fmt(c.current),
+                     "-" if c.ratio is None else f"{c.ratio:.3f}",
+                     "-" if c.ci_low is None else f"[{c.ci_low:.3f}, {c.ci_high:.3f}]",
+                     c.verdict.upper() if c.verdict in ("regressed", "failed") else c.verdict])
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)
+
+
+def parse_threshold(text: str) -> float:
+    t = text.strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise UserError(f"--threshold {text}: give a percentage such as 5% (or a fraction such as 0.05).") from None
+    if not 0 <= v < 1:
+        raise UserError(f"--threshold {text}: must be between 0% and 100%.")
+    return v
+
+
+# ---- same machine? ---------------------------------------------------------------------------
+
+def machine_kind(env: dict[str, Any] | None, rows: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """What makes two runs' timings comparable, from environment.json and the rows: CPU model and
+    ISA, the cores the run could use, GPUs, torch, and each engine's version."""
+    env = env or {}
+    cpu = env.get("cpu") or {}
+    engines = {}
+    for r in rows:
+        if r.get("engine") and r.get("engine_version"):
+            engines[r["engine"]] = r["engine_version"]
+    return {
+        "cpu model": cpu.get("model"),
+        "cpu ISA": " ".join(cpu.get("isa") or []) or None,
+        "cpu cores": cpu.get("affinity") or cpu.get("logical_cores"),
+        "GPUs": ", ".join(g.get("name", "?") for g in env.get("gpus") or []) or "none",
+        "torch": (env.get("packages") or {}).get("torch"),
+        **{f"engine {e}": v for e, v in sorted(engines.items())},
+    }
+
+
+def machine_differences(base: dict[str, Any], cur: dict[str, Any]) -> list[str]:
+    """'what: baseline X, current Y' for each property of `machine_kind` that differs (an engine
+    known on one side only is not a difference: it is simply not compared)."""
+    out = []
+    for k in dict.fromkeys(list(base) + list(cur)):
+        if k.startswith("engine ") and (k not in base or k not in cur):
+            continue
+        b, c = base.get(k), cur.get(k)
+        if b != c:
+            out.append(f"{k}: baseline {b if b is not None else 'unknown'}, current {c if c is not None else 'unknown'}")
+    return out
