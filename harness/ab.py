@@ -1,0 +1,327 @@
+"""`infer-bench-ab`: baseline and candidate code, interleaved on one machine, compared with paired
+statistics - the way to gate CI on machines that change from one run to the next.
+
+    infer-bench-ab --baseline-ref REF [--candidate-ref REF] [--rounds 6] [--threshold 10%]
+                   [--metric M ...] [--baseline-override K=V ...] [--candidate-override K=V ...]
+                   [--out DIR] [--json FILE] -- [infer-bench overrides ...]
+
+The baseline is the commit REF, checked out into a temporary git worktree; the candidate is the
+working tree (or `--candidate-ref`). Both run in this Python environment, on this machine, in one
+job: A, B, B, A, A, B, ... (the order alternates every round, so a steady drift of the machine
+cancels), each run a complete `infer-bench` invocation of the same config on the same
+checkpoint. Per round and per (engine, point, metric), the log of the ratio candidate /
+baseline of the run medians is taken; the estimate is the geometric mean of those ratios, with a
+percentile-bootstrap interval of their mean (`harness.core.bootstrap.mean_ci`). A metric is
+**regressed** when the whole interval lies beyond the threshold on the bad side, **improved**
+when it lies beyond it on the good side, **unchanged** otherwise; a point that failed on the
+candidate side while the baseline's ran is regressed too.
+
+`--baseline-override` / `--candidate-override` add overrides to one side only, so the same tool
+compares two configurations of one tree (e.g. `engine_options.reference.kv_cache=none`).
+
+Exit codes: 0 nothing regressed, 1 something regressed, 2 unusable input (an unknown ref, a run
+that could not start, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.checkpoint import ensure_checkpoint
+from harness.core.bootstrap import CONFIDENCE, RESAMPLES, mean_ci
+from harness.core.compare import parse_threshold, verdict
+from harness.core.errors import EXIT_BAD_INPUT, UserError
+from harness.core.paths import REPO_ROOT, model_cache_dir
+from harness.core.presets import load_preset, preset_names
+from harness.core.results import ENVIRONMENT_FILE, RESULTS_FILE, atomic_write_text, read_rows
+
+# metric -> (row field of the run's median, better, inverse): throughput is compared through the
+# end-to-end latency it is computed from.
+METRICS: dict[str, tuple[str, str, bool]] = {
+    "decode_step_latency_s": ("decode_step_latency_s", "lower", False),
+    "prefill_latency_s": ("prefill_latency_s", "lower", False),
+    "output_tok_s": ("e2e_latency_s", "higher", True),
+    "ttft_s": ("ttft_s", "lower", False),
+    "tpot_s": ("tpot_s", "lower", False),
+    "e2el_s": ("e2el_s", "lower", False),
+}
+DEFAULT_METRICS = ("decode_step_latency_s", "prefill_latency_s", "output_tok_s")
+# Settings every run gets: no parity check, no roofline probe, no progress lines.
+FIXED = ["parity=false", "roofline=false", "quiet=true"]
+METHOD = ("paired A/B: baseline and candidate runs interleaved (the order alternating every round); per round "
+          "the log-ratio candidate/baseline of the run medians; the geometric mean of the ratios with a "
+          f"{CONFIDENCE:.0%} percentile-bootstrap interval of the mean log-ratio ({RESAMPLES} resamples)")
+
+
+@dataclass
+class Side:
+    name: str  # "baseline" | "candidate"
+    tree: Path
+    commit: str | None
+    overrides: list[str]
+
+
+@dataclass
+class PairResult:
+    engine: str
+    point: str
+    metric: str
+    better: str
+    baseline_median: float | None
+    candidate_median: float | None
+    ratio: float | None
+    ci_low: float | None
+    ci_high: float | None
+    verdict: str
+    round_ratios: list[float] = field(default_factory=list)
+    note: str | None = None
+
+
+# ---- git ----------------------------------------------------------------------------------------
+
+def _git(*args: str, cwd: Path = REPO_ROOT, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=check)
+
+
+def resolve_commit(ref: str) -> str:
+    r = _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", check=False)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise UserError(f"--baseline-ref {ref}: no such commit in this repository ({REPO_ROOT}). Name a "
+                        "commit, tag or branch that exists here (a shallow clone may need `git fetch "
+                        "--unshallow`).")
+    return r.stdout.strip()
+
+
+def add_worktree(commit: str, where: Path) -> Path:
+    r = _git("worktree", "add", "--detach", "--force", str(where), commit, check=False)
+    if r.returncode != 0:
+        raise UserError(f"git worktree add {commit[:12]}: {r.stderr.strip() or r.stdout.strip()}")
+    return where
+
+
+def remove_worktree(where: Path) -> None:
+    _git("worktree", "remove", "--force", str(where), check=False)
+    shutil.rmtree(where, ignore_errors=True)
+    _git("worktree", "prune", check=False)
+
+
+# ---- the config both sides run --------------------------------------------------------------
+
+def pin_model(overrides: list[str], cache: Path) -> list[str]:
+    """The same checkpoint for both sides: a preset is materialised once (by this, the candidate's,
+    code) and both sides load it as `model=local model.path=DIR`."""
+    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), "tiny")
+    if model == "local" or any(o.startswith("model.path=") for o in overrides):
+        return overrides
+    if model not in preset_names():
+        raise UserError(f"model={model}: unknown model preset. Choose one of {', '.join(preset_names())}.")
+    path = ensure_checkpoint(load_preset(model), cache)
+    rest = [o for o in overrides if not o.startswith("model=")]
+    return rest + ["model=local", f"model.path={path}"]
+
+
+def run_once(side: Side, overrides: list[str], out: Path, python: str, timeout_s: float) -> Path:
+    """One complete infer-bench run of `side`'s tree into `out`."""
+    cmd = [python, "-m", "harness.cli", *overrides, *side.overrides, *FIXED, f"hydra.run.dir={out}"]
+    env = dict(os.environ, PYTHONPATH=str(side.tree))
+    try:
+        r = subprocess.run(cmd, cwd=side.tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{side.name} run timed out after {timeout_s:g} s: {' '.join(cmd)}") from None
+    (out / "ab-run.log").parent.mkdir(parents=True, exist_ok=True)
+    (out / "ab-run.log").write_text(r.stdout + r.stderr)
+    if r.returncode not in (0, 1) or not (out / RESULTS_FILE).exists():
+        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-12:])
+        raise UserError(f"{side.name} run failed (exit {r.returncode}): {' '.join(cmd)}\n{tail}")
+    _check_tree(side, out)
+    return out
+
+
+def _check_tree(side: Side, out: Path) -> None:
+    """The run must have executed `side`'s code: its environment.json names the tree's commit."""
+    try:
+        env = json.loads((out / ENVIRONMENT_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    commit = (env.get("git") or {}).get("commit")
+    if side.commit and commit and commit != side.commit:
+        raise UserError(f"{side.name} run executed commit {commit[:12]}, not {side.commit[:12]}: another "
+                        "installation of infer-bench shadows the worktree on sys.path.")
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+def run_medians(results: Path, metrics: list[str]) -> dict[tuple[str, str, str], tuple[float, float] | str]:
+    """(engine, point_key, metric) -> (the run's median of the compared field, the metric's value as
+    the row shows it), or the row's status when it is not ok."""
+    out: dict[tuple[str, str, str], tuple[float, float] | str] = {}
+    for r in read_rows(results):
+        if not r.get("point_key"):
+            continue
+        for m in metrics:
+            key = (r["engine"], r["point_key"], m)
+            if r.get("status") != "ok":
+                out[key] = r.get("status") or "?"
+                continue
+            v = r.get(METRICS[m][0])
+            if isinstance(v, (int, float)) and v > 0:
+                shown = r.get(m)
+                out[key] = (float(v), float(shown) if isinstance(shown, (int, float)) else float(v))
+    return out
+
+
+def paired(rounds: list[tuple[dict, dict]], metrics: list[str], threshold: float,
+           confidence: float = CONFIDENCE) -> list[PairResult]:
+    """Per (engine, point, metric): the geometric-mean ratio candidate/baseline over the rounds,
+    its interval, and the verdict."""
+    keys = list(dict.fromkeys(k for a, b in rounds for k in list(a) + list(b)))
+    out = []
+    for i, key in enumerate(keys):
+        engine, point, metric = key
+        better, inverse = METRICS[metric][1], METRICS[metric][2]
+        base_vals = [a.get(key) for a, _ in rounds]
+        cand_vals = [b.get(key) for _, b in rounds]
+        common = dict(engine=engine, point=point, metric=metric, better=better)
+        if any(isinstance(v, str) for v in cand_vals) and all(isinstance(v, tuple) for v in base_vals):
+            status = next(v for v in cand_vals if isinstance(v, str))
+            out.append(PairResult(**common, baseline_median=None, candidate_median=None, ratio=None,
+                                  ci_low=None, ci_high=None, verdict="failed",
+                                  note=f"the candidate's point is {status} in some rounds"))
+            continue
+        pairs = [(a, b) for a, b in zip(base_vals, cand_vals) if isinstance(a, tuple) and isinstance(b, tuple)]
+        if len(pairs) < 2:
+            out.append(PairResult(**common, baseline_median=None, candidate_median=None, ratio=None, ci_low=None,
+                                  ci_high=None, verdict="no-data", note=f"{len(pairs)} complete rounds"))
+            continue
+        logs = np.log([b[0] / a[0] for a, b in pairs])
+        if inverse:  # a throughput: its ratio is the inverse of the latencies' it is computed from
+            logs = -logs
+        ci = mean_ci(logs, confidence, seed=i)
+        lo, hi = (math.exp(ci[0]), math.exp(ci[1])) if ci else (None, None)
+        out.append(PairResult(
+            **common, baseline_median=float(np.median([a[1] for a, _ in pairs])),
+            candidate_median=float(np.median([b[1] for _, b in pairs])),
+            ratio=math.exp(float(logs.mean())), ci_low=lo, ci_high=hi, verdict=verdict(lo, hi, better, threshold),
+            round_ratios=[round(float(math.exp(v)), 4) for v in logs]))
+    return out
+
+
+def format_table(results: list[PairResult]) -> str:
+    head = ["engine", "point", "metric", "baseline", "candidate", "ratio", "interval", "verdict", "per-round ratios"]
+    body = []
+    for r in results:
+        fmt = (lambda v: "-" if v is None else f"{v:.4g}")
+        body.append([r.engine, r.point.split(":", 1)[-1], r.metric, fmt(r.baseline_median), fmt(r.candidate_median),
+                     "-" if r.ratio is None else f"{r.ratio:.3f}",
+                     "-" if r.ci_low is None else f"[{r.ci_low:.3f}, {r.ci_high:.3f}]",
+                     r.verdict.upper() if r.verdict in ("regressed", "failed") else r.verdict,
+                     " ".join(f"{x:.3f}" for x in r.round_ratios) or (r.note or "")])
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="infer-bench-ab", description=__doc__.split("\n\n")[0],
+                                 epilog="Everything after -- is passed to every infer-bench run.")
+    ap.add_argument("--baseline-ref", required=True, help="the baseline commit (e.g. the one named in ci/baseline-ref)")
+    ap.add_argument("--candidate-ref", help="the candidate commit (default: the working tree)")
+    ap.add_argument("--rounds", type=int, default=6, help="A/B rounds (default 6)")
+    ap.add_argument("--threshold", default="10%", help="smallest change that counts (default 10%%)")
+    ap.add_argument("--metric", action="append", choices=sorted(METRICS), help="metrics to compare (repeatable)")
+    ap.add_argument("--baseline-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="an infer-bench override for the baseline side only (repeatable)")
+    ap.add_argument("--candidate-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="an infer-bench override for the candidate side only (repeatable)")
+    ap.add_argument("--out", help="where the runs go (default: a new directory under runs/ab)")
+    ap.add_argument("--json", help="verdict file (default OUT/ab.json)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for both sides (default: this one)")
+    ap.add_argument("--run-timeout-s", type=float, default=900.0, help="longest one infer-bench run may take")
+    ap.add_argument("overrides", nargs="*", help="infer-bench overrides for both sides (after --)")
+    return ap
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    threshold = parse_threshold(args.threshold)
+    if args.rounds < 2:
+        raise UserError(f"--rounds {args.rounds}: at least 2 rounds are needed for an interval (6 is the default).")
+    metrics = args.metric or list(DEFAULT_METRICS)
+    base_commit = resolve_commit(args.baseline_ref)
+    cand_commit = resolve_commit(args.candidate_ref) if args.candidate_ref else None
+    out = Path(args.out or REPO_ROOT / "runs" / "ab" / f"{base_commit[:10]}-vs-{(cand_commit or 'worktree')[:10]}")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    overrides = pin_model(list(args.overrides), model_cache_dir(None))
+    work = Path(tempfile.mkdtemp(prefix="infer-bench-ab-"))
+    trees = []
+    try:
+        base = Side("baseline", add_worktree(base_commit, work / "baseline"), base_commit, args.baseline_override)
+        trees.append(base.tree)
+        if cand_commit:
+            cand = Side("candidate", add_worktree(cand_commit, work / "candidate"), cand_commit, args.candidate_override)
+            trees.append(cand.tree)
+        else:
+            head = _git("rev-parse", "HEAD").stdout.strip()
+            dirty = bool(_git("status", "--porcelain", "--untracked-files=no").stdout.strip())
+            cand = Side("candidate", REPO_ROOT, None if dirty else head, args.candidate_override)
+        print(f"infer-bench-ab: baseline {base_commit[:12]} vs candidate "
+              f"{(cand_commit or 'working tree')[:12]}, {args.rounds} rounds -> {out}", flush=True)
+        rounds = []
+        for i in range(args.rounds):
+            order = (base, cand) if i % 2 == 0 else (cand, base)
+            medians = {}
+            for side in order:
+                res = run_once(side, overrides, out / f"round{i}-{side.name}", args.python, args.run_timeout_s)
+                medians[side.name] = run_medians(res / RESULTS_FILE, metrics)
+            rounds.append((medians["baseline"], medians["candidate"]))
+            print(f"  round {i + 1}/{args.rounds} done ({order[0].name} first)", flush=True)
+    finally:
+        for t in trees:
+            remove_worktree(t)
+        shutil.rmtree(work, ignore_errors=True)
+    results = paired(rounds, metrics, threshold)
+    print(format_table(results))
+    counts = {v: sum(r.verdict == v for r in results) for v in ("regressed", "failed", "improved", "unchanged", "no-data")}
+    overall = "regressed" if counts["regressed"] or counts["failed"] else "unchanged"
+    print(f"\nverdict: {overall.upper()}  ({', '.join(f'{n} {v}' for v, n in counts.items() if n)}; threshold "
+          f"{threshold:.1%}, {args.rounds} interleaved rounds, {CONFIDENCE:.0%} bootstrap intervals of the "
+          "mean log-ratio)")
+    doc = {"verdict": overall, "counts": counts, "threshold": threshold, "rounds": args.rounds, "method": METHOD,
+           "baseline_ref": args.baseline_ref, "baseline_commit": base_commit,
+           "candidate": cand_commit or "working tree", "overrides": overrides,
+           "baseline_overrides": args.baseline_override, "candidate_overrides": args.candidate_override,
+           "results": [asdict(r) for r in results]}
+    verdict_file = Path(args.json) if args.json else out / "ab.json"
+    atomic_write_text(verdict_file, json.dumps(doc, indent=2))
+    print(f"verdict file: {verdict_file}")
+    return 1 if overall == "regressed" else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = run(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(e.render().replace("infer-bench:", "infer-bench-ab:", 1), file=sys.stderr)
+        code = EXIT_BAD_INPUT
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

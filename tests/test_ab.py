@@ -1,0 +1,71 @@
+"""infer-bench-ab's paired statistics, on synthetic rounds with known effects (our own logic; the
+real interleaved runs are in test_ab_e2e.py)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from harness.ab import paired, run_medians
+
+KEY = ("reference", 'sweep:{"batch_size":8}', "decode_step_latency_s")
+TPUT = ("reference", 'sweep:{"batch_size":8}', "output_tok_s")
+
+
+def rounds_of(base: list[float], cand: list[float], key=KEY):
+    return [({key: (b, 1 / b)}, {key: (c, 1 / c)}) for b, c in zip(base, cand)]
+
+
+def test_a_machine_drifting_between_rounds_cancels_out():
+    # the machine gets 3x slower over the job; within each round both sides see the same speed
+    speed = np.linspace(1.0, 3.0, 6)
+    noise = np.random.default_rng(0).normal(1.0, 0.02, (6, 2))
+    res = paired(rounds_of(list(speed * noise[:, 0]), list(speed * noise[:, 1])), [KEY[2]], 0.10)
+    assert res[0].verdict == "unchanged" and res[0].ratio == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_25_percent_slowdown_is_regressed_under_noise():
+    rng = np.random.default_rng(1)
+    base = rng.normal(1.0, 0.05, 6)
+    cand = 1.25 * rng.normal(1.0, 0.05, 6)
+    (r,) = paired(rounds_of(list(base), list(cand)), [KEY[2]], 0.10)
+    assert r.verdict == "regressed" and r.ci_low > 1.10 and 1.1 < r.ratio < 1.4
+    assert len(r.round_ratios) == 6
+
+
+def test_throughput_ratio_is_the_inverse_of_latency():
+    # latency 25% higher -> throughput ratio 0.8: regressed on a higher-is-better metric
+    rounds = rounds_of([1.0, 1.0, 1.0], [1.25, 1.25, 1.25], key=TPUT)
+    (r,) = paired(rounds, [TPUT[2]], 0.10)
+    assert r.ratio == pytest.approx(0.8) and r.verdict == "regressed"
+    assert r.baseline_median == pytest.approx(1.0) and r.candidate_median == pytest.approx(0.8)
+
+
+def test_no_false_alarms_over_many_noisy_a_a_jobs():
+    rng = np.random.default_rng(2)
+    flagged = 0
+    for _ in range(200):
+        base, cand = rng.lognormal(0, 0.08, 6), rng.lognormal(0, 0.08, 6)
+        flagged += paired(rounds_of(list(base), list(cand)), [KEY[2]], 0.10)[0].verdict != "unchanged"
+    assert flagged == 0
+
+
+def test_a_candidate_failure_is_a_regression_and_missing_rounds_are_no_data():
+    rounds = [({KEY: (1.0, 1.0)}, {KEY: "failed"}), ({KEY: (1.0, 1.0)}, {KEY: (1.0, 1.0)})]
+    assert paired(rounds, [KEY[2]], 0.1)[0].verdict == "failed"
+    one = [({KEY: (1.0, 1.0)}, {KEY: (1.0, 1.0)}), ({KEY: "failed"}, {KEY: (1.0, 1.0)})]
+    r = paired(one, [KEY[2]], 0.1)[0]
+    assert r.verdict == "no-data" and "1 complete rounds" in r.note
+
+
+def test_run_medians_reads_the_rows(tmp_path):
+    import json
+    f = tmp_path / "results.jsonl"
+    f.write_text(json.dumps({"engine": "reference", "point_key": "k", "status": "ok",
+                             "decode_step_latency_s": 0.002, "e2e_latency_s": 0.5, "output_tok_s": 512.0}) + "\n"
+                 + json.dumps({"engine": "hf", "point_key": "k", "status": "failed"}) + "\n")
+    m = run_medians(f, ["decode_step_latency_s", "output_tok_s"])
+    assert m[("reference", "k", "decode_step_latency_s")] == (0.002, 0.002)
+    assert m[("reference", "k", "output_tok_s")] == (0.5, 512.0)
+    assert m[("hf", "k", "output_tok_s")] == "failed"
+    assert not math.isnan(m[("reference", "k", "output_tok_s")][0])

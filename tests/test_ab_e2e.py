@@ -1,0 +1,63 @@
+"""Timing comparisons end to end, the only way this project makes them: baseline and candidate
+interleaved on this machine (infer-bench-ab), paired per round. The same code twice is unchanged;
+the reference engine with a real handicap (its KV cache switched off) is regressed. And
+infer-bench-compare's same-machine path on real runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness.core.paths import REPO_ROOT
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("git") is None or not (REPO_ROOT / ".git").exists(),
+                                 reason="infer-bench-ab checks commits out of a git repository; this is not one")]
+
+CONFIG = ["engines=[reference]", "model=local", "dtype=float32", "workload.batch_sizes=[8]",
+          "workload.prompt_lens=[128]", "workload.output_len=32", "workload.min_repeats=8",
+          "workload.min_duration_s=1", "engine_options.reference.num_threads=1"]
+
+
+def ab(out, ckpt, *extra):
+    r = subprocess.run([sys.executable, "-m", "harness.ab", "--baseline-ref", "HEAD", "--candidate-ref", "HEAD",
+                        "--rounds", "4", "--threshold", "10%", "--out", str(out), *extra, "--", *CONFIG,
+                        f"model.path={ckpt}"], capture_output=True, text=True, timeout=1200)
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    return r.returncode, json.loads((out / "ab.json").read_text()), r.stdout
+
+
+def test_same_code_twice_is_unchanged(tmp_path, tiny_ckpt):
+    code, doc, out = ab(tmp_path / "aa", tiny_ckpt)
+    assert code == 0, out
+    assert doc["verdict"] == "unchanged" and {r["verdict"] for r in doc["results"]} == {"unchanged"}
+    assert {r["metric"] for r in doc["results"]} == {"decode_step_latency_s", "prefill_latency_s", "output_tok_s"}
+    assert all(len(r["round_ratios"]) == 4 for r in doc["results"])
+
+
+def test_reference_without_kv_cache_is_regressed(tmp_path, tiny_ckpt):
+    code, doc, out = ab(tmp_path / "handicap", tiny_ckpt, "--candidate-override",
+                        "engine_options.reference.kv_cache=none")
+    assert code == 1, out
+    verdicts = {r["metric"]: r["verdict"] for r in doc["results"]}
+    assert verdicts["decode_step_latency_s"] == "regressed"
+    assert verdicts["output_tok_s"] == "regressed"
+    assert "REGRESSED" in out
+
+
+def test_compare_on_one_machine_matches_a_run_with_itself(tmp_path, tiny_ckpt):
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *CONFIG, f"model.path={tiny_ckpt}",
+                        "workload.min_repeats=3", "parity=false", "roofline=false", "quiet=true",
+                        f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "harness.compare_cli", "--baseline", str(run_dir), "--current",
+                        str(run_dir), "--json", str(tmp_path / "v.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert doc["machines"] == "same machine" and doc["verdict"] == "unchanged"
+    assert all(c["ratio"] == pytest.approx(1.0) for c in doc["comparisons"] if c["ratio"] is not None)
