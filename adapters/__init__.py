@@ -13,7 +13,7 @@ from adapters.base import Engine
 REGISTRY: dict[str, str] = {
     "reference": "adapters.reference.engine:ReferenceEngine",
     "hf": "adapters.hf:HFEngine",
-    "vllm": "adapters.vllm:VLLMEngine",
+    "vllm": "adapters.vllm.engine:VLLMEngine",
     "trtllm": "adapters.trtllm:TRTLLMEngine",
 }
 

