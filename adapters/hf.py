@@ -10,7 +10,7 @@ Options (`engine_options.hf.<name>`):
   kv_cache             on | none               none: no cache, every step recomputes the whole
                                                sequence (the "without KV cache" mode)
   max_batch_size       serve(): most requests batched together (default 64)
-  num_threads          torch CPU threads (default: torch's own choice)
+  num_threads          torch CPU threads (default: the run's equal share, ModelSpec.threads)
 
 serve() is static batching — what plain transformers offers: it takes every request that has
 arrived, runs the batch to completion, then takes the next.
@@ -25,8 +25,9 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    StepTiming, TokenEvent, now_ns, option_type_problems, wait_until,
+    StepTiming, TokenEvent, TokenScores, now_ns, option_type_problems, wait_until,
 )
+from harness.core.kvcalc import canonical_kv_dtype
 
 OPTIONS = ("attn_implementation", "kv_cache", "max_batch_size", "num_threads")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -48,7 +49,7 @@ class HFEngine(Engine):
 
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
-        return Capabilities(kv_dtypes=("auto",), no_cache_mode=True, logits=True, options=OPTIONS)
+        return Capabilities(kv_dtypes=("auto",), no_cache_mode=True, logits=True, scores=True, options=OPTIONS)
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
@@ -78,8 +79,9 @@ class HFEngine(Engine):
         self.device = torch.device(model.device)
         self.use_cache = str(options.get("kv_cache", "on")) != "none"
         self.max_batch_size = int(options.get("max_batch_size") or 64)
-        if options.get("num_threads"):
-            torch.set_num_threads(int(options["num_threads"]))
+        threads = options.get("num_threads") or model.threads
+        if threads:
+            torch.set_num_threads(int(threads))
         t0 = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(
             model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
@@ -91,7 +93,7 @@ class HFEngine(Engine):
         self.kv_dtype = model.dtype
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=weights,
-                        kv_pool_bytes=None, engine_version=self.version())
+                        kv_pool_bytes=None, engine_version=self.version(), compute_threads=torch.get_num_threads())
 
     def close(self) -> None:
         self.release()
@@ -167,6 +169,31 @@ class HFEngine(Engine):
     def release(self) -> None:
         self._cache = self._mask = self._next_pos = self._last = self._ids = None
 
+    # ---- teacher-forced scores (parity) ------------------------------------------------------
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+        """One forward pass over the left-padded batch, logits kept for every position."""
+        torch = self.torch
+        self.release()
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for b, seq in enumerate(sequences):
+            ids[b, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[b, width - len(seq):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)
+        out = []
+        for b, (seq, s0) in enumerate(zip(sequences, start)):
+            pad = width - len(seq)
+            rows = logp[b, pad + s0 - 1: pad + len(seq) - 1]  # column c predicts token c + 1
+            top = rows.topk(top_k, dim=-1)
+            target = rows.gather(-1, torch.tensor(seq[s0:], device=rows.device).unsqueeze(-1)).squeeze(-1)
+            out.append(TokenScores(top.indices.tolist(), top.values.tolist(), target.tolist()))
+        return out
+
     # ---- serving: static batches ---------------------------------------------------------
     def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]:
         pending = sorted(requests, key=lambda r: r.arrival_s)
@@ -189,7 +216,6 @@ class HFEngine(Engine):
             self.release()
 
     def kv_cache_info(self) -> KVCacheInfo:
-        from harness.core.kvcalc import canonical_kv_dtype
         info = KVCacheInfo(kv_dtype=canonical_kv_dtype(self.kv_dtype) if self.model else None,
                            block_size=None, num_blocks=None, prefix_cache_hits=None)
         if self._cache is None:

@@ -11,7 +11,6 @@ from omegaconf import DictConfig
 from harness.core.errors import UserError
 from harness.core.results import load_results
 from harness.outcome import record_exit, write_run_report
-from harness.summary import parity_lines, summary_table
 from workloads import get_workload, workload_names
 
 
@@ -32,9 +31,10 @@ class MultirunSummary(Callback):
             by_workload.setdefault(r.get("workload") or "?", []).append(r)
         print(f"\nmultirun: {len(files)} results files, {len(rows)} rows")
         for name, wrows in by_workload.items():
-            cols = get_workload(name).summary_columns if name in workload_names() else []
+            if name not in workload_names():
+                continue
             print(f"\n== {name} ==")
-            print(summary_table(wrows, cols) if name != "parity" else parity_lines(wrows))
+            print(get_workload(name).summary(wrows))
         if any(r.get("status") == "failed" for r in rows):  # jobs may have run in other processes
             record_exit(1)
         write_run_report(sweep_dir)

@@ -11,17 +11,29 @@ one message per problem, each naming the field and the fix, and exit code 2. Exi
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from harness.checkpoint import cached_path, ensure_checkpoint
+from harness.config import build_plan
+from harness.core.env import environment
 from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
-from harness.core.paths import CONF_DIR
+from harness.core.paths import CONF_DIR, model_cache_dir
+from harness.core.presets import preset_names, prompt_token_range, shape_from_hf_config
+from harness.core.results import CONFIG_FILE, ENVIRONMENT_FILE, RESULTS_FILE, atomic_write_text, read_rows
+from harness.locks import lock_device, lock_run_dir
 from harness.outcome import EXIT, record_exit, write_run_report
+from harness.runner import Runner
+from workloads import workload_names
 
 EXIT_INTERRUPTED = 130
 
@@ -54,10 +66,21 @@ def _split_argv(argv: list[str]) -> tuple[bool, list[str], bool]:
     return multirun, overrides, checkable
 
 
+# Open mappings: settings whose keys the user names (an endpoint's name; where an engine's worker
+# runs). Hydra would want `+` to add such a key; these overrides get `++` (add or replace) instead.
+_OPEN_KEYS = re.compile(r"^(endpoints\.[^=]+|engine_options\.[^.=]+\.(python|launch))=")
+
+
+def open_mappings(argv: list[str]) -> list[str]:
+    """The command line with `++` before every override of an open mapping."""
+    return ["++" + a if _OPEN_KEYS.match(a) else a for a in argv]
+
+
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
-    """Every job of a basic-sweeper multirun (the cartesian product of comma/range sweeps)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    """Every job of a basic-sweeper multirun (the cartesian product of comma/range sweeps). Hydra's
+    basic sweeper is private API (hydra._internal): used here only, and tests/test_cli_private_api.py
+    fails loudly if it moves."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # private: contained here
     parsed = OverridesParser.create().parse_overrides(overrides)
     batches = BasicSweeper.split_arguments(parsed, None)
     return [list(job) for batch in batches for job in batch]
@@ -65,9 +88,6 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
 
 def _hydra_problem(e: Exception, overrides: list[str]) -> str:
     """Hydra's composition errors, rephrased to name the field and the fix."""
-    from harness.core.presets import preset_names
-    from workloads import workload_names
-
     msg = str(e).strip()
     for group, names, what in (("model", preset_names(), "model preset"),
                                ("workload", workload_names(), "workload")):
@@ -84,7 +104,6 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
 
 
 def compose_job(overrides: list[str]) -> dict[str, Any]:
-    from hydra import compose, initialize_config_dir
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
@@ -92,8 +111,6 @@ def compose_job(overrides: list[str]) -> dict[str, Any]:
 
 def check_jobs(argv: list[str]) -> list[str]:
     """Problems across every job the command line would run (empty: all clean)."""
-    from harness.config import build_plan
-
     multirun, overrides, checkable = _split_argv(argv)
     if not checkable:
         return []
@@ -123,16 +140,6 @@ def check_jobs(argv: list[str]) -> list[str]:
 # ---- one job ---------------------------------------------------------------------------------
 
 def run_job(cfg: DictConfig) -> int:
-    from hydra.core.hydra_config import HydraConfig
-
-    from harness.checkpoint import cached_path, ensure_checkpoint
-    from harness.config import build_plan
-    from harness.core.env import environment
-    from harness.core.paths import model_cache_dir
-    from harness.core.results import RESULTS_FILE, atomic_write_text
-    from harness.runner import Runner
-    from harness.summary import parity_lines, summary_table
-
     data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     try:
         plan = build_plan(data)  # type: ignore[arg-type]
@@ -141,8 +148,20 @@ def run_job(cfg: DictConfig) -> int:
         return EXIT_BAD_INPUT
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        done = _resume_state(data.get("resume"), out_dir)  # type: ignore[union-attr]
-        device_lock = _lock_device(plan.device)
+        run_lock = lock_run_dir(out_dir)
+    except UserError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return _run_locked(cfg, data, plan, out_dir)
+    finally:
+        run_lock.close()
+
+
+def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path) -> int:
+    try:
+        previous = _resume_rows(data.get("resume"), out_dir)
+        device_lock = lock_device(plan.device)
     except UserError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -154,14 +173,15 @@ def run_job(cfg: DictConfig) -> int:
         if not (cached_path(plan.shape, cache) / "config.json").exists():
             say(f"model {plan.shape.name}: materialising random weights into {cache} (first use) ...")
         model_path = str(ensure_checkpoint(plan.shape, cache))
+    plan.token_range = prompt_token_range(shape_from_hf_config(model_path), model_path)
     env = environment()
-    atomic_write_text(out_dir / "environment.json", json.dumps(env, indent=2))
-    atomic_write_text(out_dir / "config.resolved.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    say(f"infer-bench: {plan.workload.name} on {plan.shape.name} ({plan.dtype}, {plan.device}), "
-        f"engines {', '.join(plan.engines)}, {len(plan.points)} points -> {out_dir}")
-    if done:
-        say(f"resume: {len(done)} rows already in {out_dir / RESULTS_FILE}; running only what is missing")
-    runner = Runner(plan, model_path, out_dir, env, done=done)
+    atomic_write_text(out_dir / ENVIRONMENT_FILE, json.dumps(env, indent=2))
+    atomic_write_text(out_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
+    say(f"infer-bench: {plan.workload.name} on {plan.shape.name} ({plan.dtype}, {plan.device}, "
+        f"{len(plan.cpus)} cores {plan.cpus}), engines {', '.join(plan.engines)}, {len(plan.points)} points -> {out_dir}")
+    if previous:
+        say(f"resume: {len(previous)} rows already in {out_dir / RESULTS_FILE}; running only what is missing")
+    runner = Runner(plan, model_path, out_dir, env, previous=previous)
     interrupted = False
     previous_term = signal.signal(signal.SIGTERM, _terminate)  # e.g. a scheduler pre-empting the job
     try:
@@ -173,11 +193,11 @@ def run_job(cfg: DictConfig) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         if device_lock is not None:
             device_lock.close()
-    main_rows = [r for r in rows if r["workload"] == plan.workload.name or r["status"] == "unavailable"]
-    print(summary_table(main_rows, plan.workload.summary_columns))
-    for extra in (plan.workload.post_summary(main_rows), parity_lines(rows)):
-        if extra:
-            print(extra)
+    for planned in plan.workloads:
+        text = planned.workload.summary(rows if planned is plan.workloads[0]
+                                        else [r for r in rows if r.get("workload") == planned.workload.name])
+        if text:
+            print(text)
     print(f"results: {out_dir / RESULTS_FILE}")
     write_run_report(out_dir)
     if interrupted:
@@ -192,40 +212,18 @@ def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _resume_state(resume: Any, out_dir: Path) -> set[tuple[str, str | None]]:
-    """(engine, point_key) of the rows already in out_dir, when resuming; else empty.
-    `+resume=DIR` names the run directory (single run) or the multirun's sweep directory."""
-    from harness.core.results import RESULTS_FILE, read_rows
-
+def _resume_rows(resume: Any, out_dir: Path) -> list[dict[str, Any]]:
+    """The rows already in out_dir, when resuming; else none. `+resume=DIR` names the run
+    directory (single run) or the multirun's sweep directory."""
     if not resume:
-        return set()
+        return []
     target = Path(str(resume)).expanduser().resolve()
     here = out_dir.resolve()
     if here != target and target not in here.parents:
         raise UserError(f"resume={resume}: this run writes to {out_dir}, not there. Resume with "
                         f"+resume=DIR hydra.run.dir=DIR (or hydra.sweep.dir=DIR for a multirun).")
     path = here / RESULTS_FILE
-    if not path.exists():
-        return set()
-    return {(r.get("engine"), r.get("point_key")) for r in read_rows(path)}
-
-
-def _lock_device(device: str) -> Any:
-    """Hold a lock on a GPU for the whole job: two jobs on one device would measure each other."""
-    if not device.startswith("cuda"):
-        return None
-    import fcntl
-    import tempfile
-    index = device.split(":")[1] if ":" in device else "0"
-    f = open(Path(tempfile.gettempdir()) / f"infer-bench-cuda{index}.lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        raise UserError(f"device={device}: another infer-bench job is running on this GPU. Two jobs on one "
-                        "device would measure each other: wait for it, pick another device, or run the "
-                        "multirun with hydra.launcher.n_jobs=1.") from None
-    return f
+    return read_rows(path) if path.exists() else []
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -236,6 +234,7 @@ def _app(cfg: DictConfig) -> int:
 
 
 def main() -> None:
+    sys.argv[1:] = open_mappings(sys.argv[1:])
     problems = check_jobs(sys.argv[1:])
     if problems:
         print(UserError(problems).render(), file=sys.stderr)

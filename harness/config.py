@@ -1,24 +1,33 @@
-"""From a composed Hydra config to a checked run plan — or every problem, each naming the
-field and the fix. Nothing runs, and nothing is written, until the whole config is clean."""
+"""From a composed Hydra config to a checked run plan - or every problem, each naming the
+field and the fix. Nothing runs, and nothing is written, until the whole config is clean.
+
+The plan holds the engines (registered ones and named HTTP endpoints), where each runs (its
+interpreter or launch prefix), the resources every engine gets (the same CPU cores and
+compute threads, the same device), and the workloads: the main one, then parity.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from adapters import engine_class, engine_names
-from adapters.base import ModelSpec
+from adapters.base import Engine, ModelSpec
 from harness.core.errors import UserError
 from harness.core.presets import ModelShape, preset_names, resolve_shape
 from harness.core.schema import check, spec
 from workloads import get_workload, workload_names
 from workloads.base import Point, Workload
+from workloads.parity import ParityConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Parity: every engine's greedy tokens for prompts of these lengths (one batch of unequal lengths).
-PARITY_PROMPT_LENS = [7, 16, 33, 64]
+# Harness-level engine options: where the engine's worker runs. Not passed to the adapter.
+ENV_OPTIONS = ("python", "launch")
+LAUNCH_PLACEHOLDERS = ("run_dir", "src", "model")
 
 
 @dataclass
@@ -28,6 +37,7 @@ class Settings:
     engines: Any = spec("auto", help="'auto' (every engine usable here) or a list, e.g. [reference,hf]")
     dtype: str = spec("auto", choices=DTYPES, help="weights/activations dtype for every engine")
     device: str = spec("auto", help="auto | cpu | cuda | cuda:N")
+    cpus: Any = spec("all", help="CPU cores every engine gets: all | N (the first N) | [0,1,...]")
     seed: int = spec(0, ge=0, help="seed of the synthetic prompts")
     model_cache_dir: str | None = spec(None, help="where presets are materialised (default ~/.cache/infer-bench)")
     point_timeout_s: float = spec(900.0, gt=0, help="a point (including any engine load it needs) running "
@@ -35,8 +45,23 @@ class Settings:
     memory_sample_hz: float = spec(100.0, ge=0, help="memory sampler rate (0: only start and end)")
     quiet: bool = spec(False, help="no progress lines (CI)")
     roofline: bool = spec(True, help="measure the machine's ceilings (cached) and report each point's fraction")
-    parity: bool = spec(True, help="record every engine's greedy tokens for fixed prompts and compare engines")
+    parity: bool = spec(True, help="add the parity workload: every engine on fixed prompts, against the first")
     parity_tokens: int = spec(32, ge=1, le=4096, help="greedy tokens per parity prompt")
+
+
+@dataclass
+class PlannedWorkload:
+    workload: Workload
+    cfg: Any
+    points: list[Point]
+
+
+@dataclass
+class EngineEnv:
+    """Where an engine's worker runs: another interpreter, or a launch prefix (ending with one)."""
+
+    python: str | None = None
+    launch: list[str] | None = None
 
 
 @dataclass
@@ -48,17 +73,64 @@ class Plan:
     model_cfg: dict[str, Any]
     dtype: str
     device: str
-    workload: Workload
-    workload_cfg: Any
-    points: list[Point]
+    workloads: list[PlannedWorkload]
     max_model_len: int
+    cpus: list[int]
     engine_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    engine_envs: dict[str, EngineEnv] = field(default_factory=dict)
+    endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> endpoint config (raw)
     max_batch: tuple[int, int] = (1, 0)  # largest prefill batch: (sequences, prompt tokens)
+    token_range: tuple[int, int, tuple[int, ...]] = (0, 0, ())
 
-    def model_spec(self, path: str) -> ModelSpec:
+    @property
+    def workload(self) -> Workload:
+        """The main workload (the first)."""
+        return self.workloads[0].workload
+
+    @property
+    def workload_cfg(self) -> Any:
+        return self.workloads[0].cfg
+
+    @property
+    def points(self) -> list[Point]:
+        return [p for w in self.workloads for p in w.points]
+
+    def workload_named(self, name: str) -> Workload:
+        return next(w.workload for w in self.workloads if w.workload.name == name)
+
+    def engine_order(self) -> list[str]:
+        """The reference engine runs first: it is the baseline of the parity check."""
+        return sorted(self.engines, key=lambda e: e != "reference")
+
+    def model_spec(self, path: str, engine: str | None = None, run_dir: str | None = None) -> ModelSpec:
         return ModelSpec(path=path, name=self.shape.name, dtype=self.dtype, device=self.device,
                          max_model_len=self.max_model_len, seed=self.settings.seed,
-                         max_batch_size=self.max_batch[0], max_batch_tokens=self.max_batch[1])
+                         max_batch_size=self.max_batch[0], max_batch_tokens=self.max_batch[1],
+                         threads=len(self.cpus), cpus=tuple(self.cpus), run_dir=run_dir)
+
+    def context(self, model_path: str) -> dict[str, Any]:
+        """The workload context a worker builds its RunContext from (plain data)."""
+        low, high, avoid = self.token_range
+        return {"shape": asdict(self.shape), "dtype": self.dtype, "device": self.device, "model_path": model_path,
+                "max_model_len": self.max_model_len, "seed": self.settings.seed,
+                "memory_sample_hz": self.settings.memory_sample_hz, "token_low": low, "token_high": high,
+                "avoid_ids": list(avoid)}
+
+    def launch_prefix(self, engine: str, **placeholders: str) -> list[str]:
+        """The command that starts the engine's worker, before the worker's start script."""
+        env = self.engine_envs.get(engine) or EngineEnv()
+        if env.launch:
+            return [a.format(**placeholders) if placeholders else a for a in env.launch]
+        return [env.python or _own_python()]
+
+    def resources_fields(self, engine: str) -> dict[str, Any]:
+        """What every row of `engine` records about the resources the run gave it."""
+        return {"cpu_affinity": list(self.cpus), "compute_threads": len(self.cpus), "device": self.device}
+
+
+def _own_python() -> str:
+    import sys
+    return sys.executable
 
 
 def _cuda_available() -> bool:
@@ -92,6 +164,28 @@ def _resolve_dtype(dtype: str, shape: ModelShape, device: str, problems: list[st
     return dtype
 
 
+def resolve_cpus(value: Any, problems: list[str]) -> list[int]:
+    """The CPU cores every engine gets: `all` (this process's allowed cores), N (the first N of
+    them) or an explicit list (each one allowed)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if value in (None, "all"):
+        return allowed
+    if isinstance(value, int) and not isinstance(value, bool):
+        if 1 <= value <= len(allowed):
+            return allowed[:value]
+        problems.append(f"cpus={value}: this machine lets the run use {len(allowed)} cores ({allowed}). "
+                        f"Give 1 to {len(allowed)}, a list of cores, or all.")
+        return allowed
+    if isinstance(value, (list, tuple)) and value and all(isinstance(c, int) and not isinstance(c, bool) for c in value):
+        bad = sorted(set(value) - set(allowed))
+        if bad:
+            problems.append(f"cpus={list(value)}: cores {bad} are not available to this run (allowed: {allowed}).")
+            return allowed
+        return sorted(set(value))
+    problems.append(f"cpus={value!r}: give all, a number of cores, or a list of core ids such as [0,1].")
+    return allowed
+
+
 def _check_checkpoint(path: str, problems: list[str]) -> None:
     p = Path(path).expanduser()
     if not (any(p.glob("*.safetensors")) or any(p.glob("*.bin"))):
@@ -99,15 +193,55 @@ def _check_checkpoint(path: str, problems: list[str]) -> None:
                         "Point to a complete Hugging Face checkpoint.")
 
 
+def _engine_env(name: str, options: dict[str, Any], problems: list[str]) -> EngineEnv | None:
+    """Take `python` / `launch` out of an engine's options (they are the harness's, not the adapter's)."""
+    python, launch = options.pop("python", None), options.pop("launch", None)
+    p = f"engine_options.{name}."
+    if python is not None and launch is not None:
+        problems.append(f"{p}python and {p}launch: give one. A launch prefix ends with its interpreter, e.g. "
+                        f"{p}launch=[docker,run,--rm,-i,IMAGE,python3].")
+        return None
+    if python is not None:
+        exe = shutil.which(str(python)) if os.sep not in str(python) else str(Path(str(python)).expanduser())
+        if not exe or not Path(exe).is_file():
+            problems.append(f"{p}python={python}: no such file. Give the interpreter of the engine's environment, "
+                            f"e.g. {p}python=.venv-vllm/bin/python.")
+            return None
+        if not os.access(exe, os.X_OK):
+            problems.append(f"{p}python={python}: not executable. Give the interpreter of the engine's environment "
+                            "(its bin/python).")
+            return None
+        return EngineEnv(python=str(Path(exe).absolute()))
+    if launch is not None:
+        if not isinstance(launch, (list, tuple)) or not launch or not all(isinstance(a, str) and a for a in launch):
+            problems.append(f"{p}launch={launch!r}: give the command as a list ending with the interpreter, e.g. "
+                            f"{p}launch=[srun,--gres=gpu:1,python3].")
+            return None
+        unknown = sorted({f for a in launch for f in _placeholders(a)} - set(LAUNCH_PLACEHOLDERS))
+        if unknown:
+            problems.append(f"{p}launch: unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)}. "
+                            f"Known: {', '.join('{' + k + '}' for k in LAUNCH_PLACEHOLDERS)}.")
+            return None
+        return EngineEnv(launch=list(launch))
+    return None
+
+
+def _placeholders(text: str) -> list[str]:
+    import string
+    return [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+
+
 def build_plan(cfg: dict[str, Any]) -> Plan:
     """Check a composed config (a plain dict) and plan the run. Raises UserError with every
     problem found."""
     problems: list[str] = []
-    top = {k: v for k, v in cfg.items() if k not in ("model", "workload", "engine_options", "hydra", "resume")}
+    top = {k: v for k, v in cfg.items() if k not in ("model", "workload", "engine_options", "endpoints", "hydra",
+                                                     "resume")}
     settings, probs = check(Settings, top, "config")
     problems += [p.removeprefix("config.") for p in probs]
     if settings is None:
         settings = Settings()
+    cpus = resolve_cpus(settings.cpus, problems)
 
     # model
     model_cfg = dict(cfg.get("model") or {})
@@ -124,10 +258,10 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     device = _resolve_device(settings.device, problems)
     dtype = _resolve_dtype(settings.dtype, shape, device, problems) if shape else "float32"
 
-    # workload
+    # workloads: the main one, then parity
+    planned: list[PlannedWorkload] = []
     wl_cfg_raw = dict(cfg.get("workload") or {})
     wl_name = wl_cfg_raw.get("name")
-    workload = wl_cfg = None
     if wl_name not in workload_names():
         problems.append(f"workload={wl_name}: unknown workload. Choose one of {', '.join(workload_names())}.")
     else:
@@ -136,8 +270,15 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
         problems += probs
         if wl_cfg is not None and shape is not None:
             problems += workload.check(wl_cfg, shape)
+        if wl_cfg is not None:
+            planned.append(PlannedWorkload(workload, wl_cfg, workload.plan(wl_cfg)))
+    if settings.parity and wl_name != "parity":
+        parity = get_workload("parity")
+        pcfg = ParityConfig(tokens=settings.parity_tokens)
+        planned.append(PlannedWorkload(parity, pcfg, parity.plan(pcfg)))
 
-    # engines
+    # engines: registered ones and named HTTP endpoints
+    endpoints_raw = {str(k): dict(v or {}) for k, v in (cfg.get("endpoints") or {}).items()}
     requested = settings.engines
     if isinstance(requested, str) and requested != "auto":
         requested = [requested]  # engines=hf means engines=[hf]
@@ -145,13 +286,36 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     engines: list[str] = []
     if requested == "auto":  # every registered engine; those that cannot run here get an `unavailable` row
         requested = engine_names()
+    all_options = cfg.get("engine_options") or {}
+    options: dict[str, dict[str, Any]] = {}
+    envs: dict[str, EngineEnv] = {}
+    endpoints: dict[str, dict[str, Any]] = {}
+    classes: dict[str, type[Engine]] = {}
     if isinstance(requested, (list, tuple)) and requested and all(isinstance(e, str) for e in requested):
         for name in requested:
-            if name not in engine_names():
-                problems.append(f"engines: unknown engine '{name}'. Known engines: {', '.join(engine_names())}.")
-            elif name not in engines:
-                engines.append(name)
-                reason = engine_class(name).unavailable_reason()
+            if name in engines:
+                continue
+            if name in engine_names():
+                classes[name] = engine_class(name)
+            elif name in endpoints_raw:
+                cls, probs = _endpoint_class(name, endpoints_raw[name])
+                problems += probs
+                if cls is None:
+                    continue
+                classes[name] = cls
+                endpoints[name] = endpoints_raw[name]
+            else:
+                problems.append(f"engines: unknown engine '{name}'. Known engines: {', '.join(engine_names())}"
+                                + (f"; endpoints: {', '.join(endpoints_raw)}" if endpoints_raw else "")
+                                + f". An HTTP endpoint needs endpoints.{name}.url=... or endpoints.{name}.launch=[...].")
+                continue
+            engines.append(name)
+            options[name] = dict(all_options.get(name) or {})
+            env = _engine_env(name, options[name], problems)
+            if env is not None:
+                envs[name] = env
+            elif name not in endpoints:  # in this environment: is it usable here?
+                reason = classes[name].unavailable_reason()
                 if reason is not None:
                     unavailable[name] = reason
         if engines and len(unavailable) == len(engines):
@@ -160,21 +324,19 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
         problems.append(f"engines={requested!r}: give a list of engine names, e.g. engines=[reference,hf], "
                         f"or engines=auto. Known engines: {', '.join(engine_names())}.")
 
-    all_options = cfg.get("engine_options") or {}
-    options = {n: dict(all_options.get(n) or {}) for n in engines}
-    max_len = workload.max_model_len(wl_cfg) if workload and wl_cfg else 0
+    max_len = max((w.workload.max_model_len(w.cfg) for w in planned), default=0)
     if shape is not None:
-        max_len = max_len or shape.max_position_embeddings
-        if settings.parity:  # room for the parity prompts and their tokens, within the model's positions
-            max_len = min(max(max_len, max(PARITY_PROMPT_LENS) + settings.parity_tokens),
-                          shape.max_position_embeddings)
+        main_len = planned[0].workload.max_model_len(planned[0].cfg) if planned else 0
+        max_len = min(max(max_len, main_len) or shape.max_position_embeddings, shape.max_position_embeddings)
         spec_ = ModelSpec(path=str(model_cfg.get("path") or ""), name=shape.name, dtype=dtype, device=device,
-                          max_model_len=max_len, seed=settings.seed)
+                          max_model_len=max_len, seed=settings.seed, threads=len(cpus), cpus=tuple(cpus))
         for name in engines:
             if name in unavailable:
                 continue
-            cls = engine_class(name)
+            cls = classes[name]
             problems += cls.check_options(options[name], spec_)
+            if name in envs:  # the engine lives elsewhere: its worker checks what needs its packages
+                continue
             caps = cls.capabilities(options[name])
             if dtype not in caps.dtypes:
                 problems.append(f"dtype={dtype}: engine {name} cannot run it. Use one of {', '.join(caps.dtypes)}.")
@@ -183,8 +345,17 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
 
     if problems:
         raise UserError(list(dict.fromkeys(problems)))
-    assert shape is not None and workload is not None
+    assert shape is not None and planned
+    batch = [w.workload.max_prefill_batch(w.cfg) for w in planned]
     return Plan(settings=settings, engines=engines, unavailable=unavailable, shape=shape, model_cfg=model_cfg,
-                dtype=dtype, device=device, workload=workload, workload_cfg=wl_cfg,
-                points=workload.plan(wl_cfg), max_model_len=max_len, engine_options=options,
-                max_batch=workload.max_prefill_batch(wl_cfg))
+                dtype=dtype, device=device, workloads=planned, max_model_len=max_len, cpus=cpus,
+                engine_options=options, engine_envs=envs, endpoints=endpoints,
+                max_batch=(max(b[0] for b in batch), max(b[1] for b in batch)))
+
+
+def _endpoint_class(name: str, raw: dict[str, Any]) -> tuple[type[Engine] | None, list[str]]:
+    """The engine class of an HTTP endpoint, or the problems with its config."""
+    from adapters.endpoint import endpoint_engine_class  # the HTTP client only where endpoints are used
+    from adapters.endpoint.config import check_endpoint
+    cfg, problems = check_endpoint(name, raw)
+    return (endpoint_engine_class(name, cfg) if cfg is not None else None), problems

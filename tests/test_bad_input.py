@@ -89,17 +89,17 @@ def test_corrupt_checkpoint_config(tmp_path):
     d.mkdir()
     (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden')
     (d / "model.safetensors").write_bytes(b"\0" * 16)
-    problems = check_jobs(["model=local", f"model.path={d}"])
-    assert any("config.json is not valid JSON" in p for p in problems), problems
+    problems = check_jobs(["engines=[hf]", "model=local", f"model.path={d}"])
+    assert any("config.json cannot be read" in p and "model.path=" in p for p in problems), problems
 
 
 def test_not_a_causal_lm(not_causal_lm):
-    problems = check_jobs(["model=local", f"model.path={not_causal_lm}"])
+    problems = check_jobs(["engines=[hf]", "model=local", f"model.path={not_causal_lm}"])
     assert any("does not describe a causal language model" in p for p in problems), problems
 
 
 def test_checkpoint_without_weights(no_weights):
-    problems = check_jobs(["model=local", f"model.path={no_weights}"])
+    problems = check_jobs(["engines=[hf]", "model=local", f"model.path={no_weights}"])
     assert any("no weights" in p for p in problems), problems
 
 

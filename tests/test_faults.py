@@ -45,7 +45,7 @@ def engine_child(proc: subprocess.Popen) -> psutil.Process:
     """The spawned engine process of an infer-bench run."""
     for _ in range(400):
         kids = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                if "multiprocessing" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+                if "infer_bench_worker.py" in " ".join(c.cmdline())]
         if kids:
             return kids[0]
         time.sleep(0.05)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from harness.core.errors import UserError
-from harness.runner import parity_agreement
+from harness.core.parity import greedy_agreement as parity_agreement
 from workloads import get_workload, workload_names
 from workloads.datasets import read_dataset
 from workloads.lengths import parse_length

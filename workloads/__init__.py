@@ -13,6 +13,7 @@ REGISTRY: dict[str, str] = {
     "prefix_sharing": "workloads.prefix_sharing:PrefixSharing",
     "serving": "workloads.serving:Serving",
     "kv_memory": "workloads.kv_memory:KVMemory",
+    "parity": "workloads.parity:Parity",
 }
 
 

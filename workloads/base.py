@@ -13,6 +13,7 @@ from adapters.base import Capabilities, Engine, Request, TokenEvent
 from harness.core.memory import MemorySampler
 from harness.core.metrics import RequestTrace
 from harness.core.presets import ModelShape
+from harness.core.summary import summary_table
 from workloads.prompts import synthetic_prompts
 
 
@@ -47,6 +48,13 @@ OOM_MARKERS = ("out of memory", "outofmemoryerror", "cannot allocate memory", "c
 
 def is_oom(error: str | None) -> bool:
     return bool(error) and any(m in error.lower() for m in OOM_MARKERS)  # type: ignore[union-attr]
+
+
+def oom_skip_reason(point: Point, out_of_memory: list[Point]) -> str | None:
+    """The one out-of-memory rule: a point is skipped when the same point with a smaller batch
+    already ran out of memory (it would too). Returns the reason, or None to run it."""
+    o = next((o for o in out_of_memory if point.bigger_batch_of(o)), None)
+    return None if o is None else f"batch_size={o.params['batch_size']} of this point ran out of memory"
 
 
 def collect(requests: list[Request], start_ns: int, events: Iterable[TokenEvent]) -> list[RequestTrace]:
@@ -91,6 +99,7 @@ class Workload(ABC):
     name: ClassVar[str]
     config_cls: ClassVar[type]  # dataclass schema of conf/workload/<name>.yaml
     reset_prefix_cache: ClassVar[bool] = True  # reset between points (False: prefix reuse is the point)
+    roofline: ClassVar[bool] = False  # rows get the roofline fractions (decode/prefill vs the machine's ceilings)
     # (row field, column header, format) for the terminal summary
     summary_columns: ClassVar[list[tuple[str, str, str]]] = []
 
@@ -124,9 +133,21 @@ class Workload(ABC):
         given what the engine can do; the engine is reloaded when they change between points."""
         return {}
 
-    def finalize_row(self, row: dict[str, Any]) -> None:
-        """Complete a row in the harness's process before it is written, after the generic steps
-        (confidence intervals of every `*_samples` field). Default: nothing."""
+    # ---- in the harness's process -------------------------------------------------------
+    def point_inputs(self, point: Point, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Data the harness computes for a point before sending it to an engine's worker, from the
+        rows written so far (e.g. parity's teacher tokens from the baseline engine). Default: none."""
+        return None
+
+    def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """Complete a row before it is written, after the generic steps (confidence intervals of
+        every `*_samples` field), given the rows written so far. Default: nothing."""
+
+    def summary(self, rows: list[dict[str, Any]]) -> str:
+        """The terminal summary of this workload's rows: the table of `summary_columns` and the
+        lines of `post_summary`."""
+        mine = [r for r in rows if r.get("workload") == self.name or r.get("status") == "unavailable"]
+        return "\n".join(t for t in (summary_table(mine, self.summary_columns), self.post_summary(mine)) if t)
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
         """Extra lines for the terminal summary (e.g. fitted slopes across points)."""

@@ -113,6 +113,7 @@ def repeat_until(run, cfg: Any) -> list:
 class Sweep(Workload):
     name = "sweep"
     config_cls = SweepConfig
+    roofline = True
     summary_columns = [
         ("batch_size", "batch", "d"), ("prompt_len", "prompt", "d"), ("output_len", "out", "d"),
         ("prefill_latency_s", "prefill ms", "ms"), ("prefill_tok_s", "prefill tok/s", ".0f"),
@@ -130,7 +131,7 @@ class Sweep(Workload):
     def max_prefill_batch(self, cfg: SweepConfig) -> tuple[int, int]:
         return max(cfg.batch_sizes), max(cfg.batch_sizes) * max(cfg.prompt_lens)
 
-    def finalize_row(self, row: dict[str, Any]) -> None:
+    def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Output throughput's interval from end-to-end latency's (its reciprocal, scaled)."""
         ci, b, o = row.get("e2e_latency_s_ci"), row.get("batch_size"), row.get("output_len")
         if ci and b and o and row.get("output_tok_s_ci") is None:

@@ -42,6 +42,10 @@ class ModelShape:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     dtype: str = "float32"  # dtype the checkpoint's weights are stored in
+    # special tokens (a checkpoint's config.json; presets write 1, 2 and 0)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
 
     # ---- derived sizes -------------------------------------------------------------------
     def num_parameters(self) -> int:
@@ -77,9 +81,9 @@ class ModelShape:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
             "initializer_range": 0.02,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "pad_token_id": 0,
+            "bos_token_id": 1 if self.bos_token_id is None else self.bos_token_id,
+            "eos_token_id": 2 if self.eos_token_id is None else self.eos_token_id,
+            "pad_token_id": 0 if self.pad_token_id is None else self.pad_token_id,
             "torch_dtype": self.dtype,
             "use_cache": True,
         }
@@ -122,54 +126,73 @@ def load_preset(name: str) -> ModelShape:
 
 
 def shape_from_hf_config(path: str | Path, field: str = "model.path") -> ModelShape:
-    """Read the shape of a local Hugging Face checkpoint from its config.json."""
+    """Read the shape of a local Hugging Face checkpoint. config.json is read in one place only,
+    here, through transformers' `AutoConfig` (so defaults such as rms_norm_eps are the
+    architecture's own); UserError names what is wrong with the checkpoint."""
     p = Path(path).expanduser()
-    cfg_file = p / "config.json" if p.is_dir() else p
+    directory = p if p.is_dir() else p.parent
     if not p.exists():
         raise UserError(f"{field}={path}: no such file or directory. Give the path of a local "
                         "Hugging Face checkpoint (a directory with config.json and *.safetensors).")
-    if not cfg_file.is_file():
+    if not (directory / "config.json").is_file():
         raise UserError(f"{field}={path}: no config.json there. Give the directory of a Hugging Face "
                         "causal-LM checkpoint (config.json + *.safetensors).")
+    # transformers is heavy and only needed for users' own checkpoints: imported here
+    from transformers import AutoConfig
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{field}={path}: config.json is not valid JSON ({e}). "
-                        "Point to an intact Hugging Face checkpoint.") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{field}={path}: config.json is not a JSON object.")
-    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type", "")
+        cfg = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{field}={path}: config.json cannot be read as a transformers config ({first}). "
+                        "Point to an intact Hugging Face causal-LM checkpoint.") from None
+    cfg = getattr(cfg, "text_config", None) or cfg if not hasattr(cfg, "num_hidden_layers") else cfg
+    archs = list(getattr(cfg, "architectures", None) or [])
+    model_type = getattr(cfg, "model_type", "") or ""
     if not any(str(a).endswith("ForCausalLM") for a in archs):
         raise UserError(f"{field}={path}: config.json does not describe a causal language model "
                         f"(architectures={archs or 'missing'}). Use a *ForCausalLM checkpoint.")
-    required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"]
-    missing = [k for k in required if k not in cfg]
-    if missing:
-        raise UserError(f"{field}={path}: config.json lacks {', '.join(missing)}; "
-                        "it is not a decoder checkpoint the harness can run.")
-    heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    arch = model_type if model_type in ARCHITECTURES else model_type or "unknown"
+    heads = int(cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
+    rope = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     return ModelShape(
-        name=p.name if p.is_dir() else p.parent.name,
-        architecture=arch,
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
-        hidden_size=int(cfg["hidden_size"]),
+        name=directory.name,
+        architecture=model_type if model_type in ARCHITECTURES else model_type or "unknown",
+        num_hidden_layers=int(cfg.num_hidden_layers),
+        hidden_size=int(cfg.hidden_size),
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=int(head_dim),
-        intermediate_size=int(cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"])),
-        vocab_size=int(cfg["vocab_size"]),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        dtype=str(dtype),
+        intermediate_size=int(getattr(cfg, "intermediate_size", None) or 4 * int(cfg.hidden_size)),
+        vocab_size=int(cfg.vocab_size),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 2048),
+        rope_theta=float(rope),
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")),
+        dtype=str(dtype).removeprefix("torch."),
+        bos_token_id=_first_id(getattr(cfg, "bos_token_id", None)),
+        eos_token_id=_first_id(getattr(cfg, "eos_token_id", None)),
+        pad_token_id=_first_id(getattr(cfg, "pad_token_id", None)),
     )
+
+
+def _first_id(v: Any) -> int | None:
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    return int(v) if isinstance(v, int) else None
+
+
+def prompt_token_range(shape: ModelShape, path: str | Path) -> tuple[int, int, tuple[int, ...]]:
+    """Token ids synthetic prompts may use: [0, vocab_size) minus the special tokens (the
+    config's bos/eos/pad and the tokenizer's added tokens)."""
+    avoid = {i for i in (shape.bos_token_id, shape.eos_token_id, shape.pad_token_id) if i is not None}
+    try:
+        tok = json.loads((Path(path) / "tokenizer_config.json").read_text())
+        avoid |= {int(i) for i in (tok.get("added_tokens_decoder") or {})}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 0, shape.vocab_size, tuple(sorted(i for i in avoid if 0 <= i < shape.vocab_size))
 
 
 def resolve_shape(model_cfg: dict[str, Any]) -> ModelShape:

@@ -1,4 +1,4 @@
-"""The short summary table printed at the end of a run."""
+"""The short summary table printed at the end of a run (a workload picks its columns)."""
 
 from __future__ import annotations
 
@@ -43,20 +43,4 @@ def summary_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]
             lines.append(f"{r['engine']}: {r['status']}{' at ' + where if where else ''}: {err}")
     for (engine, err), n in skipped.items():
         lines.append(f"{engine}: skipped {n} point{'s' if n > 1 else ''}: {err}")
-    return "\n".join(lines)
-
-
-def parity_lines(rows: list[dict[str, Any]]) -> str:
-    """One line per engine: agreement of its greedy tokens with the baseline engine's."""
-    lines = []
-    for r in rows:
-        if r.get("workload") != "parity":
-            continue
-        if r.get("agreement") is None:
-            lines.append(f"parity    {r['engine']:<9} {r['status']}: {(r.get('error') or '').splitlines()[0]}")
-            continue
-        div = r.get("first_divergence")
-        lines.append(f"parity    {r['engine']:<9} {r['agreement'] * 100:5.1f}% of greedy tokens equal to "
-                     f"{r['parity_baseline']}'s" + ("" if div is None else f", first divergence at step {div}")
-                     + ("" if r["status"] == "ok" else f"  [{r['status']}]"))
     return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""Parity: does every engine compute the same model? An ordinary workload that every run adds
+after its main workload (`parity=false` turns it off), run by each engine on fixed prompts.
+
+In the engine's process the point (1) generates `tokens` greedy tokens for each prompt, run as
+one batch of unequal lengths, and (2) where the engine can score sequences, scores the prompts
+followed by the baseline engine's greedy continuation (teacher forcing: the harness hands the
+baseline's tokens to every later engine), keeping the top-k log-probabilities per position.
+
+In the harness's process the row is compared with the baseline's: the first engine of the run
+that produced a parity row (the reference engine runs first). The comparisons and thresholds
+are harness.core.parity's; in float32 any greedy difference fails the row as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.base import Engine
+from harness.core.parity import compare_scores, greedy_agreement, verdict
+from harness.core.schema import spec
+from workloads.base import Point, RunContext, Workload
+
+WORKLOAD = "parity"
+
+
+@dataclass
+class ParityConfig:
+    name: str = spec(WORKLOAD)
+    prompt_lens: list[int] = spec([7, 16, 33, 64], ge=1, nonempty=True,
+                                  help="one prompt of each length, run as one batch")
+    tokens: int = spec(32, ge=1, le=4096, help="greedy tokens per prompt (and teacher-forced positions scored)")
+    top_k: int = spec(8, ge=2, le=64, help="log-probabilities compared per position")
+
+
+def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The first n greedy output tokens of every prompt, run as one batch."""
+    pre = engine.prefill(prompts, max_new_tokens=n)
+    dec = engine.decode(n - 1) if n > 1 else None
+    engine.release()
+    steps = dec.tokens if dec else []
+    return [[pre.first_tokens[b]] + [step[b] for step in steps] for b in range(len(prompts))]
+
+
+def _baseline(rows: list[dict[str, Any]], engine: str | None = None) -> dict[str, Any] | None:
+    """The run's baseline parity row: the first ok parity row (not `engine`'s own)."""
+    for r in rows:
+        if r.get("workload") == WORKLOAD and r.get("status") == "ok" and r.get("parity_tokens") and \
+                r.get("engine") != engine:
+            return r
+    return None
+
+
+class Parity(Workload):
+    name = WORKLOAD
+    config_cls = ParityConfig
+    roofline = False
+
+    def plan(self, cfg: ParityConfig) -> list[Point]:
+        return [Point(self.name, {"prompt_lens": list(cfg.prompt_lens), "tokens": cfg.tokens, "top_k": cfg.top_k})]
+
+    def max_model_len(self, cfg: ParityConfig) -> int:
+        return max(cfg.prompt_lens) + cfg.tokens
+
+    def max_prefill_batch(self, cfg: ParityConfig) -> tuple[int, int]:
+        return len(cfg.prompt_lens), sum(cfg.prompt_lens)
+
+    def prompts(self, point: Point, ctx: RunContext) -> list[list[int]]:
+        n = point.params["tokens"]
+        lens = [min(s, max(1, ctx.max_model_len - n)) for s in point.params["prompt_lens"]]
+        return [ctx.prompts(1, s, f"parity/{i}")[0] for i, s in enumerate(lens)]
+
+    def point_inputs(self, point: Point, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+        base = _baseline(rows)
+        return {"teacher": base["parity_tokens"], "baseline": base["engine"]} if base else None
+
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
+        n, k = point.params["tokens"], point.params["top_k"]
+        prompts = self.prompts(point, ctx)
+        greedy = greedy_tokens(engine, prompts, n)
+        inputs = ctx.extra.get("inputs") or {}
+        teacher = inputs.get("teacher") or greedy
+        row: dict[str, Any] = {"parity_tokens": greedy, "parity_prompt_lens": [len(p) for p in prompts],
+                               "parity_teacher": inputs.get("baseline") or "own greedy tokens"}
+        try:
+            scores = engine.score([p + t for p, t in zip(prompts, teacher)], [len(p) for p in prompts], k)
+        except NotImplementedError as e:
+            row["parity_scores"] = None
+            row["parity_note"] = str(e)
+            return row
+        row["parity_scores"] = [{"top_ids": s.top_ids, "top_logprobs": [[round(v, 6) for v in lp] for lp in s.top_logprobs],
+                                 "target_logprobs": [round(v, 6) for v in s.target_logprobs]} for s in scores]
+        return row
+
+    def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        if row.get("status") != "ok" or not row.get("parity_tokens"):
+            return
+        base = _baseline(rows, row["engine"])
+        if base is None:  # this engine is the baseline
+            row.update(parity_baseline=row["engine"], agreement=1.0, first_divergence=None)
+            return
+        row["parity_baseline"] = base["engine"]
+        row.update(greedy_agreement(base["parity_tokens"], row["parity_tokens"]))
+        problems = []
+        if row["dtype"] == "float32" and row["agreement"] < 1.0:
+            problems.append(f"greedy tokens differ from {base['engine']}'s in float32 (first divergence at step "
+                            f"{row['first_divergence']}, agreement {row['agreement']:.3f})")
+        if row.get("parity_scores") and base.get("parity_scores"):
+            row.update(compare_scores(base["parity_scores"], row["parity_scores"], row["dtype"]))
+            row["parity_thresholds"], why = verdict(row, row["dtype"])
+            if why:
+                problems.append(f"teacher-forced log-probabilities differ from {base['engine']}'s beyond the "
+                                f"{row['dtype']} thresholds: {why}")
+        elif not row.get("parity_scores"):
+            row.setdefault("parity_note", f"{row['engine']} cannot score sequences: greedy agreement only")
+        if problems:
+            row["status"], row["error"] = "failed", "; ".join(problems)
+
+    def summary(self, rows: list[dict[str, Any]]) -> str:
+        lines = []
+        for r in rows:
+            if r.get("workload") != self.name:
+                continue
+            if r.get("agreement") is None:
+                lines.append(f"parity    {r['engine']:<9} {r['status']}: {(r.get('error') or '').splitlines()[0]}")
+                continue
+            div = r.get("first_divergence")
+            line = (f"parity    {r['engine']:<9} greedy {r['agreement'] * 100:5.1f}% equal to {r['parity_baseline']}'s"
+                    + ("" if div is None else f" (first divergence at step {div})"))
+            if r.get("parity_mean_kl") is not None:
+                top1 = r.get("parity_top1_agreement")
+                line += (f"; teacher-forced: max |dlogp| {r['parity_max_abs_err']:.2g}, mean KL "
+                         f"{r['parity_mean_kl']:.2g}, top-1 {'-' if top1 is None else f'{top1 * 100:.1f}%'} of "
+                         f"{r['parity_confident_positions']} confident positions")
+            lines.append(line + ("" if r["status"] == "ok" else f"  [{r['status']}: {r.get('error')}]"))
+        return "\n".join(lines)
