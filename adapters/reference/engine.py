@@ -2,9 +2,23 @@
 
     load()            model weights, then the KV pool sized from the memory budget
     prefill()/decode()  a fixed batch, driven through the same scheduler as serve()
+    score()           teacher-forced log-probabilities, through the same paged path
     serve()           continuous batching: requests join at their scheduled arrival, and leave
                       (freeing their blocks) the step they produce their last token
     kv_cache_info()   pool, blocks, fragmentation, prefix-cache and preemption counters
+
+The online API (what a server drives; serve() is built on it):
+
+    add_request(request)  the request joins at the next step (`request.arrival_s` is ignored:
+                          the caller decides when it arrives)
+    step()                one scheduler step; returns a `TokenEvent` for every token it produced,
+                          stamped with now_ns() after the step (device synchronised). A request's
+                          blocks are freed the step it produces its last token (finished=True).
+    has_work()            whether a step would compute anything
+    abort(request_id)     drop a request now and free its blocks (unknown ids are ignored)
+
+It shares the scheduler with prefill()/decode(): prefill() and release() drop every live
+sequence, online requests included.
 
 Options: see config.py (and conf/engine/reference.yaml).
 """
@@ -21,13 +35,13 @@ import torch
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    StepTiming, TokenEvent, now_ns, wait_until,
+    StepTiming, TokenEvent, TokenScores, now_ns, wait_until,
 )
 from adapters.reference.block_manager import BlockManager
 from adapters.reference.config import CPU_DEFAULT_KV_BYTES, KV_DTYPES, OPTIONS, EngineConfig, parse_options
 from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
 from adapters.reference.model import Model, ModelConfig
-from adapters.reference.runner import ModelRunner, Sampled
+from adapters.reference.runner import ModelRunner, StepOutput
 from adapters.reference.scheduler import Scheduler, Sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,7 +77,7 @@ class ReferenceEngine(Engine):
         paged = cfg.use_cache and not cfg.contiguous  # block size and prefix sharing apply
         return Capabilities(kv_dtypes=KV_DTYPES, prefix_caching=paged, chunked_prefill=cfg.use_cache,
                             no_cache_mode=True, contiguous_layout=True, continuous_batching=True,
-                            paged=paged, logits=True, options=OPTIONS)
+                            paged=paged, logits=True, scores=True, options=OPTIONS)
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
@@ -87,6 +101,7 @@ class ReferenceEngine(Engine):
         self.pool: KVPool | None = None
         self.blocks: BlockManager | None = None
         self._live: list[Sequence] = []  # the fixed batch of prefill()/decode()
+        self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
         self._next_id = 0
 
     # ---- life cycle --------------------------------------------------------------------
@@ -99,8 +114,10 @@ class ReferenceEngine(Engine):
             problems.append(f"engine_options.reference.kv_dtype={cfg.kv_dtype}: {why}.")
         if problems:
             raise ValueError(" ".join(problems))
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        # equal resources: the run's share of threads, unless the user set num_threads
+        threads = cfg.num_threads or model.threads
+        if threads:
+            torch.set_num_threads(threads)
         self.cfg, self.spec = cfg, model
         mcfg = ModelConfig.from_dir(model.path)
         dtype = _DTYPES[model.dtype]
@@ -132,6 +149,7 @@ class ReferenceEngine(Engine):
         self._sync()
         return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=self.model.num_bytes(),
                         kv_pool_bytes=self.pool.nbytes if self.pool else 0, engine_version=self.version(),
+                        compute_threads=torch.get_num_threads(),
                         details={"options": vars(cfg).copy(), "architecture": mcfg.architecture,
                                  "num_blocks": self.pool.num_blocks if self.pool else 0})
 
@@ -153,19 +171,19 @@ class ReferenceEngine(Engine):
         self._next_id += 1
         return Sequence(self._next_id, list(prompt), stop_len, request_id=request_id)
 
-    def _step(self, keep_logits: bool = False) -> list[Sampled]:
+    def _step(self, keep_logits: bool = False) -> StepOutput:
         """Schedule and run one step; record what it computed and sampled."""
         chunks = self.scheduler.schedule()
-        sampled = self.runner.run(chunks, keep_logits)
+        out = self.runner.run(chunks, keep_logits)
         for c in chunks:
             c.seq.num_computed = c.end if self.pool is not None else 0
-        for s in sampled:
+        for s in out.sampled:
             s.chunk.seq.tokens.append(s.token)
             s.chunk.seq.logits = s.logits
         if self.blocks is not None:
             for c in chunks:
                 self.blocks.register_full_blocks(c.seq)
-        return sampled
+        return out
 
     def _run_batch(self, keep_logits: bool) -> tuple[int, int]:
         """Steps until every live sequence reached its stop length; the span they took."""
@@ -177,7 +195,10 @@ class ReferenceEngine(Engine):
         return start, now_ns()
 
     # ---- offline path: one fixed batch ---------------------------------------------------
-    def prefill(self, prompts: list[list[int]], return_logits: bool = False) -> PrefillResult:
+    def prefill(self, prompts: list[list[int]], return_logits: bool = False,
+                max_new_tokens: int | None = None) -> PrefillResult:
+        """`max_new_tokens` is accepted and ignored: decode() raises each sequence's stop
+        length one step at a time, so nothing needs declaring up front."""
         self.release()
         if len(prompts) > self.scheduler.max_num_seqs:
             raise ValueError(f"a batch of {len(prompts)} sequences exceeds max_num_seqs="
@@ -206,42 +227,124 @@ class ReferenceEngine(Engine):
         return DecodeResult(tokens, timings, all_logits if return_logits else None)
 
     def release(self) -> None:
-        for seq in self._live:
+        for seq in self._live + list(self._requests.values()):
             self.scheduler.finish(seq)
-        self._live = []
+        self._live, self._requests = [], {}
+
+    # ---- the online API: what a server drives ------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue `request`; it joins at the next step. `request.arrival_s` is ignored."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id} is already live; request ids must be unique.")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"request {request.request_id}: max_new_tokens must be at least 1.")
+        seq = self._new_sequence(request.prompt_ids, len(request.prompt_ids) + request.max_new_tokens,
+                                 request.request_id)
+        self.scheduler.add(seq)
+        self._requests[request.request_id] = seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step: an event for every token it produced, stamped after the device
+        finished. Finished requests leave (their blocks are freed) before this returns."""
+        if not self.scheduler.has_work():
+            return []
+        out = self._step()
+        self._sync()
+        t = now_ns()
+        events = []
+        for s in out.sampled:
+            seq = s.chunk.seq
+            done = not seq.wants_step
+            if done and self._requests.get(seq.request_id) is seq:
+                self.scheduler.finish(seq)
+                del self._requests[seq.request_id]
+            events.append(TokenEvent(seq.request_id, seq.num_outputs - 1, s.token, t, finished=done))
+        return events
+
+    def abort(self, request_id: str) -> None:
+        """Drop a live request now, freeing its blocks. Unknown (or finished) ids are ignored."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
 
     # ---- serving: continuous batching ----------------------------------------------------
     def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]:
+        """Requests join at their scheduled arrival (start_ns + arrival_s): add_request() and
+        step() in a loop, sleeping while nothing has arrived and nothing runs."""
         self.release()
         for r in requests:
             if r.max_new_tokens < 1:
                 raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-        live: list[Sequence] = []
         try:
-            while pending or self.scheduler.has_work():
+            while pending or self.has_work():
                 now = now_ns()
                 while pending and start_ns + int(pending[0].arrival_s * 1e9) <= now:
-                    r = pending.popleft()
-                    seq = self._new_sequence(r.prompt_ids, len(r.prompt_ids) + r.max_new_tokens, r.request_id)
-                    self.scheduler.add(seq)
-                    live.append(seq)
-                if not self.scheduler.has_work():
+                    self.add_request(pending.popleft())
+                if not self.has_work():
                     wait_until(start_ns + int(pending[0].arrival_s * 1e9))
                     continue
-                sampled = self._step()
-                self._sync()
-                t = now_ns()
-                for s in sampled:
-                    seq = s.chunk.seq
-                    done = not seq.wants_step
-                    if done:
-                        self.scheduler.finish(seq)
-                        live.remove(seq)
-                    yield TokenEvent(seq.request_id, seq.num_outputs - 1, s.token, t, finished=done)
+                yield from self.step()
         finally:  # a consumer that stops early must not leave blocks behind
-            for seq in live:
-                self.scheduler.finish(seq)
+            for request_id in list(self._requests):
+                self.abort(request_id)
+
+    # ---- teacher-forced scores ---------------------------------------------------------
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+        """For each position p in [start[i], len(seq)): the next-token distribution given
+        seq[:p], from ONE teacher-forced pass through the normal paged path (chunks through the
+        block table, the prefix cache supplying what it can before the first scored position).
+        The sequence without its last token is prefilled with the logits of every position
+        from start[i] - 1 kept; log_softmax in float32 over the whole vocabulary."""
+        if len(start) != len(sequences):
+            raise ValueError(f"score(): {len(sequences)} sequences but {len(start)} start positions.")
+        vocab = self.model.cfg.vocab_size
+        if not 1 <= top_k <= vocab:
+            raise ValueError(f"score(): top_k={top_k} must be between 1 and the vocabulary size {vocab}.")
+        for i, (seq, s0) in enumerate(zip(sequences, start)):
+            if not 1 <= s0 <= len(seq):
+                raise ValueError(f"score(): start[{i}]={s0} must be in [1, {len(seq)}] (position 0 has "
+                                 "no context to predict it from).")
+        self.release()
+        results = [TokenScores([], [], []) for _ in sequences]
+        work = []  # (sequence, its full token list, its TokenScores, start)
+        for full, s0, res in zip(sequences, start, results):
+            if s0 == len(full):
+                continue  # nothing to score
+            seq = self._new_sequence(full[:-1], len(full), request_id=None)
+            seq.score_from = s0 - 1
+            work.append((seq, full, res, s0))
+            self._live.append(seq)
+            self.scheduler.add(seq)
+        by_seq = {id(seq): (full, res, s0) for seq, full, res, s0 in work}
+        rows: dict[int, dict[int, tuple]] = {id(seq): {} for seq, *_ in work}
+        try:
+            while self.scheduler.has_work():
+                out = self._step()
+                for sc in out.scored:
+                    full, _, s0 = by_seq[id(sc.chunk.seq)]
+                    logp = sc.logits.float().log_softmax(dim=-1)
+                    top = logp.topk(top_k, dim=-1)
+                    targets = torch.tensor([full[p + 1] for p in sc.positions], device=logp.device)
+                    target = logp.gather(1, targets[:, None])[:, 0]
+                    ids, lps, tgt = top.indices.tolist(), top.values.tolist(), target.tolist()
+                    for j, p in enumerate(sc.positions):  # a recomputed position (preemption) overwrites
+                        rows[id(sc.chunk.seq)][p] = (ids[j], lps[j], tgt[j])
+                for sampled in out.sampled:  # done: its blocks go back (and its place in the batch)
+                    self.scheduler.finish(sampled.chunk.seq)
+        finally:
+            self.release()
+        for seq, full, res, s0 in work:
+            got = rows[id(seq)]
+            for p in range(s0 - 1, len(full) - 1):
+                ids, lps, tgt = got[p]
+                res.top_ids.append(ids)
+                res.top_logprobs.append(lps)
+                res.target_logprobs.append(tgt)
+        return results
 
     # ---- statistics ------------------------------------------------------------------------
     def kv_cache_info(self) -> KVCacheInfo:

@@ -1,13 +1,15 @@
 """The KV pool: one tensor for K and one for V, allocated once, holding every layer's cache.
 
-    k[layer] : [num_blocks, kv_heads, block_size, head_dim]
+    k[layer] : [kv_heads, num_blocks, block_size, head_dim]
 
 A sequence's block table lists its blocks: its token at position p sits in block
-`table[p // block_size]`, at offset `p % block_size`, one row per KV head. A block is one
-contiguous piece of memory per layer (so a gather copies a few large pieces), and within it
-each head's keys are contiguous (so attention can multiply block by block without reordering
-anything; see attention.py). `rows()` turns (block, offset) pairs into row numbers of the
-flattened [num_blocks * kv_heads * block_size, head_dim] view, where writes go.
+`table[p // block_size]`, at offset `p % block_size`, once per KV head. The layout is head-major:
+one head's piece of a block (block_size x head_dim values) is contiguous, and gathering a batch's
+blocks for one head gives each sequence's keys as one run of rows, [kv_heads, B, n * block_size,
+head_dim]: decode attention is then one batched matrix product over (head, sequence) pairs, not
+one tiny product per block (see attention.py), and a GPU kernel reads a block's rows for a head
+in one coalesced sweep. `rows()` turns (block, offset) pairs into row numbers of the flattened
+[kv_heads * num_blocks * block_size, head_dim] view, where writes go.
 
 Storage formats (`kv_dtype`):
   auto  the model's dtype
@@ -17,6 +19,10 @@ Storage formats (`kv_dtype`):
         one scale of 1.0 for the whole tensor: values are clamped to +-448 and rounded
 Reads dequantise to the model's dtype. The bytes per token are exactly what
 harness.core.kvcalc.bytes_per_token predicts.
+
+`scratch_blocks` extra blocks (never handed to the block manager) are where padded rows of a
+CUDA-graph decode step write and read (see cuda_graphs.py); they are not counted in
+`num_blocks`.
 """
 
 from __future__ import annotations
@@ -59,31 +65,44 @@ def check_kv_dtype(kv_dtype: str, device: torch.device) -> str | None:
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, kv_dtype: str, model_dtype: torch.dtype, device: torch.device):
+                 head_dim: int, kv_dtype: str, model_dtype: torch.dtype, device: torch.device,
+                 scratch_blocks: int = 0):
         self.num_blocks, self.block_size, self.kv_heads = num_blocks, block_size, num_kv_heads
-        self.kv_dtype, self.model_dtype = kv_dtype, model_dtype
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.kv_dtype, self.model_dtype, self.device = kv_dtype, model_dtype, device
+        self.total_blocks = num_blocks + scratch_blocks  # scratch blocks sit after the usable ones
+        shape = (num_layers, num_kv_heads, self.total_blocks, block_size, head_dim)
         store = {"int8": torch.int8, "fp8": torch.uint8}.get(kv_dtype, model_dtype)
         # Allocated once, but not written: on a CPU the operating system commits the pages only
         # when a block is first used. A block is zeroed on its first use (`prepare`), because
         # reads gather whole blocks and the unused tail of a block must hold finite values (the
-        # mask gives them zero weight, but NaN * 0 is still NaN).
-        self.k = torch.empty(shape, dtype=store, device=device)
-        self.v = torch.empty(shape, dtype=store, device=device)
+        # mask gives them zero weight, but NaN * 0 is still NaN). On a GPU the memory is reserved
+        # anyway: zero it all now.
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.k = alloc(shape, dtype=store, device=device)
+        self.v = alloc(shape, dtype=store, device=device)
         self.k_scale = self.v_scale = None
         if kv_dtype == "int8":
-            self.k_scale = torch.empty(shape[:4], dtype=torch.float32, device=device)
-            self.v_scale = torch.empty(shape[:4], dtype=torch.float32, device=device)
-        self.used = bytearray(num_blocks)  # 1 once a block has been zeroed
+            self.k_scale = alloc(shape[:4], dtype=torch.float32, device=device)
+            self.v_scale = alloc(shape[:4], dtype=torch.float32, device=device)
+        self.used = bytearray([device.type == "cuda"]) * self.total_blocks  # 1 once a block is zeroed
         self.bytes_per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype, model_dtype)
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale)
                           if t is not None)
-        assert self.nbytes == self.bytes_per_token * num_blocks * block_size
+        assert self.nbytes == self.bytes_per_token * self.total_blocks * block_size
+        if scratch_blocks:
+            self.prepare(set(range(num_blocks, self.total_blocks)))
+
+    @property
+    def scratch_block(self) -> int:
+        """The first scratch block (padded graph rows use it)."""
+        assert self.total_blocks > self.num_blocks, "this pool has no scratch block"
+        return self.num_blocks
 
     def rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Rows of tokens (in `blocks` at `offsets`, [T] each) for every KV head: [T * kv_heads]."""
+        """Rows of tokens (in `blocks` at `offsets`, [T] each) for every KV head, token-major:
+        [T * kv_heads], row t * kv_heads + h for head h of token t."""
         heads = torch.arange(self.kv_heads, device=blocks.device)
-        return ((blocks[:, None] * self.kv_heads + heads) * self.block_size + offsets[:, None]).reshape(-1)
+        return ((heads * self.total_blocks + blocks[:, None]) * self.block_size + offsets[:, None]).reshape(-1)
 
     def prepare(self, block_ids: set[int]) -> None:
         """Zero the blocks among `block_ids` that were never used (see __init__)."""
@@ -93,7 +112,7 @@ class KVPool:
         ids = torch.tensor(fresh, dtype=torch.long, device=self.k.device)
         for t in (self.k, self.v, self.k_scale, self.v_scale):
             if t is not None:
-                t.view(t.shape[0], self.num_blocks, -1).index_fill_(1, ids, 0)
+                t.view(t.shape[0] * t.shape[1], self.total_blocks, -1).index_fill_(1, ids, 0)
         for b in fresh:
             self.used[b] = 1
 
@@ -125,24 +144,39 @@ class KVPool:
             if scales is not None:
                 scales[layer].view(-1).index_copy_(0, rows, s.reshape(-1))
 
-    def read_blocks(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks of every block table, gathered: [B, n] tables -> K and V [B, n, kv_heads,
-        block_size, head_dim], in the model's dtype. A single-block table (a contiguous region)
-        gets only its first `length` slots. Slots past a sequence's own length hold stale
-        values; the attention mask hides them."""
-        ids = block_tables.reshape(-1)
+    def block_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """[B, n] block tables -> the rows of the [kv_heads * total_blocks, block_size * head_dim]
+        view that hold them, head-major: [kv_heads * B * n] (compute once per step, gather per
+        layer: a row gather is one memcpy per (head, block), much faster than indexing a
+        middle dimension)."""
+        heads = torch.arange(self.kv_heads, device=block_tables.device)
+        return (heads[:, None] * self.total_blocks + block_tables.reshape(1, -1)).reshape(-1)
+
+    def gather(self, layer: int, block_tables: torch.Tensor, length: int,
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of every block table, gathered head by head: [B, n] tables -> K and V
+        [kv_heads, B, n * block_size, head_dim] in the model's dtype (each sequence's keys one
+        run of rows). `rows`: block_rows(block_tables), when the caller has it. A single-block
+        table (a contiguous region) gets only its first `length` slots. Slots past a sequence's
+        own length hold stale (finite) values; the attention mask hides them."""
+        b, n = block_tables.shape
+        rows = self.block_rows(block_tables) if rows is None else rows
         out = []
         for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
             x, s = cache[layer], None if scales is None else scales[layer]
-            if block_tables.shape[1] == 1:
+            d = x.shape[-1]
+            if n == 1 and length < self.block_size:  # a region: only its first `length` slots
                 x, s = x[:, :, :length], None if s is None else s[:, :, :length]
-            x, s = x.index_select(0, ids), None if s is None else s.index_select(0, ids)
-            out.append(self._dequantise(x, s).view(*block_tables.shape, *x.shape[1:]))
+                x = x.index_select(1, block_tables.reshape(-1))
+                s = None if s is None else s.index_select(1, block_tables.reshape(-1))
+            else:
+                x = x.reshape(-1, self.block_size * d).index_select(0, rows)
+                s = None if s is None else s.reshape(-1, self.block_size).index_select(0, rows)
+            x = self._dequantise(x.view(-1, d), None if s is None else s.reshape(-1))
+            out.append(x.view(self.kv_heads, b, -1, d))
         return out[0], out[1]
 
     def read(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's first `length` tokens, head by head: [1, n] table -> K and V
-        [1, kv_heads, length, head_dim], contiguous."""
-        k, v = self.read_blocks(layer, block_table, length)
-        return tuple(x.permute(0, 2, 1, 3, 4).reshape(1, self.kv_heads, -1, x.shape[-1])[:, :, :length].contiguous()
-                     for x in (k, v))
+        """One sequence's first `length` tokens: [1, n] table -> K and V [1, kv_heads, length, head_dim]."""
+        k, v = self.gather(layer, block_table, length)
+        return k[:, :, :length].transpose(0, 1), v[:, :, :length].transpose(0, 1)

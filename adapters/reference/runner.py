@@ -1,8 +1,9 @@
-"""One engine step: the scheduled chunks in, one greedy token per finished chunk out."""
+"""One engine step: the scheduled chunks in, one greedy token per finished chunk out (and, for
+sequences being scored, the logits of every scored position)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,20 +21,39 @@ class Sampled:
     logits: Any = None  # [vocab] float32 on the CPU, when asked for
 
 
+@dataclass
+class Scored:
+    """Float32 logits [len(positions), vocab] of one chunk's scored positions (on the device)."""
+
+    chunk: Chunk
+    positions: range
+    logits: torch.Tensor
+
+
+@dataclass
+class StepOutput:
+    sampled: list[Sampled]
+    scored: list[Scored] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: Model, pool: KVPool | None):
         self.model, self.pool = model, pool
         self.device = model.device
 
-    def run(self, chunks: list[Chunk], keep_logits: bool = False) -> list[Sampled]:
+    def run(self, chunks: list[Chunk], keep_logits: bool = False) -> StepOutput:
         # decode chunks first: attention takes them as one batch at the front
         chunks = sorted(chunks, key=lambda c: not (self.pool is not None and is_decode(c.start, c.end)))
-        ids, positions, last = [], [], []
+        ids, positions, rows = [], [], []  # rows: flat indices whose logits the step keeps
+        kept: list[tuple[Chunk, range, int]] = []  # chunk, its kept positions, their first logits row
         for c in chunks:
+            base = len(ids) - c.start
             ids.extend(c.seq.tokens[c.start:c.end])
             positions.extend(range(c.start, c.end))
-            if c.samples:
-                last.append(len(ids) - 1)
+            keep = c.logit_positions
+            if keep:
+                kept.append((c, keep, len(rows)))
+                rows.extend(base + p for p in keep)
         if max(positions) >= self.model.rope_len:
             raise ValueError(f"a sequence reached position {max(positions)}, past the model's "
                              f"{self.model.rope_len} positions (max_position_embeddings).")
@@ -42,8 +62,14 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
                                         torch.tensor(positions, dtype=torch.long, device=dev),
-                                        attend, torch.tensor(last, dtype=torch.long, device=dev))
-            tokens = logits.argmax(dim=-1).tolist()  # a host copy: the step has finished
-        rows = logits.cpu() if keep_logits else [None] * len(tokens)
-        sampling = [c for c in chunks if c.samples]
-        return [Sampled(c, tok, row) for c, tok, row in zip(sampling, tokens, rows)]
+                                        attend, torch.tensor(rows, dtype=torch.long, device=dev))
+            sample_rows = [first + len(keep) - 1 for c, keep, first in kept if c.samples]
+            sample_logits = logits[sample_rows]
+            tokens = sample_logits.argmax(dim=-1).tolist()  # a host copy: the step has finished
+        out = StepOutput([])
+        sampling = [c for c, _, _ in kept if c.samples]
+        cpu_rows = sample_logits.cpu() if keep_logits else [None] * len(tokens)
+        out.sampled = [Sampled(c, tok, row) for c, tok, row in zip(sampling, tokens, cpu_rows)]
+        out.scored = [Scored(c, keep, logits[first:first + len(keep)]) for c, keep, first in kept
+                      if c.seq.score_from is not None]
+        return out

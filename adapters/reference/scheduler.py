@@ -38,6 +38,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its leading full blocks
     request_id: str | None = None
     logits: Any = None  # logits of its last sampled token, when asked for
+    # score(): the logits of every position from this one on are kept (teacher-forced scores);
+    # the prefix cache may supply only the blocks before it. None: only sampled rows.
+    score_from: int | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
@@ -66,6 +69,15 @@ class Chunk:
     @property
     def samples(self) -> bool:
         return self.end == self.seq.num_tokens
+
+    @property
+    def logit_positions(self) -> range:
+        """Positions whose logits the step keeps: the sampled last one, and for a scored
+        sequence every position from `score_from` on."""
+        first = self.end - 1 if self.samples else self.end
+        if self.seq.score_from is not None:
+            first = min(first, max(self.start, self.seq.score_from))
+        return range(first, self.end)
 
 
 class PoolTooSmall(RuntimeError):
@@ -127,8 +139,10 @@ class Scheduler:
                 continue  # preempted after its token of this step: it waits for the next step
             hits: list[int] = []
             if self.blocks:
-                # prefix cache: whole blocks only, and never the last token (its logits are needed)
-                hits = self.blocks.match_prefix(seq.tokens, seq.num_tokens - 1)
+                # prefix cache: whole blocks only, and never the last token (its logits are needed),
+                # nor a scored position
+                limit = seq.num_tokens - 1 if seq.score_from is None else min(seq.num_tokens - 1, seq.score_from)
+                hits = self.blocks.match_prefix(seq.tokens, limit)
             start = len(hits) * self.blocks.block_size if self.blocks else 0
             n = self._chunk_len(seq, start, budget, first=not chunks)
             if n == 0 or (self.blocks and not self.blocks.can_admit(hits, start + n)):
