@@ -189,12 +189,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="a fake OpenAI-compatible server (tests only)")
     ap.add_argument("mode", choices=("ok", "never-ready", "die-mid-stream"))
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--api-key", default=None, help="demand Authorization: Bearer <key>")
     args = ap.parse_args()
     print(f"fake server ({args.mode}) starting on {args.port}", flush=True)
     if args.mode == "never-ready":
         app = _never_ready_app()
     else:
-        app = fake_app(FakeBehaviour(exit_after=3 if args.mode == "die-mid-stream" else None, delay_s=0.05))
+        app = fake_app(FakeBehaviour(exit_after=3 if args.mode == "die-mid-stream" else None, delay_s=0.05,
+                                     api_key=args.api_key))
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

@@ -139,7 +139,12 @@ def _drop_literals(raw: dict[str, Any]) -> dict[str, Any]:
     if isinstance(clean.get("headers"), dict):
         clean["headers"] = {h: v for h, v in clean["headers"].items()
                             if not (is_sensitive_key(h) or looks_like_credential(str(v)))}
-    return REDACT.obj(clean)
+    refs = {k: clean.pop(k) for k in ("headers_env", "api_key_env") if k in clean}  # names, not secrets
+    out = REDACT.obj(clean)
+    for k, v in refs.items():
+        out[k] = ({h: (REDACT.text(x) if isinstance(x, str) else x) for h, x in v.items()}
+                  if isinstance(v, dict) else (REDACT.text(v) if isinstance(v, str) else v))
+    return out
 
 
 # ---- the rest of the checks ----------------------------------------------------------------------
@@ -210,7 +215,10 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
                             f"started with engine_options.{name}.")
     if cfg.api_key_env and cfg.api_key_file:
         problems.append(f"{p}: give one of api_key_env and api_key_file, not both.")
-    if cfg.api_key_env is not None:
+    if cfg.api_key_env is not None and looks_like_credential(cfg.api_key_env):
+        problems.append(f"{p}.api_key_env: this looks like a key itself; give the NAME of the environment "
+                        "variable that holds it.")
+    elif cfg.api_key_env is not None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.api_key_env):
             problems.append(f"{p}.api_key_env: give the NAME of an environment variable (letters, digits, '_'), "
                             "not its value.")
@@ -226,7 +234,7 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
             problems.append(f"{p}.api_key_file={cfg.api_key_file}: cannot read it ({e.strerror}). "
                             "Give a readable file holding the key.")
     for header, var in cfg.headers_env.items():
-        if not isinstance(var, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+        if not isinstance(var, str) or looks_like_credential(var) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
             problems.append(f"{p}.headers_env.{header}: give the NAME of an environment variable.")
         elif not os.environ.get(var):
             problems.append(f"{p}.headers_env.{header}={var}: the variable is not set (or empty) here. "
