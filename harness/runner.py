@@ -270,6 +270,10 @@ class Runner:
         deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT_S, self.plan.settings.point_timeout_s)
         while True:
             msg = worker.recv(min(0.5, deadline - time.monotonic()))
+            if isinstance(msg, Ready) and msg.protocol != PROTOCOL_VERSION:
+                self._end_worker()
+                return None, info, "failed", (f"worker protocol mismatch: the harness speaks version "
+                                              f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version {msg.protocol}")
             if isinstance(msg, Ready):
                 info.python, info.versions = msg.python, msg.versions
                 info.sees_processes = msg.pid in worker.pids()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import sys
+from pathlib import Path
 
 from harness.core.paths import REPO_ROOT
 
@@ -19,3 +22,15 @@ def documented_fields() -> set[str]:
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_python() -> Path | None:
+    """An interpreter whose environment has vLLM: $INFER_BENCH_VLLM_PYTHON, else the project's
+    .venv-vllm (make venv builds it), else this interpreter if it has vLLM; None when there is none."""
+    env = os.environ.get("INFER_BENCH_VLLM_PYTHON")
+    if env and Path(env).exists():
+        return Path(env)
+    local = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    if local.exists():
+        return local
+    return Path(sys.executable) if vllm_available() else None
