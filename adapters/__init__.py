@@ -14,7 +14,7 @@ REGISTRY: dict[str, str] = {
     "reference": "adapters.reference.engine:ReferenceEngine",
     "hf": "adapters.hf:HFEngine",
     "vllm": "adapters.vllm.engine:VLLMEngine",
-    "trtllm": "adapters.trtllm:TRTLLMEngine",
+    "trtllm": "adapters.trtllm.engine:TRTLLMEngine",
 }
 
 

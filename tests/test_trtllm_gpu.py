@@ -1,12 +1,16 @@
 """The TensorRT-LLM adapter against the real engine: only where TensorRT-LLM and an NVIDIA GPU
-exist (skipped elsewhere with the reason). One engine start for the module."""
+exist (skipped elsewhere with the reason). One engine start for the module. Imports only
+adapters.*, harness.core.*, torch and pytest of what the project uses."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from adapters.base import ModelSpec, Request, now_ns
-from adapters.trtllm import TRTLLMEngine
+from adapters.trtllm.engine import TRTLLMEngine
+from adapters.trtllm.options import kv_cache_config_kwargs, llm_kwargs, sampling_kwargs
 
 _REASON = TRTLLMEngine.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"TensorRT-LLM cannot run here: {_REASON}")]
@@ -14,6 +18,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"
 PROMPTS = [[5 + (7 * i) % 4000 for i in range(40)], [20 + (11 * i) % 4000 for i in range(17)],
            [100 + (13 * i) % 3900 for i in range(64)]]
 STEPS = 16
+EVERY_OPTION = {"max_batch_size": 64, "max_num_tokens": 4096, "kv_cache_max_tokens": 100000, "cuda_graphs": False,
+                "capacity_scheduler_policy": "MAX_UTILIZATION"}
+
+
+def test_every_argument_is_a_field_of_tensorrt_llms_own_definitions():
+    from tensorrt_llm import SamplingParams
+    from tensorrt_llm.llmapi import KvCacheConfig
+    from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+    spec = ModelSpec(path="/m", name="m", dtype="bfloat16", device="cuda")
+    for opts in ({}, EVERY_OPTION):
+        assert set(llm_kwargs(spec, opts)) <= set(TorchLlmArgs.model_fields)
+        assert set(kv_cache_config_kwargs(opts)) <= set(KvCacheConfig.model_fields)
+    sp = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(sampling_kwargs(4, 2)) | {"return_context_logits"} <= sp
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +43,8 @@ def engine(tiny_ckpt):
     e.close()
 
 
-def test_prefill_decode_timings_and_counts(engine):
-    pre = engine.prefill(PROMPTS)
+def test_prefill_decode_timings_counts_and_clocks(engine):
+    pre = engine.prefill(PROMPTS, max_new_tokens=STEPS)
     dec = engine.decode(STEPS - 1)
     kv = engine.kv_cache_info()
     engine.release()
@@ -35,6 +53,28 @@ def test_prefill_decode_timings_and_counts(engine):
     assert all(s.num_tokens == len(PROMPTS) and s.end_ns >= s.start_ns for s in dec.steps)
     assert all(len(row) == len(PROMPTS) for row in dec.tokens)
     assert kv.num_blocks and kv.block_size == 32 and kv.pool_bytes == kv.num_blocks * kv.bytes_per_block
+    assert kv.extra["prefill_admission"] == "one iteration"
+    print(f"clocks: {kv.extra['clock']}, offset {engine.load_info.details['clock_offset_ns']} ns")
+
+
+def test_scores_agree_with_transformers_bf16_within_its_rounding(engine, tiny_ckpt):
+    import torch
+
+    from adapters.hf import HFEngine
+    seq = PROMPTS[2][:24]
+    [ours] = engine.score([seq], [16], 4)
+    hf = HFEngine()
+    hf.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", device="cuda"), {})
+    try:
+        diffs = []
+        for j, p in enumerate(range(16, len(seq))):
+            logp = torch.log_softmax(hf.prefill([seq[:p]], return_logits=True).logits[0].float(), dim=-1)
+            hf.release()
+            diffs.append(abs(ours.target_logprobs[j] - float(logp[seq[p]])))
+    finally:
+        hf.close()
+    print(f"TensorRT-LLM vs transformers, bf16 target log-prob max |diff| {max(diffs):.4f}")
+    assert max(diffs) < 0.5  # bf16 rounding; METRICS.md: differences up to 0.48 on logits
 
 
 def test_serve_events(engine):
