@@ -33,6 +33,7 @@ from harness.core.results import CONFIG_FILE, ENVIRONMENT_FILE, RESULTS_FILE, at
 from harness.locks import lock_device, lock_run_dir
 from harness.outcome import EXIT, record_exit, write_run_report
 from harness.runner import Runner
+from adapters import engine_names
 from workloads import workload_names
 
 EXIT_INTERRUPTED = 130
@@ -66,14 +67,22 @@ def _split_argv(argv: list[str]) -> tuple[bool, list[str], bool]:
     return multirun, overrides, checkable
 
 
-# Open mappings: settings whose keys the user names (an endpoint's name; where an engine's worker
-# runs). Hydra would want `+` to add such a key; these overrides get `++` (add or replace) instead.
+# Open mappings: settings whose keys the user names (an endpoint and its options; where an engine's
+# worker runs). Hydra would want `+` to add such a key; these overrides get `++` (add or replace).
 _OPEN_KEYS = re.compile(r"^(endpoints\.[^=]+|engine_options\.[^.=]+\.(python|launch))=")
+_ENGINE_OPTION = re.compile(r"^engine_options\.([^.=]+)\.[^=]+=")
 
 
 def open_mappings(argv: list[str]) -> list[str]:
-    """The command line with `++` before every override of an open mapping."""
-    return ["++" + a if _OPEN_KEYS.match(a) else a for a in argv]
+    """The command line with `++` before every override of an open mapping (an endpoint's
+    options included: engine_options.<endpoint>.<option>)."""
+    out = []
+    for a in argv:
+        m = _ENGINE_OPTION.match(a)
+        if _OPEN_KEYS.match(a) or (m and m.group(1) not in engine_names()):
+            a = "++" + a
+        out.append(a)
+    return out
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
@@ -174,9 +183,10 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
             say(f"model {plan.shape.name}: materialising random weights into {cache} (first use) ...")
         model_path = str(ensure_checkpoint(plan.shape, cache))
     plan.token_range = prompt_token_range(shape_from_hf_config(model_path), model_path)
-    env = environment()
+    redact = plan.redactor()
+    env = redact.obj(environment())
     atomic_write_text(out_dir / ENVIRONMENT_FILE, json.dumps(env, indent=2))
-    atomic_write_text(out_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
+    atomic_write_text(out_dir / CONFIG_FILE, redact.text(OmegaConf.to_yaml(cfg, resolve=True)))
     say(f"infer-bench: {plan.workload.name} on {plan.shape.name} ({plan.dtype}, {plan.device}, "
         f"{len(plan.cpus)} cores {plan.cpus}), engines {', '.join(plan.engines)}, {len(plan.points)} points -> {out_dir}")
     if previous:

@@ -18,7 +18,9 @@ from typing import Any
 from adapters import engine_class, engine_names
 from adapters.base import Engine, ModelSpec
 from harness.core.errors import UserError
+from harness.core.paths import REPO_ROOT
 from harness.core.presets import ModelShape, preset_names, resolve_shape
+from harness.core.redact import Redactor
 from harness.core.schema import check, spec
 from workloads import get_workload, workload_names
 from workloads.base import Point, Workload
@@ -81,6 +83,7 @@ class Plan:
     endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> endpoint config (raw)
     max_batch: tuple[int, int] = (1, 0)  # largest prefill batch: (sequences, prompt tokens)
     token_range: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+    _redactor: Redactor | None = field(default=None, repr=False)
 
     @property
     def workload(self) -> Workload:
@@ -123,9 +126,33 @@ class Plan:
             return [a.format(**placeholders) if placeholders else a for a in env.launch]
         return [env.python or _own_python()]
 
+    def redactor(self) -> Redactor:
+        """The run's one redaction step: the credential patterns, plus the literal values of the
+        secrets its endpoints refer to (api_key_env, api_key_file, headers_env)."""
+        if self._redactor is None:
+            self._redactor = Redactor.from_endpoints(self.endpoints)
+        return self._redactor
+
     def resources_fields(self, engine: str) -> dict[str, Any]:
         """What every row of `engine` records about the resources the run gave it."""
         return {"cpu_affinity": list(self.cpus), "compute_threads": len(self.cpus), "device": self.device}
+
+
+def vllm_environment() -> str | None:
+    """vLLM's own environment, for `python: auto`: $INFER_BENCH_VLLM_PYTHON, else the checkout's
+    .venv-vllm (make venv builds it); None when neither exists."""
+    env = os.environ.get("INFER_BENCH_VLLM_PYTHON")
+    if env and Path(env).exists():
+        return env
+    local = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return str(local) if local.exists() else None
+
+
+def _resolve_python(endpoint: dict[str, Any]) -> dict[str, Any]:
+    """An endpoint's `python: auto` resolved (to vLLM's environment, or null: the harness's own)."""
+    if endpoint.get("python") == "auto":
+        endpoint["python"] = vllm_environment()
+    return endpoint
 
 
 def _own_python() -> str:
@@ -278,7 +305,7 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
         planned.append(PlannedWorkload(parity, pcfg, parity.plan(pcfg)))
 
     # engines: registered ones and named HTTP endpoints
-    endpoints_raw = {str(k): dict(v or {}) for k, v in (cfg.get("endpoints") or {}).items()}
+    endpoints_raw = {str(k): _resolve_python(dict(v or {})) for k, v in (cfg.get("endpoints") or {}).items()}
     requested = settings.engines
     if isinstance(requested, str) and requested != "auto":
         requested = [requested]  # engines=hf means engines=[hf]

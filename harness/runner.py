@@ -36,6 +36,7 @@ from harness.config import Plan
 from harness.core.bootstrap import add_intervals
 from harness.core.roofline import annotate, cached_ceilings
 from harness.core.paths import model_cache_dir
+from harness.core.redact import Redactor
 from harness.core.results import RESULTS_FILE, ResultsWriter, make_row
 from harness.progress import Progress
 from harness.protocol import (
@@ -82,18 +83,32 @@ class WorkerProcess:
     stopped) and the protocol channel. Protocol lines from its stdout go to a queue; everything
     else it prints goes to the engine's log."""
 
-    def __init__(self, cmd: list[str], log_path: Path):
+    def __init__(self, cmd: list[str], log_path: Path, redact: Redactor):
         self.cmd = cmd
         self.log_path = log_path
+        self.redact = redact
         self.messages: queue.Queue = queue.Queue()
+        self._log_lock = threading.Lock()
         self.log = open(log_path, "a", encoding="utf-8")
-        self.log.write(f"[infer-bench] starting worker: {' '.join(cmd)}\n")
-        self.log.flush()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+        self._write_log(f"[infer-bench] starting worker: {' '.join(cmd)}\n")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, encoding="utf-8", errors="replace", bufsize=1,
                                      start_new_session=True)
         self._reader = threading.Thread(target=self._read, name="worker-reader", daemon=True)
         self._reader.start()
+        self._logger = threading.Thread(target=self._pump_stderr, name="worker-log", daemon=True)
+        self._logger.start()
+
+    def _write_log(self, text: str) -> None:
+        """Everything the worker prints reaches the log through the run's redaction step."""
+        with self._log_lock:
+            self.log.write(self.redact.text(text))
+            self.log.flush()
+
+    def _pump_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._write_log(line)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -102,10 +117,9 @@ class WorkerProcess:
                 msg = decode(line)
             except Exception as e:
                 msg = None
-                self.log.write(f"[infer-bench] {e}\n")
+                self._write_log(f"[infer-bench] {e}\n")
             if msg is None:
-                self.log.write(line)
-                self.log.flush()
+                self._write_log(line)
             else:
                 self.messages.put(msg)
         self.messages.put(_EOF)
@@ -163,14 +177,16 @@ class WorkerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        for f in (self.proc.stdin, self.proc.stdout):
+        self._reader.join(5)
+        self._logger.join(5)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 if f is not None:
                     f.close()
             except OSError:
                 pass
-        self._reader.join(5)
-        self.log.close()
+        with self._log_lock:
+            self.log.close()
 
 
 @dataclass
@@ -210,6 +226,7 @@ class Runner:
         self._worker: WorkerProcess | None = None
         self._script: Path | None = None
         self._interrupted = False
+        self.redact = plan.redactor()
 
     # ---- rows --------------------------------------------------------------------------
     def _row(self, engine: str, point: Point | None, status: str, error: str | None,
@@ -229,6 +246,7 @@ class Runner:
             row.update(info.fields())
         row.update(fields)
         row.setdefault("engine_options", self.plan.engine_options.get(engine, {}))
+        row = self.redact.obj(row)
         add_intervals(row)
         if point is not None:
             wl = self.plan.workload_named(point.workload)
@@ -262,7 +280,7 @@ class Runner:
         launch = self.plan.launch_prefix(engine) if self.plan.engine_envs.get(engine) else None
         info = WorkerInfo(launch=launch)
         try:
-            worker = WorkerProcess(cmd, log_path)
+            worker = WorkerProcess(cmd, log_path, self.redact)
         except OSError as e:
             return None, info, "failed", f"the worker command could not start ({e}): {' '.join(cmd)}"
         self._worker = worker

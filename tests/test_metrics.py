@@ -105,3 +105,20 @@ def test_collect_rejects_out_of_order_tokens():
     reqs = [Request("a", [1], 2)]
     with pytest.raises(RuntimeError):
         collect(reqs, 0, [TokenEvent("a", 1, 5, 10)])
+
+
+def test_failed_requests_are_counted_and_metrics_use_the_completed_ones():
+    from adapters.base import RequestFailed, TokenEvent
+    from adapters.base import Request as Req
+    reqs = [Req("a", [1, 2], 3, 0.0), Req("b", [1, 2], 3, 0.0), Req("c", [1, 2], 3, 0.0), Req("d", [1], 3, 0.0)]
+    events = [TokenEvent("a", i, 7, 1_000_000_000 * (i + 1)) for i in range(3)]
+    events += [TokenEvent("b", 0, 7, 500_000_000), RequestFailed("b", "HTTP 500 Internal Server Error", 600_000_000)]
+    events += [TokenEvent("c", 0, 7, 2_000_000_000)]  # the stream stopped after one token
+    events += [RequestFailed("d", "HTTP 500 Internal Server Error", 100)]
+    traces = collect(reqs, 0, events)
+    row = serving_metrics(traces, None, {r.request_id: r.max_new_tokens for r in reqs})
+    assert row["num_requests"] == 4 and row["completed"] == 1 and row["failed_requests"] == 3
+    assert row["failed_request_reasons"] == {"HTTP 500 Internal Server Error": 2, "fewer tokens than asked": 1}
+    # every metric from request a alone: TTFT 1 s, E2EL 3 s, TPOT 1 s, throughput 3 tokens in 3 s
+    assert row["ttft_s"] == 1.0 and row["e2el_s"] == 3.0 and row["tpot_s"] == 1.0
+    assert row["output_tok_s"] == 1.0 and row["per_user_tok_s"] == 1.0

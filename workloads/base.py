@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from collections.abc import Iterable
 
-from adapters.base import Capabilities, Engine, Request, TokenEvent
+from adapters.base import Capabilities, Engine, Request, RequestFailed, TokenEvent
 from harness.core.memory import MemorySampler
 from harness.core.metrics import RequestTrace
 from harness.core.presets import ModelShape
@@ -57,13 +57,17 @@ def oom_skip_reason(point: Point, out_of_memory: list[Point]) -> str | None:
     return None if o is None else f"batch_size={o.params['batch_size']} of this point ran out of memory"
 
 
-def collect(requests: list[Request], start_ns: int, events: Iterable[TokenEvent]) -> list[RequestTrace]:
+def collect(requests: list[Request], start_ns: int, events: Iterable[TokenEvent | RequestFailed]) -> list[RequestTrace]:
     """Group an engine's token events by request. The clock of each request starts at its
-    scheduled arrival (start_ns + arrival_s), not when the engine took it."""
+    scheduled arrival (start_ns + arrival_s), not when the engine took it. A `RequestFailed`
+    marks its request failed with the reason."""
     traces = {r.request_id: RequestTrace(r.request_id, start_ns + round(r.arrival_s * 1e9), len(r.prompt_ids))
               for r in requests}
     for ev in events:
         tr = traces[ev.request_id]
+        if isinstance(ev, RequestFailed):
+            tr.error = ev.reason
+            continue
         if ev.index != tr.n_out:
             raise RuntimeError(f"request {ev.request_id}: token {ev.index} arrived after {tr.n_out} tokens")
         tr.token_times_ns.append(ev.time_ns)

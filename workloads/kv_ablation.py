@@ -69,7 +69,7 @@ class KVAblation(Workload):
         b, n, steps = point.params["batch_size"], point.params["context_len"], point.params["decode_steps"]
 
         def once(i: int) -> tuple[float, list[float]]:
-            pre = engine.prefill(ctx.prompts(b, n, f"{point.key}/{i}"))
+            pre = engine.prefill(ctx.prompts(b, n, f"{point.key}/{i}"), max_new_tokens=steps + 1)
             dec = engine.decode(steps)
             engine.release()
             return pre.latency_s, dec.step_latencies_s

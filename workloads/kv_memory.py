@@ -99,7 +99,7 @@ class KVMemory(Workload):
         rng = np.random.default_rng(seed_for(ctx.seed, f"{self.name}/lengths"))
         lens = dist.sample(cfg.num_sequences, rng)  # type: ignore[union-attr]
         prompts = [ctx.prompts(1, n, f"{self.name}/p{i}")[0] for i, n in enumerate(lens)]
-        pre = engine.prefill(prompts)
+        pre = engine.prefill(prompts, max_new_tokens=cfg.output_len)
         dec = engine.decode(cfg.output_len - 1) if cfg.output_len > 1 else None
         info = engine.kv_cache_info()
         engine.release()

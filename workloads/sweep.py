@@ -42,7 +42,7 @@ def run_iteration(engine: Engine, prompts: list[list[int]], output_len: int) -> 
     """Prefill + (output_len - 1) decode steps. Returns the timings and the engine's KV info
     taken before the sequences are released."""
     t0 = now_ns()
-    pre = engine.prefill(prompts)
+    pre = engine.prefill(prompts, max_new_tokens=output_len)
     dec = engine.decode(output_len - 1) if output_len > 1 else None
     t1 = now_ns()
     steps = dec.step_latencies_s if dec else []

@@ -12,6 +12,7 @@ Goodput counts the requests that meet every configured SLO.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ class RequestTrace:
     prompt_len: int
     token_times_ns: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # why the request failed (a server's HTTP error, a stream cut short)
 
     @property
     def n_out(self) -> int:
@@ -80,9 +82,20 @@ def _stat_fields(name: str, samples: list[float], with_samples: bool = True) -> 
 
 def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
                     expected_out: dict[str, int] | None = None) -> dict[str, Any]:
-    """Row fields for one serving point."""
-    done = [t for t in traces if t.token_times_ns and
-            (expected_out is None or t.n_out == expected_out.get(t.request_id, t.n_out))]
+    """Row fields for one serving point. A request that failed, or got fewer (or more) tokens
+    than it asked for, is counted in `failed_requests` with its reason; every metric is computed
+    over the completed requests only (`completed` of `num_requests`)."""
+    done, reasons = [], Counter()
+    for t in traces:
+        want = (expected_out or {}).get(t.request_id)
+        if t.error:
+            reasons[t.error] += 1
+        elif not t.token_times_ns:
+            reasons["no token"] += 1
+        elif want is not None and t.n_out != want:
+            reasons[f"{'fewer' if t.n_out < want else 'more'} tokens than asked"] += 1
+        else:
+            done.append(t)
     first_arrival = min(t.arrival_ns for t in traces)
     last_done = max((t.token_times_ns[-1] for t in done), default=first_arrival)
     duration = (last_done - first_arrival) / 1e9
@@ -94,6 +107,7 @@ def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
     good = sum(1 for t in done if (slo or SLO()).met(t))
     row: dict[str, Any] = {
         "num_requests": len(traces), "completed": len(done), "duration_s": duration,
+        "failed_requests": sum(reasons.values()), "failed_request_reasons": dict(reasons),
         "total_input_tokens": sum(t.prompt_len for t in done), "total_output_tokens": out_tokens,
         "request_throughput": len(done) / duration if duration > 0 else None,
         "output_tok_s": out_tokens / duration if duration > 0 else None,
@@ -102,4 +116,5 @@ def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
     }
     for name, samples in (("ttft_s", ttft), ("tpot_s", tpot), ("itl_s", itl), ("e2el_s", e2el)):
         row.update(_stat_fields(name, samples))
+    row["per_user_tok_s"] = 1 / row["tpot_s"] if row.get("tpot_s") else None
     return row
