@@ -187,5 +187,17 @@ class Streamer:
                 self.cond.wait(left)
 
     def stop(self) -> None:
+        """Cancel what still waits on the loop (streams of a shut-down engine), then end the thread."""
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            self.call(cancel_all(), timeout=10)
+        except Exception as e:
+            log.warning("TensorRT-LLM: streams still pending at close: %r", e)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
