@@ -25,8 +25,12 @@ from reports.sections.common import inverse_ci, mark_best, point_label, varying_
 from reports.sections.memory import chosen_points, downsample_max, memory_frame, timeline_frame
 from reports.sections.summary import failures_frame, headline_frame, sweep_frame
 from reports.sections.sweep import decode_frame, decode_heatmaps, prefill_frame
-from reports.sections.workloads import (cdf_frame, kv_ablation_fits, kv_ablation_frame, kv_memory_frame, parity_frame,
-                                        prefix_sharing_frame, roofline_frame, serving_frame, serving_percentiles)
+from reports.sections.kv_ablation_section import kv_ablation_fits, kv_ablation_frame
+from reports.sections.kv_fragmentation import kv_memory_frame
+from reports.sections.parity_section import parity_frame
+from reports.sections.prefix import prefix_sharing_frame
+from reports.sections.roofline_section import roofline_frame
+from reports.sections.serving_load import cdf_frame, serving_frame, serving_percentiles
 from test_report_fakes import other_workload_rows, status_row, sweep_row, sweep_rows, write_results
 
 

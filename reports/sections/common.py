@@ -139,3 +139,18 @@ def fmt_bytes(v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     return f"{fmt_num(v / 2**20)} MiB"
+
+
+def workload_rows(rows: pd.DataFrame, workload: str | None, *need: str, ok_only: bool = True) -> pd.DataFrame:
+    """Rows of a workload (any workload when None) that carry every field in `need`."""
+    df = rows if workload is None else rows[rows["workload"] == workload]
+    if ok_only:
+        df = df[df["status"] == "ok"]
+    if df.empty or not all(c in df.columns for c in need):
+        return pd.DataFrame()
+    return int_columns(df.dropna(subset=list(need)))
+
+
+def facet_if_varies(df: pd.DataFrame, col: str) -> str | None:
+    """`col` when its values differ between the rows (one panel per value), else None."""
+    return col if col in df.columns and df[col].nunique() > 1 else None

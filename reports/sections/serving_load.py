@@ -1,0 +1,116 @@
+"""The serving section (workload `serving`): TTFT, TPOT, ITL and E2EL percentiles against the
+request rate, the TTFT distribution, and goodput."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from reports.blocks import Block, Figure
+from reports.data import ReportData
+from reports.figures import facet_lines
+from reports.sections import section
+from reports.sections.common import MS, Col, column, has, values_table, workload_rows
+
+PERCENTILE_KEYS = ("p50", "p90", "p99")
+CDF_MAX_POINTS = 400
+
+
+SERVING_METRICS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2el_s", "E2EL")]
+
+
+ALL_AT_ONCE = "all at once"
+
+
+def serving_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """Serving rows (ok) in point order, with `rate_x` (the request rate to plot at; a rate of
+    infinity, stored as null, sits one step right of the largest finite rate) and `rate_label`."""
+    df = workload_rows(rows, "serving")
+    if df.empty:
+        return df
+    rate = pd.to_numeric(column(df, "request_rate"), errors="coerce")
+    finite = rate[np.isfinite(rate)]
+    top = float(finite.max()) * 2 if len(finite) else 1.0
+    df["rate_x"] = rate.where(np.isfinite(rate), top)
+    df["rate_label"] = [f"{v:g}" if np.isfinite(v) else ALL_AT_ONCE for v in rate.fillna(np.inf)]
+    return df.sort_values(["series", "rate_x"], kind="stable").reset_index(drop=True)
+
+
+def _rate_ticks(fig: go.Figure, df: pd.DataFrame) -> go.Figure:
+    """Label the request-rate axis with the rates (and 'all at once')."""
+    ticks = df.drop_duplicates("rate_x").sort_values("rate_x")
+    fig.update_xaxes(tickvals=list(ticks["rate_x"]), ticktext=list(ticks["rate_label"]))
+    return fig
+
+
+def serving_percentiles(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Long format for one metric: series, engine, rate_x, rate_label, percentile ('p50'...), value (s)."""
+    recs = []
+    for r in df.to_dict("records"):
+        for p in PERCENTILE_KEYS:
+            v = r.get(f"{metric}_{p}")
+            if v is not None and not (isinstance(v, float) and np.isnan(v)):
+                recs.append({"engine": r["engine"], "series": r["series"], "rate_x": r["rate_x"],
+                             "rate_label": r["rate_label"], "percentile": p, "value": float(v)})
+    return pd.DataFrame(recs)
+
+
+def cdf_frame(df: pd.DataFrame, samples: str = "ttft_s_samples") -> pd.DataFrame:
+    """Empirical CDF per series and request rate: value (s) and fraction ≤ value. Long sample
+    lists are cut to CDF_MAX_POINTS quantiles."""
+    recs = []
+    if samples not in df.columns:
+        return pd.DataFrame()
+    for r in df.to_dict("records"):
+        x = r.get(samples)
+        if not isinstance(x, list) or not x:
+            continue
+        xs = np.sort(np.asarray([v for v in x if v is not None], dtype=float))
+        n = len(xs)
+        idx = np.unique(np.linspace(0, n - 1, min(n, CDF_MAX_POINTS)).round().astype(int))
+        for i in idx:
+            recs.append({"engine": r["engine"], "series": r["series"], "rate_x": r["rate_x"],
+                         "rate_label": r["rate_label"], "value": float(xs[i]), "fraction": (i + 1) / n})
+    return pd.DataFrame(recs)
+
+
+@section("serving", "Serving", "Requests arriving over time at a given rate: TTFT, TPOT and ITL "
+         "percentiles against the request rate, the TTFT distribution, and goodput.")
+def serving(data: ReportData) -> list[Block]:
+    df = serving_frame(data.rows)
+    if df.empty:
+        return []
+    blocks: list[Block] = []
+    for metric, label in SERVING_METRICS:
+        long = serving_percentiles(df, metric)
+        if long.empty:
+            continue
+        blocks.append(Figure(_rate_ticks(facet_lines(
+            long, x="rate_x", y="value", facet="percentile", facet_label=lambda p: p, colours=data.colours,
+            x_title="request rate (req/s)", y_title=f"{label} (ms)", scale=MS), df),
+            f"serving-{metric.removesuffix('_s')}", f"{label} percentiles vs request rate."))
+    cdf = cdf_frame(df)
+    if not cdf.empty:
+        labels = dict(zip(df["rate_x"], df["rate_label"]))
+        fig = facet_lines(cdf, x="value", y="fraction", facet="rate_x",
+                          facet_label=lambda r: labels.get(r, ALL_AT_ONCE) + (" req/s" if labels.get(r) != ALL_AT_ONCE else ""),
+                          colours=data.colours,
+                          x_title="TTFT (s)", y_title="fraction of requests", labels=False)
+        fig.update_xaxes(tickvals=None)
+        blocks.append(Figure(fig, "serving-ttft-cdf", "Cumulative distribution of TTFT, one panel per request rate."))
+    if has(df, "goodput_req_s"):
+        blocks.append(Figure(_rate_ticks(facet_lines(
+            df, x="rate_x", y="goodput_req_s", facet=None, colours=data.colours,
+            x_title="request rate (req/s)", y_title="goodput (req/s)"), df), "serving-goodput",
+            "Requests per second meeting every SLO."))
+    cols = [Col("engine", "series", text=True), Col("rate req/s", "rate_label", text=True)]
+    for metric, label in SERVING_METRICS:
+        cols += [Col(f"{label} {p} ms", f"{metric}_{p}", MS, None, "lower") for p in PERCENTILE_KEYS
+                 if has(df, f"{metric}_{p}")]
+    if has(df, "goodput_req_s"):
+        cols.append(Col("goodput req/s", "goodput_req_s", 1, None, "higher"))
+    if blocks:
+        blocks[-1].table = values_table(df, cols, "serving-values", group="rate_x")
+    return blocks
+
