@@ -9,6 +9,7 @@ from typing import Any
 KV_CACHE_MODES = ("on", "none")
 KV_LAYOUTS = ("paged", "contiguous")
 KV_DTYPES = ("auto", "int8", "fp8")
+KERNELS = ("auto", "plain")
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: the pool on CPU when kv_cache_bytes is null (at most)
 
 
@@ -20,11 +21,16 @@ class EngineConfig:
     kv_dtype: str = "auto"  # auto (the model's dtype) | int8 (+ per-token, per-head scales) | fp8 (e4m3)
     prefix_caching: bool = True  # share full blocks of common prefixes (paged layout only)
     kv_cache_bytes: int | None = None  # KV pool size; null: CPU: min(1 GiB, max_num_seqs sequences of
-    #   max_model_len), at least one such sequence; CUDA: gpu_memory_fraction of the free memory
-    gpu_memory_fraction: float = 0.8  # CUDA, kv_cache_bytes null: this share of free memory after the weights
+    #   max_model_len), at least one such sequence; CUDA: see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # CUDA, kv_cache_bytes null: the engine may fill this share of the
+    #   device's TOTAL memory (vLLM's meaning): the pool gets it minus what is in use after the weights
+    #   (by anyone) minus an activation reserve
     max_num_seqs: int = 256  # most sequences running at once
     max_num_batched_tokens: int = 8192  # token budget of one step (longer prompts are prefilled in chunks)
-    num_threads: int | None = None  # torch CPU threads; null: torch's default
+    num_threads: int | None = None  # torch CPU threads; null: the run's share (ModelSpec.threads), else torch's default
+    kernels: str = "auto"  # auto: the device's fast paths (kernels_cpu.py / kernels_cuda.py); plain: the
+    #   plain-PyTorch reference path only (attention.py, model.py)
+    cuda_graphs: bool = True  # CUDA, kernels=auto: replay decode steps from CUDA graphs (one per batch bucket)
 
     @property
     def use_cache(self) -> bool:
@@ -61,7 +67,8 @@ def parse_options(options: dict[str, Any] | None) -> tuple[EngineConfig, list[st
             problems.append(f"engine_options.reference.{k}: unknown option. Known options: {', '.join(OPTIONS)}.")
     cfg = EngineConfig()
     given = {k: v for k, v in options.items() if k in OPTIONS and v is not None}
-    for name, allowed in (("kv_cache", KV_CACHE_MODES), ("kv_layout", KV_LAYOUTS), ("kv_dtype", KV_DTYPES)):
+    for name, allowed in (("kv_cache", KV_CACHE_MODES), ("kv_layout", KV_LAYOUTS), ("kv_dtype", KV_DTYPES),
+                          ("kernels", KERNELS)):
         if name in given:
             value = given[name]
             if value is True and name == "kv_cache":  # YAML reads a bare `on` as true
@@ -70,11 +77,12 @@ def parse_options(options: dict[str, Any] | None) -> tuple[EngineConfig, list[st
                 bad(name, f"use one of {' | '.join(allowed)}.")
             else:
                 setattr(cfg, name, str(value).lower())
-    if "prefix_caching" in given:
-        if isinstance(given["prefix_caching"], bool):
-            cfg.prefix_caching = given["prefix_caching"]
-        else:
-            bad("prefix_caching", "use true or false.")
+    for name in ("prefix_caching", "cuda_graphs"):
+        if name in given:
+            if isinstance(given[name], bool):
+                setattr(cfg, name, given[name])
+            else:
+                bad(name, "use true or false.")
     for name, low in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("num_threads", 1)):
         if name in given:
             if not _is_int(given[name]) or given[name] < low:
@@ -91,12 +99,12 @@ def parse_options(options: dict[str, Any] | None) -> tuple[EngineConfig, list[st
             bad("kv_cache_bytes", "must be a positive number of bytes (e.g. 2147483648 for 2 GiB), or null.")
         else:
             cfg.kv_cache_bytes = v
-    if "gpu_memory_fraction" in given:
-        v = given["gpu_memory_fraction"]
+    if "gpu_memory_utilization" in given:
+        v = given["gpu_memory_utilization"]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            bad("gpu_memory_fraction", "must be a fraction in (0, 1].")
+            bad("gpu_memory_utilization", "must be a fraction in (0, 1], e.g. 0.9.")
         else:
-            cfg.gpu_memory_fraction = float(v)
+            cfg.gpu_memory_utilization = float(v)
     if cfg.kv_cache == "none" and given.get("kv_dtype", "auto") != "auto":
         problems.append("engine_options.reference.kv_dtype: a quantised cache needs kv_cache=on "
                         "(with kv_cache=none nothing is stored). Drop kv_dtype or set kv_cache=on.")

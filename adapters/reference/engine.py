@@ -37,6 +37,7 @@ from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
     StepTiming, TokenEvent, TokenScores, now_ns, wait_until,
 )
+from adapters.reference import kernels
 from adapters.reference.block_manager import BlockManager
 from adapters.reference.config import CPU_DEFAULT_KV_BYTES, KV_DTYPES, OPTIONS, EngineConfig, parse_options
 from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
@@ -61,6 +62,48 @@ def _budget_problem(cfg: EngineConfig, bpt: int, max_model_len: int, budget: int
     return (f"{source}: the KV pool ({budget} bytes) must hold at least one sequence of "
             f"max_model_len={max_model_len} tokens, {need} bytes at {bpt} bytes per token. "
             f"Give engine_options.reference.kv_cache_bytes >= {need}.")
+
+
+def activation_reserve(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Device bytes kept out of the KV pool for one step's activations: the largest step's
+    per-token intermediates (hidden states, fused QKV, the MLP's gate/up products) in the model's
+    dtype, float32 logits of the rows a step keeps (score() keeps at most `score_rows`), and
+    256 MiB for CUDA graphs, cuBLAS workspaces and the allocator's slack."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = cfg.max_num_batched_tokens
+    per_token = (4 * mcfg.hidden_size + 2 * (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim
+                 + 3 * mcfg.intermediate_size) * elem
+    rows = max(min(tokens, score_rows(mcfg.vocab_size)), min(tokens, cfg.max_num_seqs))
+    return tokens * per_token + 3 * rows * mcfg.vocab_size * 4 + (256 << 20)
+
+
+def score_rows(vocab_size: int) -> int:
+    """Tokens per step while scoring: their float32 logits stay under 256 MiB."""
+    return max(64, (256 << 20) // (4 * vocab_size))
+
+
+def _cuda_kv_budget(device: torch.device, cfg: EngineConfig, mcfg: ModelConfig,
+                    dtype: torch.dtype) -> tuple[int, str, dict[str, Any]]:
+    """KV pool bytes on a GPU, as vLLM's gpu_memory_utilization means it: the engine may fill
+    that share of the device's total memory; what is in use now (our weights, other processes)
+    and an activation reserve come off it. Errors name the option and the fix."""
+    free, total = torch.cuda.mem_get_info(device)
+    used, u = total - free, cfg.gpu_memory_utilization
+    reserve = activation_reserve(cfg, mcfg, dtype)
+    budget = int(total * u) - used - reserve
+    opt = "engine_options.reference.gpu_memory_utilization"
+    if budget <= 0:
+        need = (used + reserve) / total
+        raise ValueError(f"{opt}={u}: {u:.0%} of the device's {total / 2**30:.1f} GiB leaves no room for the KV "
+                         f"cache: {used / 2**30:.1f} GiB are already in use (weights and other processes) and "
+                         f"{reserve / 2**30:.1f} GiB are kept for activations. Raise it above {need:.2f}, free device "
+                         "memory, or give engine_options.reference.kv_cache_bytes.")
+    if budget > free - reserve:  # cannot happen unless memory was freed meanwhile; never over-commit
+        raise ValueError(f"{opt}={u}: the KV pool would need {budget / 2**30:.1f} GiB but only "
+                         f"{(free - reserve) / 2**30:.1f} GiB are free beside the activation reserve. Lower it.")
+    source = (f"{opt}={u} ({u} x {total} total bytes - {used} in use - {reserve} activation reserve)")
+    return budget, source, {"total_bytes": total, "used_before_pool_bytes": used, "utilization": u,
+                            "activation_reserve_bytes": reserve, "kv_budget_bytes": budget}
 
 
 class ReferenceEngine(Engine):
@@ -103,6 +146,7 @@ class ReferenceEngine(Engine):
         self._live: list[Sequence] = []  # the fixed batch of prefill()/decode()
         self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
         self._next_id = 0
+        self.graphs = None
 
     # ---- life cycle --------------------------------------------------------------------
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
@@ -121,17 +165,22 @@ class ReferenceEngine(Engine):
         self.cfg, self.spec = cfg, model
         mcfg = ModelConfig.from_dir(model.path)
         dtype = _DTYPES[model.dtype]
-        self.model = Model(mcfg, model.path, dtype, self.device, max_len=model.max_model_len)
+        self.kernels = kernels.select(self.device, dtype, cfg)
+        self.model = Model(mcfg, model.path, dtype, self.device, max_len=model.max_model_len,
+                           make_linear=self.kernels.make_linear, rows=self.kernels.rows)
+        details: dict[str, Any] = {"options": vars(cfg).copy(), "architecture": mcfg.architecture,
+                                   "kernels": dict(self.kernels.details)}
 
         bpt = bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
         max_len = max(model.max_model_len, 1)
         self.block_size = max_len if cfg.contiguous else cfg.block_size
+        graphs = self.kernels.decode_graphs and cfg.use_cache
+        scratch = 1 if graphs else 0  # a block for the padded rows of graphed decode steps
         budget, source = cfg.kv_cache_bytes, f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}"
         one_sequence = _one_sequence_bytes(cfg, bpt, max_len)
-        if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.gpu_memory_fraction)
-            source = f"engine_options.reference.gpu_memory_fraction={cfg.gpu_memory_fraction} of {free} free bytes"
+        if budget is None and self.device.type == "cuda" and cfg.use_cache:
+            budget, source, details["gpu_memory"] = _cuda_kv_budget(self.device, cfg, mcfg, dtype)
+            budget -= scratch * bpt * self.block_size
         elif budget is None:  # CPU: 1 GiB, but no more than max_num_seqs sequences could use
             budget = max(one_sequence, min(CPU_DEFAULT_KV_BYTES, cfg.max_num_seqs * one_sequence))
         if cfg.use_cache:
@@ -140,23 +189,32 @@ class ReferenceEngine(Engine):
                 raise ValueError(why)
             num_blocks = budget // (bpt * self.block_size)
             self.pool = KVPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
-                               mcfg.head_dim, cfg.kv_dtype, dtype, self.device)
+                               mcfg.head_dim, cfg.kv_dtype, dtype, self.device, scratch_blocks=scratch)
             self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
         # a fixed batch (prefill()) is admitted whole: at least the run's largest batch may run
         max_seqs = max(cfg.max_num_seqs, model.max_batch_size)
         self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.graphs = None
+        if graphs:
+            from adapters.reference.cuda_graphs import CudaGraphBackend, DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.pool, self.kernels.decode_fn, max_seqs, max_len,
+                                       CudaGraphBackend(self.device))
+            t = time.perf_counter()
+            self.graphs.capture()
+            details["kernels"]["cuda_graph_capture_s"] = round(time.perf_counter() - t, 3)
+            details["kernels"]["cuda_graph_buckets"] = list(self.graphs.buckets)
+        self.runner = ModelRunner(self.model, self.pool, self.kernels.attention, self.graphs)
         self._sync()
+        details["num_blocks"] = self.pool.num_blocks if self.pool else 0
         return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=self.model.num_bytes(),
                         kv_pool_bytes=self.pool.nbytes if self.pool else 0, engine_version=self.version(),
-                        compute_threads=torch.get_num_threads(),
-                        details={"options": vars(cfg).copy(), "architecture": mcfg.architecture,
-                                 "num_blocks": self.pool.num_blocks if self.pool else 0})
+                        compute_threads=torch.get_num_threads(), details=details)
 
     def close(self) -> None:
         if self.model is not None:
             self.release()
-        self.model = self.pool = self.blocks = None
+        self.model = self.pool = self.blocks = self.graphs = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -321,6 +379,8 @@ class ReferenceEngine(Engine):
             self.scheduler.add(seq)
         by_seq = {id(seq): (full, res, s0) for seq, full, res, s0 in work}
         rows: dict[int, dict[int, tuple]] = {id(seq): {} for seq, *_ in work}
+        budget = self.scheduler.budget  # steps of fewer tokens: their logits stay small
+        self.scheduler.budget = min(budget, score_rows(self.model.cfg.vocab_size))
         try:
             while self.scheduler.has_work():
                 out = self._step()
@@ -336,6 +396,7 @@ class ReferenceEngine(Engine):
                 for sampled in out.sampled:  # done: its blocks go back (and its place in the batch)
                     self.scheduler.finish(sampled.chunk.seq)
         finally:
+            self.scheduler.budget = budget
             self.release()
         for seq, full, res, s0 in work:
             got = rows[id(seq)]
@@ -355,7 +416,9 @@ class ReferenceEngine(Engine):
         cfg = self.cfg
         kv_dtype = cfg.kv_dtype if cfg.kv_dtype != "auto" else canonical_kv_dtype(self.spec.dtype)
         extra: dict[str, Any] = {"kv_cache": cfg.kv_cache, "kv_layout": cfg.kv_layout,
-                                 "prefix_caching": cfg.use_prefix_cache}
+                                 "prefix_caching": cfg.use_prefix_cache, "kernels": dict(self.kernels.details)}
+        if self.graphs is not None:
+            extra["cuda_graphs"] = self.graphs.stats()
         live = self.scheduler.running
         if self.pool is None:
             return KVCacheInfo(kv_dtype=kv_dtype, pool_bytes=0, tokens_stored=0, slots_allocated=0,
@@ -368,6 +431,7 @@ class ReferenceEngine(Engine):
         stored = sum(filled.values())
         allocated = blocks.num_used * bs
         extra.update(
+            reserved_bytes=self.pool.nbytes,  # allocated up front, whatever is in use
             pool_tokens=blocks.num_blocks * bs,
             unused_slots=allocated - stored,  # internal fragmentation (paged) / reserved but unused (contiguous)
             unused_slot_frac=(allocated - stored) / allocated if allocated else 0.0,

@@ -7,9 +7,12 @@ the one place where sequences must be told apart; the model hands it to a callab
 
 Weights are read straight from the checkpoint's safetensors files. Q, K and V are fused into
 one matrix, and so are the MLP's gate and up projections: one matrix product instead of three
-(or two), which matters most for small decode batches. On a CPU every matrix is packed once
-for oneDNN (`Linear`), and residual adds are fused into the products. Only the rows that
-sample a token go through the last layer's MLP and the output matrix.
+(or two), which matters most for small decode batches. Only the rows that sample a token go
+through the last layer's MLP and the output matrix.
+
+This is the plain path. The device's kernels (kernels.py) may replace `Linear` (on a CPU:
+weights packed once for oneDNN, residual adds fused; kernels_cpu.py) and the slicing of long
+prefills (`rows`: CPU caches; none on a GPU).
 """
 
 from __future__ import annotations
@@ -24,18 +27,19 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-ROWS = 1024  # tokens per slice of the token-wise parts of a layer (see in_slices)
+ROWS = 1024  # CPU: tokens per slice of the token-wise parts of a layer (see in_slices)
 
 
-def in_slices(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """fn over slices of ROWS tokens of `xs` (the same rows of each), results concatenated.
+def in_slices(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, rows: int | None = ROWS) -> torch.Tensor:
+    """fn over slices of `rows` tokens of `xs` (the same rows of each), results concatenated.
     A long prefill's big intermediates (the MLP's [tokens, 2 x intermediate] activations, the
     float32 copies inside RMSNorm) then stay in the CPU's caches: measured ~25% faster for the
-    MLP of 4,096 tokens of the `small` preset, and up to 2x for RMSNorm."""
+    MLP of 4,096 tokens of the `small` preset, and up to 2x for RMSNorm. rows=None: no slicing
+    (a GPU wants one big kernel, not many)."""
     n = xs[0].shape[0]
-    if n <= ROWS:
+    if rows is None or n <= rows:
         return fn(*xs)
-    return torch.cat([fn(*(x[i:i + ROWS] for x in xs)) for i in range(0, n, ROWS)])
+    return torch.cat([fn(*(x[i:i + rows] for x in xs)) for i in range(0, n, rows)])
 
 
 @dataclass(frozen=True)
@@ -116,37 +120,18 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 class Linear:
     """y = x @ W.T + b, optionally plus a residual (`x2 = linear.add(h, x)`: x + h @ W.T + b).
-
-    On a CPU the weight is packed once, at load time, into oneDNN's blocked layout (what
-    torch.compile's CPU backend does for frozen weights): a matrix product then reads the
-    weight as it is instead of reordering it on every call. For the small row counts of decode
-    steps that is a third faster (measured on the `small` preset, bf16, 16 rows), and the
-    residual add is fused into the product. Where oneDNN cannot pack (another device, a dtype
-    it lacks), plain `F.linear` / `torch.addmm`."""
+    The plain path; kernels_cpu.PackedLinear has the same interface on a oneDNN-packed weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight, self.bias, self.packed = weight, bias, None
+        self.weight, self.bias = weight, bias
         self.shape = tuple(weight.shape)
         self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
-        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-                probe = torch.ones(2, weight.shape[1], dtype=weight.dtype)
-                torch.ops.mkldnn._linear_pointwise.binary(probe, probe[:, :1].expand(2, weight.shape[0]).contiguous(),
-                                                          packed, bias, "add")
-                self.packed, self.weight = packed, None
-            except (RuntimeError, AttributeError):  # no oneDNN kernel for this dtype here
-                pass
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W.T + b, the add fused into the product."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        """residual + x @ W.T + b."""
         out = torch.addmm(residual, x, self.weight.t())
         return out if self.bias is None else out + self.bias
 
@@ -177,8 +162,10 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 class Model:
     def __init__(self, cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
-                 max_len: int = 0):
-        self.cfg, self.dtype, self.device = cfg, dtype, device
+                 max_len: int = 0, make_linear: Callable[..., Linear] = Linear, rows: int | None = ROWS):
+        """`make_linear(weight, bias)` builds every matrix product (the device's kernels choose);
+        `rows`: slice length of long prefills (None: no slicing)."""
+        self.cfg, self.dtype, self.device, self.rows = cfg, dtype, device, rows
         raw = _read_safetensors(Path(path))
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
@@ -197,18 +184,19 @@ class Model:
             attn, mlp = p + "self_attn.", p + "mlp."
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=Linear(cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")),
-                           cat(take(attn + "q_proj.bias", False), take(attn + "k_proj.bias", False),
-                               take(attn + "v_proj.bias", False))),
-                o=Linear(take(attn + "o_proj.weight"), take(attn + "o_proj.bias", False)),
+                qkv=make_linear(cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                                    take(attn + "v_proj.weight")),
+                                cat(take(attn + "q_proj.bias", False), take(attn + "k_proj.bias", False),
+                                    take(attn + "v_proj.bias", False))),
+                o=make_linear(take(attn + "o_proj.weight"), take(attn + "o_proj.bias", False)),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(cat(take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight"))),
-                down=Linear(take(mlp + "down_proj.weight")),
+                gate_up=make_linear(cat(take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")), None),
+                down=make_linear(take(mlp + "down_proj.weight"), None),
             ))
         self.norm = take("norm.weight")
         lm_head = raw.pop("lm_head.weight", None)
         self.tied = lm_head is None or cfg.tie_word_embeddings
-        self.lm_head = Linear(self.embed if self.tied else lm_head.to(device=device, dtype=dtype).contiguous())
+        self.lm_head = make_linear(self.embed if self.tied else lm_head.to(device=device, dtype=dtype).contiguous(), None)
         unused = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
         if unused:  # e.g. MLP biases: refuse rather than silently compute another model
             raise ValueError(f"{path}: weights the reference engine does not use: {', '.join(unused[:5])}"
@@ -252,24 +240,25 @@ class Model:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor | None) -> torch.Tensor:
         """Run the flat batch through the decoder; return float32 logits [N, vocab] of the tokens
-        at `logits_indices` only (the last token of each sequence that samples this step)."""
+        at `logits_indices` only (the last token of each sequence that samples this step, and any
+        scored positions); None: of every token (a decode step: each row samples)."""
         c = self.cfg
         t = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
-            qkv = in_slices(lambda xs: self.attention_input(xs, layer), x)
+            qkv = in_slices(lambda xs: self.attention_input(xs, layer), x, rows=self.rows)
             # Q and K sit side by side in the fused output: one rotation for both
             qk = self.rotate(qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].view(t, c.num_kv_heads, c.head_dim)
             o = attend(i, q, k, v)  # [T, heads * head_dim]
-            if i == len(self.layers) - 1:  # past the last attention only the sampled rows matter
+            if i == len(self.layers) - 1 and logits_indices is not None:  # only the sampled rows matter now
                 if logits_indices.numel() == 0:  # a step of unfinished prompt chunks only
                     return torch.empty(0, c.vocab_size, device=x.device)
                 o, x = o[logits_indices], x[logits_indices]
-            x = in_slices(lambda xs, os: self.attention_output_and_mlp(xs, os, layer), x, o)
+            x = in_slices(lambda xs, os: self.attention_output_and_mlp(xs, os, layer), x, o, rows=self.rows)
         return self.lm_head(self.rms_norm(x, self.norm)).float()

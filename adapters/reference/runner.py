@@ -1,5 +1,8 @@
 """One engine step: the scheduled chunks in, one greedy token per finished chunk out (and, for
-sequences being scored, the logits of every scored position)."""
+sequences being scored, the logits of every scored position).
+
+A step of decode chunks only goes to the CUDA graphs when there are some (cuda_graphs.py);
+everything else runs eagerly through the model with the attention the kernels chose."""
 
 from __future__ import annotations
 
@@ -37,11 +40,17 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, pool: KVPool | None):
-        self.model, self.pool = model, pool
+    def __init__(self, model: Model, pool: KVPool | None, attention=StepAttention, graphs=None):
+        """`attention(pool, chunks, num_heads, device)` builds a step's attention (kernels.py);
+        `graphs`: a cuda_graphs.DecodeGraphs, or None."""
+        self.model, self.pool, self.attention, self.graphs = model, pool, attention, graphs
         self.device = model.device
 
     def run(self, chunks: list[Chunk], keep_logits: bool = False) -> StepOutput:
+        if self.graphs is not None and self.graphs.fits(chunks):
+            tokens, logits = self.graphs.run(chunks)
+            rows = logits.cpu() if keep_logits else [None] * len(tokens)
+            return StepOutput([Sampled(c, tok, row) for c, tok, row in zip(chunks, tokens, rows)])
         # decode chunks first: attention takes them as one batch at the front
         chunks = sorted(chunks, key=lambda c: not (self.pool is not None and is_decode(c.start, c.end)))
         ids, positions, rows = [], [], []  # rows: flat indices whose logits the step keeps
@@ -58,7 +67,7 @@ class ModelRunner:
             raise ValueError(f"a sequence reached position {max(positions)}, past the model's "
                              f"{self.model.rope_len} positions (max_position_embeddings).")
         dev = self.device
-        attend = StepAttention(self.pool, chunks, self.model.cfg.num_heads, dev)
+        attend = self.attention(self.pool, chunks, self.model.cfg.num_heads, dev)
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
                                         torch.tensor(positions, dtype=torch.long, device=dev),

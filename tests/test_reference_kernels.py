@@ -1,0 +1,413 @@
+"""The reference engine's device-specific fast paths, checked on a CPU against the plain path:
+
+- the private oneDNN ops (kernels_cpu.py): the probe succeeds on the torch this project pins,
+  every op is probed, and the fallback computes the same numbers;
+- the CUDA path's attention (kernels_cuda.py: SDPA prefill, the block-table-driven decode) runs
+  on a CPU too, and must match transformers like the plain path does;
+- the Triton decode kernel, under Triton's interpreter (TRITON_INTERPRET=1), against the
+  PyTorch paged decode;
+- the CUDA-graph bookkeeping (cuda_graphs.py): buckets, padding, static buffers and replays,
+  with `FakeGraphBackend`, a stand-in that re-runs the recorded function instead of replaying
+  a CUDA graph;
+- the GPU pool sizing (gpu_memory_utilization) with a faked device memory report.
+
+Real-GPU tests are marked `gpu` and skip without CUDA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from adapters.base import ModelSpec, Request, now_ns
+from adapters.reference import engine as engine_module
+from adapters.reference import kernels, kernels_cpu
+from adapters.reference.config import EngineConfig
+from adapters.reference.cuda_graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to
+from adapters.reference.engine import ReferenceEngine, activation_reserve
+from adapters.reference.kernels_cuda import CudaStepAttention, paged_decode_torch
+from adapters.reference.kv_cache import KVPool
+from adapters.reference.model import Linear, ModelConfig
+from adapters.reference.scheduler import Chunk
+
+REPO = Path(__file__).resolve().parent.parent
+LENGTHS = (5, 17, 33, 40)
+STEPS = 10
+MAX_LEN = 128
+
+
+def make_prompts(lengths, seed=0, vocab=4096):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_ckpt) -> ModelSpec:
+    return ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="float32", max_model_len=MAX_LEN)
+
+
+def run(engine_or_spec, options=None, prompts=None, steps=STEPS):
+    engine = engine_or_spec
+    if isinstance(engine_or_spec, ModelSpec):
+        engine = ReferenceEngine()
+        engine.load(engine_or_spec, options or {})
+    pre = engine.prefill(prompts or make_prompts(LENGTHS), return_logits=True)
+    dec = engine.decode(steps, return_logits=True)
+    return engine, pre, dec
+
+
+def assert_same(a, b, tol=1e-4):
+    (_, pa, da), (_, pb, db) = a, b
+    errors = [rel_err(pa.logits, pb.logits)] + [rel_err(x, y) for x, y in zip(da.logits, db.logits)]
+    assert max(errors) < tol, errors
+    assert pa.first_tokens == pb.first_tokens and da.tokens == db.tokens
+
+
+@pytest.fixture(scope="module")
+def plain(spec):
+    engine, pre, dec = run(spec, {"kernels": "plain"})
+    engine.close()
+    return engine, pre, dec
+
+
+# ---- the private oneDNN API (issue 12) ---------------------------------------------------
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"),
+                    reason=f"the pinned torch is 2.13 (CPU); this is {torch.__version__}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_probe_succeeds_on_the_pinned_torch(dtype):
+    """If this fails, torch moved or changed one of its private mkldnn ops: the engine still runs
+    (on the plain path), but slower. Update kernels_cpu.py."""
+    assert kernels_cpu.probe(dtype) is None
+    assert kernels.select(torch.device("cpu"), dtype, EngineConfig()).details["linear"] == "onednn-packed"
+
+
+@pytest.mark.parametrize("op", ["_reorder_linear_weight", "_linear", "_linear_add"])
+def test_every_private_op_is_probed(monkeypatch, op):
+    def moved(*args, **kwargs):
+        raise AttributeError("'_OpNamespace' 'mkldnn' object has no attribute (moved)")
+    monkeypatch.setattr(kernels_cpu, op, moved)
+    why = kernels_cpu.probe(torch.float32)
+    assert why and "mkldnn" in why
+
+
+def test_probe_catches_wrong_numbers(monkeypatch):
+    monkeypatch.setattr(kernels_cpu, "_linear_add", lambda x, r, p, b: kernels_cpu._linear(x, p, b))
+    why = kernels_cpu.probe(torch.float32)
+    assert why and "binary" in why and "disagrees" in why
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_fallback_gives_the_same_numbers(tiny_ckpt, monkeypatch, dtype, tol):
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype=dtype, max_model_len=MAX_LEN)
+    fast = run(spec)
+    assert fast[0].kernels.details["linear"] == "onednn-packed"
+    assert isinstance(fast[0].model.layers[0].qkv, kernels_cpu.PackedLinear)
+    fast[0].close()
+    monkeypatch.setattr(kernels_cpu, "probe", lambda dtype: "forced to fail by the test")
+    slow = run(spec)
+    info = slow[0].kernels.details
+    assert info["linear"] == "torch" and info["linear_fallback_reason"] == "forced to fail by the test"
+    assert isinstance(slow[0].model.layers[0].qkv, Linear)
+    assert slow[0].kv_cache_info().extra["kernels"]["linear"] == "torch"
+    slow[0].close()
+    errors = [rel_err(fast[1].logits, slow[1].logits)] + [rel_err(a, b) for a, b in zip(fast[2].logits, slow[2].logits)]
+    assert max(errors) < tol, errors
+
+
+def test_kernels_recorded_and_plain_matches(spec, plain):
+    engine, pre, dec = run(spec)
+    info = engine.kv_cache_info().extra["kernels"]
+    assert info["kernels"] == "cpu" and "AVX" in info["cpu_flags"] or "DEFAULT" in info["cpu_flags"]
+    assert_same((engine, pre, dec), plain)
+    engine.close()
+
+
+# ---- the CUDA path's attention, on a CPU ---------------------------------------------------
+
+def cuda_kernels_on_cpu(monkeypatch, decode_fn=paged_decode_torch):
+    """kernels.select returns the CUDA path's attention for a CPU (no graphs, plain linears)."""
+    chosen = kernels.Kernels("cuda-on-cpu", Linear, None, partial(CudaStepAttention, decode_fn=decode_fn),
+                             details={"kernels": "cuda-on-cpu"})
+    monkeypatch.setattr(kernels, "select", lambda device, dtype, cfg: chosen)
+
+
+MODES = {
+    "paged": {},
+    "paged-block4": {"block_size": 4},
+    "contiguous": {"kv_layout": "contiguous"},
+    "none": {"kv_cache": "none"},
+    "chunked-prefill": {"max_num_batched_tokens": 7, "block_size": 4},
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_attention_matches_plain(spec, plain, monkeypatch, mode):
+    """SDPA prefill (fresh groups with is_causal; after a cached prefix or a chunk, a lower-right
+    mask over the pool) and the block-table decode compute what the plain path computes."""
+    cuda_kernels_on_cpu(monkeypatch)
+    engine, pre, dec = run(spec, MODES[mode])
+    assert engine.kernels.name == "cuda-on-cpu"
+    assert_same((engine, pre, dec), plain)
+    engine.close()
+
+
+def test_cuda_attention_after_a_cached_prefix(spec, monkeypatch):
+    base = make_prompts([48], seed=1)[0]
+    prompts = [base[:40] + [7, 8, 9], base[:33] + [5], base + [11]]
+    results = []
+    for use_cuda in (False, True):
+        if use_cuda:
+            cuda_kernels_on_cpu(monkeypatch)
+        engine = ReferenceEngine()
+        engine.load(spec, {"block_size": 4})
+        engine.prefill([base]), engine.release()
+        results.append(run(engine, prompts=prompts))
+        assert engine.kv_cache_info().prefix_cache_hits > 0
+        engine.close()
+    assert_same(*results)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+def test_paged_decode_torch_is_the_plain_decode(kv_dtype):
+    """The block-table-driven PyTorch decode (the Triton kernel's reference) against a direct,
+    token-by-token reading of each sequence's blocks."""
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(2, 12, 4, 2, 16, kv_dtype, torch.float32, torch.device("cpu"))
+    pool.prepare(set(range(12)))
+    blocks = torch.arange(12).repeat_interleave(4)
+    rows = pool.rows(blocks, torch.arange(4).repeat(12))
+    k, v = torch.randn(48, 2, 16, generator=g), torch.randn(48, 2, 16, generator=g)
+    pool.write(1, rows, k, v)
+    tables = torch.tensor([[7, 2, 9, 0], [3, 3, 3, 3], [11, 10, 1, 5]])
+    lens = torch.tensor([13, 2, 16])
+    q = torch.randn(3, 6, 16, generator=g)
+    got = paged_decode_torch(q, pool, 1, tables, lens)
+    kd, vd = pool.gather(1, torch.arange(12)[None], 48)  # every slot, dequantised: [kv, 1, 48, d]
+    for b in range(3):
+        slots = [int(tables[b, p // 4]) * 4 + p % 4 for p in range(int(lens[b]))]
+        kb, vb = kd[:, 0, slots], vd[:, 0, slots]  # [kv, len, d]
+        qb = q[b].view(2, 3, 16)
+        p = (qb @ kb.transpose(-1, -2) / 4.0).softmax(-1)
+        want = (p @ vb).reshape(-1)
+        assert rel_err(got[b], want) < 1e-5
+
+
+TRITON_CHECK = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {repo!r})
+    from adapters.reference.kv_cache import KVPool
+    from adapters.reference.kernels_cuda import paged_decode_torch, paged_decode_triton
+    g = torch.Generator().manual_seed(0)
+    worst = {{}}
+    for kv_dtype, dtype, bs, heads, kv_heads, d in (("auto", torch.float32, 16, 8, 2, 64),
+                                                     ("auto", torch.float32, 4, 4, 4, 32),
+                                                     ("int8", torch.float32, 16, 6, 2, 48),
+                                                     ("auto", torch.float16, 16, 8, 2, 64)):
+        pool = KVPool(1, 9, bs, kv_heads, d, kv_dtype, dtype, torch.device("cpu"), scratch_blocks=1)
+        pool.prepare(set(range(9)))
+        n = 9 * bs
+        rows = pool.rows(torch.arange(9).repeat_interleave(bs), torch.arange(bs).repeat(9))
+        pool.write(0, rows, torch.randn(n, kv_heads, d, generator=g).to(dtype),
+                   torch.randn(n, kv_heads, d, generator=g).to(dtype))
+        tables = torch.stack([torch.randperm(9, generator=g)[:6] for _ in range(3)])
+        lens = torch.tensor([6 * bs, 1, 2 * bs + 3])
+        q = torch.randn(3, heads, d, generator=g).to(dtype)
+        want = paged_decode_torch(q, pool, 0, tables, lens).float()
+        for splits in (1, 3):
+            got = paged_decode_triton(q, pool, 0, tables.to(torch.int32), lens.to(torch.int32), splits=splits).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            key = f"{{kv_dtype}}-{{dtype}}-bs{{bs}}"
+            worst[key] = max(worst.get(key, 0.0), err)
+    print(worst)
+    assert all(e < (2e-2 if "float16" in k else 1e-5) for k, e in worst.items()), worst
+""")
+
+
+@pytest.mark.slow
+def test_triton_decode_kernel_under_the_interpreter():
+    """The Triton kernel's math on a CPU (Triton's interpreter), against paged_decode_torch:
+    block sizes below and at a tile, GQA and MHA, a head_dim that is not a power of two, int8,
+    fp16, and context splits. (The interpreter's tl.dot gives wrong bf16 products, and fp8 needs
+    a GPU: scripts/gpu_check.py runs both there.)"""
+    pytest.importorskip("triton", reason="Triton is not installed here (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK.format(repo=str(REPO))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+
+
+# ---- CUDA graphs: the bookkeeping, with a stand-in for the graph ----------------------------
+
+class FakeGraphBackend:
+    """A stand-in for CudaGraphBackend on a CPU: `capture` runs the step once and keeps the
+    function; `replay` runs it again. Static buffers, padding and bucket choice are exercised as
+    on a GPU; nothing is recorded."""
+
+    def __init__(self):
+        self.captured, self.replayed = [], 0
+
+    def capture(self, fn):
+        fn()
+        self.captured.append(fn)
+        return fn
+
+    def replay(self, fn):
+        self.replayed += 1
+        fn()
+
+
+def test_buckets():
+    assert buckets_up_to(1) == (1,)
+    assert buckets_up_to(20) == (1, 2, 4, 8, 16, 20)
+    assert buckets_up_to(10_000)[-1] == BUCKETS[-1] == 256
+    b = buckets_up_to(64)
+    assert [bucket_for(n, b) for n in (1, 3, 5, 9, 17, 63, 64, 65)] == [1, 4, 8, 16, 24, 64, 64, None]
+
+
+def graphed_engine(spec, options=None, max_batch=8):
+    """A CPU engine whose pure decode steps go through DecodeGraphs with FakeGraphBackend."""
+    engine = ReferenceEngine()
+    engine.load(spec, options or {})
+    cfg, mcfg = engine.cfg, engine.model.cfg
+    engine.pool = KVPool(mcfg.num_layers, engine.pool.num_blocks, engine.block_size, mcfg.num_kv_heads,
+                         mcfg.head_dim, cfg.kv_dtype, engine.model.dtype, engine.device, scratch_blocks=1)
+    backend = FakeGraphBackend()
+    engine.graphs = DecodeGraphs(engine.model, engine.pool, paged_decode_torch, max_batch, spec.max_model_len, backend)
+    engine.graphs.capture()
+    engine.runner = type(engine.runner)(engine.model, engine.pool, engine.runner.attention, engine.graphs)
+    return engine, backend
+
+
+@pytest.mark.parametrize("options", [{}, {"block_size": 4}, {"kv_dtype": "int8"}])
+def test_graphed_decode_matches_eager(spec, plain, options):
+    engine, backend = graphed_engine(spec, options)
+    assert engine.graphs.buckets == (1, 2, 4, 8) and len(backend.captured) == 4  # each captured once
+    prompts = make_prompts(LENGTHS)
+    pre = engine.prefill(prompts, return_logits=True)
+    dec = engine.decode(STEPS, return_logits=True)
+    stats = engine.kv_cache_info().extra["cuda_graphs"]
+    assert stats["replays"] == {4: STEPS} and stats["padded_rows"] == 0  # 4 sequences: bucket 4
+    assert backend.replayed == STEPS
+    if options.get("kv_dtype") is None:
+        assert_same((engine, pre, dec), plain)
+    else:  # the same quantised numbers as the eager engine
+        eager, epre, edec = run(spec, options)
+        assert_same((engine, pre, dec), (eager, epre, edec))
+        eager.close()
+    engine.close()
+
+
+def test_graph_padding_rows_stay_in_the_scratch_block(spec, plain):
+    """3 sequences replay bucket 4: the padded row writes only into the scratch block, and the
+    real rows' results are those of the eager engine."""
+    engine, _ = graphed_engine(spec, {"block_size": 4})
+    pool = engine.pool
+    prompts = make_prompts(LENGTHS[:3])
+    pre = engine.prefill(prompts, return_logits=True)
+    owned = {b for s in engine._live for b in s.block_table}
+    free = [b for b in range(pool.num_blocks) if b not in owned]
+    before = pool.k[:, :, free].clone()
+    pool.k[:, :, pool.scratch_block] = 7.0  # a sentinel: the padded row overwrites its slot 0 only
+    dec = engine.decode(6, return_logits=True)
+    stats = engine.graphs.stats()
+    assert stats["replays"] == {4: 6} and stats["padded_rows"] == 6
+    owned_now = {b for s in engine._live for b in s.block_table}
+    untouched = [i for i, b in enumerate(free) if b not in owned_now]
+    assert torch.equal(pool.k[:, :, free][:, :, untouched], before[:, :, untouched])
+    scratch = pool.k[:, :, pool.scratch_block]  # [layers, kv_heads, block_size, d]
+    assert (scratch[:, :, 0] != 7.0).all() and (scratch[:, :, 1:] == 7.0).all()
+    eager, epre, edec = run(spec, {"block_size": 4}, prompts=prompts, steps=6)
+    assert_same((engine, pre, dec), (eager, epre, edec))
+    eager.close(), engine.close()
+
+
+def test_graphs_skip_steps_they_cannot_take(spec):
+    """Prefill chunks, mixed steps and batches above the largest bucket run eagerly."""
+    engine, backend = graphed_engine(spec, {"block_size": 4}, max_batch=2)
+    prompts = make_prompts((6, 7, 8), seed=2)
+    requests = [Request(f"r{i}", p, 5) for i, p in enumerate(prompts)]
+    events = list(engine.serve(requests, now_ns()))
+    assert len(events) == 15
+    replayed = engine.graphs.stats()["replays"]
+    assert backend.replayed == sum(replayed.values()) and set(replayed) <= {1, 2}
+    assert sum(replayed.values()) < 4 * 3  # the 3-sequence decode steps ran eagerly
+    eager = ReferenceEngine()
+    eager.load(spec, {"block_size": 4})
+    want = sorted((e.request_id, e.index, e.token_id) for e in eager.serve(requests, now_ns()))
+    assert sorted((e.request_id, e.index, e.token_id) for e in events) == want
+    eager.close(), engine.close()
+
+
+def test_graphs_fits_rules(spec):
+    engine, _ = graphed_engine(spec, {"block_size": 4}, max_batch=4)
+    engine.prefill(make_prompts((10, 11)))
+    g, seqs = engine.graphs, engine._live
+    decode = [Chunk(s, s.num_tokens - 1, s.num_tokens) for s in seqs]
+    assert g.fits(decode)
+    assert not g.fits([Chunk(seqs[0], 0, seqs[0].num_tokens)])  # a prefill chunk
+    assert not g.fits(decode * 3)  # 6 > the largest bucket (4)
+    seqs[0].score_from = 3
+    assert not g.fits(decode)
+    seqs[0].score_from = None
+    assert not g.fits([])
+    engine.close()
+
+
+# ---- GPU pool sizing -----------------------------------------------------------------------
+
+def test_gpu_memory_utilization_budget(monkeypatch, tiny_ckpt):
+    cfg, mcfg = EngineConfig(), ModelConfig.from_dir(tiny_ckpt)
+    reserve = activation_reserve(cfg, mcfg, torch.bfloat16)
+    total = 100 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - (20 << 30), total))
+    budget, source, info = engine_module._cuda_kv_budget(torch.device("cuda"), cfg, mcfg, torch.bfloat16)
+    assert budget == int(total * 0.9) - (20 << 30) - reserve  # of TOTAL memory, minus what is in use
+    assert "gpu_memory_utilization=0.9" in source and info["used_before_pool_bytes"] == 20 << 30
+    cfg.gpu_memory_utilization = 0.2  # 20 GiB of 100 are in use already: nothing left
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.2.*already in use.*Raise it above"):
+        engine_module._cuda_kv_budget(torch.device("cuda"), cfg, mcfg, torch.bfloat16)
+
+
+def test_gpu_memory_utilization_option_is_checked(spec):
+    problems = ReferenceEngine.check_options({"gpu_memory_utilization": 0}, spec)
+    assert problems and "gpu_memory_utilization" in problems[0]
+    problems = ReferenceEngine.check_options({"gpu_memory_fraction": 0.5}, spec)
+    assert problems and "unknown option" in problems[0] and "gpu_memory_utilization" in problems[0]
+
+
+# ---- on a real GPU ---------------------------------------------------------------------------
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device here")
+def test_cuda_engine_matches_transformers_in_fp32(tiny_ckpt):
+    from adapters.hf import HFEngine
+
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="float32", device="cuda", max_model_len=MAX_LEN,
+                     max_batch_size=4)
+    hf = HFEngine()
+    hf.load(spec, {})
+    want = (hf, hf.prefill(make_prompts(LENGTHS), return_logits=True), hf.decode(STEPS, return_logits=True))
+    hf.close()
+    engine, pre, dec = run(spec, {"max_num_seqs": 8})
+    details = engine.kernels.details
+    assert details["kernels"] == "cuda" and details["cuda_graphs"]
+    assert engine.graphs.stats()["replays"], "decode steps did not replay CUDA graphs"
+    assert_same((engine, pre.__class__(pre.first_tokens, 0, 0, pre.logits.cpu()),
+                 dec.__class__(dec.tokens, dec.steps, [x.cpu() for x in dec.logits])),
+                (hf, want[1].__class__(want[1].first_tokens, 0, 0, want[1].logits.cpu()),
+                 want[2].__class__(want[2].tokens, want[2].steps, [x.cpu() for x in want[2].logits])))
+    engine.close()
