@@ -212,6 +212,15 @@ def test_key_from_a_variable_reaches_a_real_server_and_no_file_holds_it(tiny_ckp
         eng.begin_point()
         events = list(eng.serve([Request("a", [5, 6, 7], 4)], now_ns()))
         fields = eng.end_point()
+        # the wrong key (another client attached to the same server): a failed load that says 401
+        monkeypatch.setenv("IB_WRONG_KEY", "wrong-" + key)
+        wrong_cfg, problems = check_endpoint("wrong", {"url": eng.base, "kind": "infer-bench",
+                                                       "api_key_env": "IB_WRONG_KEY"})
+        assert not problems
+        wrong = endpoint_engine_class("wrong", wrong_cfg)()
+        with pytest.raises(EndpointError, match="401 Unauthorized") as err:
+            wrong.load(spec, {})
+        wrong.close()
     finally:
         eng.close()
     assert len(events) == 4 and fields["failed_requests"] == 0
@@ -219,15 +228,7 @@ def test_key_from_a_variable_reaches_a_real_server_and_no_file_holds_it(tiny_ckp
     assert key not in json.dumps(fields)
     assert "(Bearer key required)" in (tmp_path / "logs" / "secured.log").read_text()
     assert key not in _files_text(tmp_path)
-
-    # the wrong key: a failed load that says 401, not a crash
-    monkeypatch.setenv("IB_CLIENT_KEY", "wrong-" + key)
-    eng = endpoint_engine_class("secured", cfg)()
-    with pytest.raises(EndpointError, match="401 Unauthorized") as err:
-        eng.load(spec, {})
-    eng.close()
     assert key not in str(err.value) and "wrong-" not in str(err.value)
-    assert key not in _files_text(tmp_path)
 
 
 def test_key_from_a_file_and_in_the_launch_template_stays_out_of_rows_and_logs(tmp_path, no_leftovers):

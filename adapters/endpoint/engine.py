@@ -317,7 +317,10 @@ class EndpointEngine(Engine):
 
     def _get(self, url: str, timeout: float | None = None) -> httpx.Response:
         assert self._loop is not None and self._client is not None
-        return self._loop.run(self._client.get(url, timeout=timeout or self.cfg.connect_timeout_s + 20))
+        if timeout is None:  # a server that accepts connections but does not answer fails in bounded time
+            timeout = min(self.cfg.request_timeout_s, self.cfg.connect_timeout_s + 20)
+        t = httpx.Timeout(timeout, connect=self.cfg.connect_timeout_s)
+        return self._loop.run(self._client.get(url, timeout=t))
 
     def _identify(self) -> None:
         """Who answers: /v1/models (this also checks the key), /version, and whether /metrics works."""
