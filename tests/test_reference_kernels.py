@@ -231,18 +231,44 @@ TRITON_CHECK = textwrap.dedent("""
             worst[key] = max(worst.get(key, 0.0), err)
     print(worst)
     assert all(e < (2e-2 if "float16" in k else 1e-5) for k, e in worst.items()), worst
+
+    # the whole engine with the CUDA path's kernels (SDPA prefill, Triton decode) on this CPU
+    from adapters.base import ModelSpec
+    from adapters.reference import kernels, kernels_cuda
+    from adapters.reference.config import EngineConfig
+    from adapters.reference.engine import ReferenceEngine
+    spec = ModelSpec(path={ckpt!r}, name="tiny", dtype="float32", max_model_len=64)
+    prompts = [[5 + i for i in range(n)] for n in (3, 17, 30)]
+    out = {{}}
+    for name in ("plain", "triton"):
+        if name == "triton":
+            fields = kernels_cuda.select(torch.device("cpu"), torch.float32, EngineConfig())
+            assert fields["details"]["decode_attention"] == "triton paged", fields["details"]
+            fields["decode_graphs"] = False
+            kernels.select = lambda device, dtype, cfg: kernels.Kernels(**fields)
+        e = ReferenceEngine()
+        e.load(spec, {{"block_size": 4, "kernels": "plain" if name == "plain" else "auto"}})
+        pre = e.prefill(prompts, return_logits=True)
+        dec = e.decode(4, return_logits=True)
+        out[name] = (pre, dec)
+        e.close()
+    (pa, da), (pb, db) = out["plain"], out["triton"]
+    assert pa.first_tokens == pb.first_tokens and da.tokens == db.tokens
+    errs = [((x - y).abs().max() / y.abs().max()).item() for x, y in zip([pa.logits] + da.logits, [pb.logits] + db.logits)]
+    assert max(errs) < 1e-4, errs
 """)
 
 
 @pytest.mark.slow
-def test_triton_decode_kernel_under_the_interpreter():
+def test_triton_decode_kernel_under_the_interpreter(tiny_ckpt):
     """The Triton kernel's math on a CPU (Triton's interpreter), against paged_decode_torch:
     block sizes below and at a tile, GQA and MHA, a head_dim that is not a power of two, int8,
-    fp16, and context splits. (The interpreter's tl.dot gives wrong bf16 products, and fp8 needs
-    a GPU: scripts/gpu_check.py runs both there.)"""
+    fp16, and context splits; then the engine with the CUDA path's kernels (SDPA prefill, Triton
+    decode) against the plain path. (The interpreter's tl.dot gives wrong bf16 products, and fp8
+    needs a GPU: scripts/gpu_check.py runs both there.)"""
     pytest.importorskip("triton", reason="Triton is not installed here (pip install triton)")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", TRITON_CHECK.format(repo=str(REPO))], env=env,
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK.format(repo=str(REPO), ckpt=str(tiny_ckpt))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
 

@@ -134,19 +134,17 @@ class DecodeGraphs:
         b = len(chunks)
         bucket = bucket_for(b, self.buckets)
         bs = self.pool.block_size
-        host = torch.empty(META, bucket, dtype=torch.long)
-        host[0, b:], host[1, b:], host[2, b:], host[3, b:], host[4, b:] = 0, 0, self.scratch, 0, 1  # padding
-        blocks = []
-        for i, c in enumerate(chunks):
+        cols, blocks = [], []
+        for c in chunks:
             seq, p = c.seq, c.start  # the new token's position
             blocks.append(seq.block_table[p // bs])
-            host[:, i] = torch.tensor([seq.tokens[p], p, blocks[-1], p % bs, c.end])
+            cols.append((seq.tokens[p], p, blocks[-1], p % bs, c.end))
+        cols += [(0, 0, self.scratch, 0, 1)] * (bucket - b)  # padding: scratch slot, one key
         n = max(-(-c.end // bs) for c in chunks)
-        tables = torch.tensor(padded_tables([c.seq.block_table for c in chunks], n), dtype=torch.long)
         self.pool.prepare(set(blocks))  # a no-op on a GPU (its pool is zeroed at allocation)
-        dev = self.meta.device
-        self.meta[:, :bucket].copy_(host.to(dev, non_blocking=True))
-        self.tables[:b, :n].copy_(tables.to(dev, non_blocking=True))
+        self.meta[:, :bucket].copy_(torch.tensor(list(zip(*cols)), dtype=torch.long))
+        self.tables[:b, :n].copy_(torch.tensor(padded_tables([c.seq.block_table for c in chunks], n),
+                                               dtype=torch.long))
         self.backend.replay(self.graphs[bucket])
         self.replays[bucket] += 1
         self.padded_rows += bucket - b

@@ -32,15 +32,16 @@ def _paged_decode_kernel(
     Q, K, V, KS, VS, TABLES, LENS, ACC, M, L,
     total_blocks, stride_table, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-    TILE: tl.constexpr, SPLITS: tl.constexpr, KV_MODE: tl.constexpr, IEEE: tl.constexpr,
+    TILE: tl.constexpr, KV_MODE: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     num_heads_kv = tl.num_programs(1)
+    splits = tl.num_programs(2)  # not a constexpr: one compiled kernel serves every split count
     length = tl.load(LENS + b)
     tiles = tl.cdiv(length, TILE)
-    per_split = tl.cdiv(tiles, SPLITS)
+    per_split = tl.cdiv(tiles, splits)
     first = split * per_split
     last = tl.minimum(first + per_split, tiles)
 
@@ -83,7 +84,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + pv
         m = m_new
 
-    out = ((b * num_heads_kv + h) * SPLITS + split) * G_PAD + offs_g  # rows of [B, KV, SPLITS, G_PAD]
+    out = ((b * num_heads_kv + h) * splits + split) * G_PAD + offs_g  # rows of [B, KV, SPLITS, G_PAD]
     tl.store(M + out, m)
     tl.store(L + out, s_sum)
     tl.store(ACC + out[:, None] * D_PAD + offs_d[None, :], acc)
@@ -120,7 +121,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _paged_decode_kernel[(b, kv_heads, splits)](
         q.contiguous(), k_cache, v_cache, ks, vs, tables, lens, acc, m, s,
         total_blocks, tables.stride(0), d ** -0.5,
-        G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, BS=bs, TILE=tile, SPLITS=splits, KV_MODE=kv_mode,
+        G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, BS=bs, TILE=tile, KV_MODE=kv_mode,
         IEEE=q.dtype == torch.float32,
     )
     # combine the splits (a split with no context has m = -inf and weighs nothing)
