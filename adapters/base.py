@@ -173,6 +173,9 @@ class KVCacheInfo:
     prefix_cache_queries: int | None = None  # blocks (or tokens, see `extra`) looked up
     prefix_cache_hits: int | None = None
     preemptions: int | None = None
+    # True: the pool is allocated up front whatever is in use (paged engines); None: infer it
+    # (a pool of blocks is reserved)
+    reserved: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import psutil
 from harness.bundle import ship
 from harness.config import Plan
 from harness.core.bootstrap import add_intervals
+from harness.core.energy import per_token_fields
 from harness.core.roofline import annotate, cached_ceilings
 from harness.core.paths import model_cache_dir
 from harness.core.redact import Redactor
@@ -248,6 +249,8 @@ class Runner:
         row.setdefault("engine_options", self.plan.engine_options.get(engine, {}))
         row = self.redact.obj(row)
         add_intervals(row)
+        if "energy_j" in row:
+            row.update(per_token_fields(row["energy_j"], row.get("measured_output_tokens")))
         if point is not None:
             wl = self.plan.workload_named(point.workload)
             wl.finalize_row(row, self.rows)

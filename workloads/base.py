@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from collections.abc import Iterable
 
-from adapters.base import Capabilities, Engine, Request, RequestFailed, TokenEvent
+from adapters.base import Capabilities, Engine, KVCacheInfo, Request, RequestFailed, TokenEvent
 from harness.core.memory import MemorySampler
 from harness.core.metrics import RequestTrace
 from harness.core.presets import ModelShape
@@ -48,6 +48,38 @@ OOM_MARKERS = ("out of memory", "outofmemoryerror", "cannot allocate memory", "c
 
 def is_oom(error: str | None) -> bool:
     return bool(error) and any(m in error.lower() for m in OOM_MARKERS)  # type: ignore[union-attr]
+
+
+# Memory columns of the terminal summary: the KV pool reserved up front apart from the KV in use
+# and from the process tree's peak (which includes any reserved pool).
+MEMORY_COLUMNS = [("kv_reserved_bytes", "KV rsv MiB", "mib"), ("kv_used_bytes", "KV used MiB", "mib"),
+                  ("peak_memory_bytes", "proc peak MiB", "mib")]
+
+
+def kv_memory_fields(kv: KVCacheInfo, peak: bool = False) -> dict[str, Any]:
+    """`kv_reserved_bytes` (the pool allocated up front, whatever is in use; null for an engine
+    that allocates as it goes), `kv_used_bytes` (what the live sequences hold; with peak=True the
+    most they held during the point) and `kv_cache_bytes` (the KV storage the engine holds now)."""
+    reserved = kv.reserved if kv.reserved is not None else kv.num_blocks is not None
+    blocks = kv.blocks_peak if peak and kv.blocks_peak is not None else kv.blocks_in_use
+    if blocks is not None and kv.bytes_per_block:
+        used = blocks * kv.bytes_per_block
+    elif kv.slots_allocated is not None and kv.bytes_per_token:
+        used = kv.slots_allocated * kv.bytes_per_token
+    else:
+        used = None
+    return {"kv_reserved_bytes": kv.pool_bytes if reserved else None, "kv_used_bytes": used,
+            "kv_cache_bytes": kv.pool_bytes}
+
+
+def memory_note(rows: list[dict[str, Any]]) -> str:
+    """What the memory columns compare, when an engine reserved its KV pool up front."""
+    reserving = sorted({r["engine"] for r in rows if r.get("kv_reserved_bytes")})
+    if not reserving:
+        return ""
+    return (f"memory: {', '.join(reserving)} reserve{'s' if len(reserving) == 1 else ''} a KV pool up front (KV rsv), "
+            "so its process peak includes that pool whatever the batch needs; compare engines on KV used, "
+            "and on process peak minus KV rsv for everything else.")
 
 
 def oom_skip_reason(point: Point, out_of_memory: list[Point]) -> str | None:

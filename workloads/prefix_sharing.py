@@ -16,7 +16,7 @@ from typing import Any
 from adapters.base import Capabilities, Engine, Request, now_ns
 from harness.core.metrics import serving_metrics
 from harness.core.schema import spec
-from workloads.base import Point, RunContext, Workload, collect
+from workloads.base import Point, RunContext, Workload, collect, kv_memory_fields
 
 
 @dataclass
@@ -92,6 +92,7 @@ class PrefixSharing(Workload):
             prefix_hit_rate=hit_rate, prefix_cache_hits=info.prefix_cache_hits,
             prefix_cache_queries=info.prefix_cache_queries,
             kv_blocks_in_use=info.blocks_in_use, kv_blocks_peak=info.blocks_peak,
-            peak_memory_bytes=mem.peak_bytes, memory_source=mem.source, kv_info=info.to_dict(),
+            kv_info=info.to_dict(), measured_output_tokens=row["total_output_tokens"], **mem.row_fields(),
+            **kv_memory_fields(info, peak=True),
         )
         return row

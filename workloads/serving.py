@@ -18,7 +18,7 @@ import numpy as np
 from adapters.base import Engine, Request, now_ns
 from harness.core.metrics import SLO, serving_metrics
 from harness.core.schema import spec
-from workloads.base import Point, RunContext, Workload, collect
+from workloads.base import Point, RunContext, Workload, collect, kv_memory_fields
 from workloads.lengths import LengthDist, parse_length
 from workloads.prompts import seed_for
 
@@ -62,7 +62,7 @@ class Serving(Workload):
         ("request_rate", "rate/s", "g"), ("completed", "done", "d"), ("request_throughput", "req/s", ".2f"),
         ("output_tok_s", "out tok/s", ".1f"), ("ttft_s", "TTFT p50 ms", "ms"), ("ttft_s_p99", "TTFT p99 ms", "ms"),
         ("tpot_s", "TPOT p50 ms", "ms"), ("itl_s", "ITL p50 ms", "ms"), ("e2el_s", "E2EL p50 ms", "ms"),
-        ("goodput_req_s", "goodput/s", ".2f"),
+        ("goodput_req_s", "goodput/s", ".2f"), ("failed_requests", "failed", "d"),
     ]
 
     def _lengths(self, cfg: ServingConfig) -> tuple[LengthDist, LengthDist]:
@@ -130,8 +130,9 @@ class Serving(Workload):
         row = serving_metrics(traces, slo, {r.request_id: r.max_new_tokens for r in reqs})
         if not row["completed"]:
             raise RuntimeError(f"no request of the point completed: {row['failed_request_reasons']}")
+        info = engine.kv_cache_info()
         row.update(request_rate=rate, arrival=cfg.arrival, burstiness=cfg.burstiness,
                    slo={"ttft_s": cfg.slo_ttft_s, "tpot_s": cfg.slo_tpot_s, "e2el_s": cfg.slo_e2el_s},
-                   peak_memory_bytes=mem.peak_bytes, memory_source=mem.source, memory_timeline=mem.timeline,
-                   kv_info=engine.kv_cache_info().to_dict())
+                   kv_info=info.to_dict(), measured_output_tokens=row["total_output_tokens"], **mem.row_fields(),
+                   **kv_memory_fields(info, peak=True))
         return row

@@ -16,7 +16,7 @@ from adapters.base import Engine, now_ns
 from harness.core.kvcalc import estimate
 from harness.core.schema import spec
 from harness.core.stats import summarize
-from workloads.base import Point, RunContext, Workload
+from workloads.base import MEMORY_COLUMNS, Point, RunContext, Workload, kv_memory_fields, memory_note
 
 
 @dataclass
@@ -81,21 +81,12 @@ def offline_metrics(its: list[Iteration], batch: int, prompt_len: int, output_le
 
 
 def kv_fields(kv: Any, shape: Any, dtype: str, batch: int, stored_tokens: int) -> dict[str, Any]:
-    """The engine's own KV report beside the estimator's figure for what the batch stores."""
+    """The engine's own KV report (reserved pool apart from what the batch uses) beside the
+    estimator's figure for what the batch stores."""
     kv_dtype = kv.kv_dtype or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     est = estimate(shape, stored_tokens, batch, kv_dtype)
-    used = None
-    if kv.blocks_in_use is not None and kv.bytes_per_block:
-        used = kv.blocks_in_use * kv.bytes_per_block
-    elif kv.slots_allocated is not None and kv.bytes_per_token:
-        used = kv.slots_allocated * kv.bytes_per_token
-    return {
-        "kv_cache_bytes": kv.pool_bytes,
-        "kv_used_bytes": used,
-        "kv_est_bytes": est.total_bytes,
-        "kv_est_bytes_per_token": est.bytes_per_token,
-        "kv_info": kv.to_dict(),
-    }
+    return {**kv_memory_fields(kv), "kv_est_bytes": est.total_bytes, "kv_est_bytes_per_token": est.bytes_per_token,
+            "kv_info": kv.to_dict()}
 
 
 def repeat_until(run, cfg: Any) -> list:
@@ -118,7 +109,7 @@ class Sweep(Workload):
         ("batch_size", "batch", "d"), ("prompt_len", "prompt", "d"), ("output_len", "out", "d"),
         ("prefill_latency_s", "prefill ms", "ms"), ("prefill_tok_s", "prefill tok/s", ".0f"),
         ("decode_step_latency_s", "step ms", "ms"), ("decode_tok_s", "decode tok/s", ".0f"),
-        ("output_tok_s", "out tok/s", ".1f"), ("peak_memory_bytes", "peak MiB", "mib"),
+        ("output_tok_s", "out tok/s", ".1f"), *MEMORY_COLUMNS,
     ]
 
     def plan(self, cfg: SweepConfig) -> list[Point]:
@@ -130,6 +121,9 @@ class Sweep(Workload):
 
     def max_prefill_batch(self, cfg: SweepConfig) -> tuple[int, int]:
         return max(cfg.batch_sizes), max(cfg.batch_sizes) * max(cfg.prompt_lens)
+
+    def post_summary(self, rows: list[dict[str, Any]]) -> str:
+        return memory_note(rows)
 
     def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Output throughput's interval from end-to-end latency's (its reciprocal, scaled)."""
@@ -154,9 +148,5 @@ class Sweep(Workload):
         mem = sampler.stop()
         row = offline_metrics(its, b, s, o)
         row.update(kv_fields(kv_last[0], ctx.shape, ctx.dtype, b, s + o - 1))
-        row.update(warmup=cfg.warmup, peak_memory_bytes=mem.peak_bytes, memory_source=mem.source,
-                   memory_baseline_bytes=mem.baseline_bytes, memory_timeline=mem.timeline,
-                   device_peak_memory_bytes=mem.device_peak_used_bytes,
-                   torch_peak_allocated_bytes=mem.torch_peak_allocated_bytes, memory_note=mem.note,
-                   memory_samples=mem.samples, memory_sampler_overhead_frac=mem.overhead_frac)
+        row.update(mem.row_fields(), warmup=cfg.warmup, measured_output_tokens=len(its) * b * o)
         return row

@@ -11,7 +11,8 @@ def _cell(value: Any, fmt: str) -> str:
     if fmt == "ms":
         return f"{value * 1e3:.2f}"
     if fmt == "mib":
-        return f"{value / 2**20:.0f}"
+        mib = value / 2**20
+        return f"{mib:.0f}" if mib >= 10 or mib == 0 else f"{mib:.2f}"
     if fmt == "d":
         return str(value)
     try:
