@@ -40,6 +40,8 @@ class Figure:
 @dataclass
 class Note:
     text: str
+    kind: str = ""               # "warning": shown as a warning box (CSS class note-warning)
+    name: str = ""               # data-note attribute (tests find notes by it)
 
 
 @dataclass

@@ -6,12 +6,12 @@ runs), so the page and the CI gate never disagree; this module only shapes them 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pandas as pd
 
-from harness.core.compare import DEFAULT_METRICS, METHOD, compare
+from harness.core.compare import DEFAULT_METRICS, METHOD, compare, machine_differences, machine_kind
 
 DEFAULT_THRESHOLD = 0.05   # infer-bench-compare's default (--threshold 5%)
 # metric -> (label, unit, display scale)
@@ -68,4 +68,45 @@ def compare_rows(baseline: pd.DataFrame | list[dict[str, Any]], current: pd.Data
     return pd.DataFrame(out, columns=COLUMNS), unmatched
 
 
-__all__ = ["DEFAULT_METRICS", "DEFAULT_THRESHOLD", "LABELS", "compare_rows", "method_text"]
+@dataclass
+class MachineCheck:
+    """Did the baseline and the current results run on the same machine?"""
+
+    same: bool | None                    # None: cannot tell (no environment.json on a side)
+    differences: list[str]               # 'what: baseline X, current Y'
+    unknown: list[str]                   # the sides without environment.json
+
+
+def _run_kinds(runs: list[Any], rows: pd.DataFrame | None) -> tuple[list[dict[str, Any]], int]:
+    """(machine_kind of every run that recorded its environment, runs without one)."""
+    kinds, missing = [], 0
+    for run in runs:
+        if not run.environment:
+            missing += 1
+            continue
+        mine = rows[rows["source"] == str(run.results)] if rows is not None and "source" in rows.columns else None
+        kind = machine_kind(run.environment, _records(mine) if mine is not None else [])
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds, missing
+
+
+def machine_check(base_runs: list[Any], base_rows: pd.DataFrame | None, cur_runs: list[Any],
+                  cur_rows: pd.DataFrame | None) -> MachineCheck:
+    """The check infer-bench-compare makes before it compares (harness.core.compare.machine_kind /
+    machine_differences), over every run on each side."""
+    base, base_missing = _run_kinds(base_runs, base_rows)
+    cur, cur_missing = _run_kinds(cur_runs, cur_rows)
+    unknown = [side for side, kinds, missing in (("baseline", base, base_missing), ("current", cur, cur_missing))
+               if missing or not kinds]
+    diffs: list[str] = []
+    for b in base:
+        for c in cur:
+            diffs += [d for d in machine_differences(b, c) if d not in diffs]
+    if diffs:
+        return MachineCheck(False, diffs, unknown)
+    return MachineCheck(None if unknown else True, [], unknown)
+
+
+__all__ = ["DEFAULT_METRICS", "DEFAULT_THRESHOLD", "LABELS", "MachineCheck", "compare_rows", "machine_check",
+           "method_text"]

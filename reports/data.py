@@ -99,7 +99,8 @@ def load_runs(paths: list[str | Path], what: str = "results") -> tuple[pd.DataFr
 
 def frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """Rows (dicts) as a DataFrame with the columns every section may rely on."""
-    df = pd.DataFrame(rows)
+    # a null kv_reserved_bytes says "nothing reserved"; its absence (an older row) says nothing
+    df = pd.DataFrame([{**r, "_kv_reserved_recorded": "kv_reserved_bytes" in r} for r in rows])
     for col in ("engine", "status", "workload", "model", "point_key", "error", "run_id",
                 "batch_size", "prompt_len", "output_len", "dtype", "device", "source"):
         if col not in df.columns:

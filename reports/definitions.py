@@ -29,6 +29,15 @@ MEMORY = [
     ("peak memory", "GPU: NVML memory of this process and all its children (and the framework allocator's "
                     "peak where the engine runs in-process); CPU: resident memory of the process tree "
                     "(psutil). Sampled at a fixed rate (default 100 Hz); timeline and peak are kept"),
+    ("KV reserved up front", "a KV pool the engine allocates at load (the reference engine, vLLM, TensorRT-LLM), "
+                             "whatever the batch needs; inside the process peak from the start. Engines without "
+                             "one (transformers) hold only the live cache"),
+    ("KV in use", "the part of the KV cache the batch's sequences hold (blocks in use × bytes per block; "
+                  "transformers: its cache tensors)"),
+    ("working memory", "the memory compared across engines: on a GPU (NVML counts an allocated pool whole) the "
+                       "process peak − KV reserved up front + KV in use; on a CPU (resident memory counts a pool "
+                       "only as far as it was written) the process peak as measured"),
+    ("device-wide peak", "GPU: the peak used memory of the whole device (NVML), every process on it"),
     ("KV cache (engine)", "what the engine itself reports: pool size in blocks and bytes, blocks in use"),
     ("KV cache (estimate)", "bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element "
                             "(+ per-token scale bytes for quantised caches); paged caches round each sequence "
@@ -43,4 +52,30 @@ CLOCKS = [
     ("output length", "forced: ignore_eos and an explicit maximum; greedy decoding unless the workload says otherwise"),
     ("repeats", "every point runs warm-up iterations first (never 0), then repeats until both a minimum "
                 "iteration count and a minimum duration are reached"),
+]
+
+CAPACITY = [
+    ("open loop", "requests arrive at a scheduled rate whatever the engine does (request_rate)"),
+    ("closed loop", "a fixed number of users (concurrency), each sending its next request when the last one ends"),
+    ("throughput per device", "Σ output tokens / the point's duration (output tok/s)"),
+    ("per-user speed", "output tokens per second of one request: 1 / median TPOT (per_user_tok_s)"),
+    ("saturated", "the queue grew through the run: TTFT rising with the arrival index, the load is past what "
+                  "the engine sustains"),
+    ("capacity", "the largest request rate (or concurrency) at which every configured SLO (p99 TTFT, TPOT, "
+                 "E2EL) held, found by bisection between a load that met them and one that did not, down to "
+                 "the resolution"),
+]
+
+ENERGY = [
+    ("energy", "energy the device used while the point ran: NVML's energy counter on a GPU, RAPL on a CPU"),
+    ("J per output token", "energy / output tokens of the point (its inverse: output tokens per J)"),
+]
+
+HTTP = [
+    ("token counts", "the server's usage.completion_tokens beside the tokens the client received; a mismatch "
+                     "is flagged, never averaged away"),
+    ("failed requests", "requests that did not complete (HTTP error, connection closed, stream ended early); "
+                        "latency and throughput are over the completed requests only"),
+    ("ITL over SSE", "a server may send several tokens in one chunk: the tokens of one chunk share its arrival "
+                     "time (as itl_chunking in the rows says)"),
 ]

@@ -31,7 +31,7 @@ from reports.sections.parity_section import parity_frame
 from reports.sections.prefix import prefix_sharing_frame
 from reports.sections.roofline_section import roofline_frame
 from reports.sections.serving_load import cdf_frame, serving_frame, serving_percentiles
-from test_report_fakes import other_workload_rows, status_row, sweep_row, sweep_rows, write_results
+from test_report_fakes import FAKE_POOL, other_workload_rows, status_row, sweep_row, sweep_rows, write_results
 
 
 def section_ids(html: str) -> list[str]:
@@ -177,7 +177,8 @@ def test_memory_frame_tokens_and_estimate_ratio() -> None:
     m = memory_frame(frame(sweep_rows({"hf": 1.0, "reference": 1.0}, batches=(2,), prompts=(32,), output=8)))
     assert list(m["kv_tokens"]) == [2 * 39, 2 * 39]
     assert list(m["kv_used_over_est"]) == [1.0, 1.0]
-    assert m.loc[m["series"] == "reference", "kv_cache_bytes"].iloc[0] == 64 * 2**20   # the fake pool
+    assert m.loc[m["series"] == "reference", "kv_reserved"].iloc[0] == FAKE_POOL   # the fake pool, reserved up front
+    assert m.loc[m["series"] == "hf", "kv_reserved"].iloc[0] is None                # hf holds only its live cache
 
 
 def test_downsample_keeps_the_peak() -> None:

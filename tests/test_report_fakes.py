@@ -27,9 +27,22 @@ def _samples(rng: np.random.Generator, median: float, n: int, spread: float = 0.
     return [float(median * (1 + spread * x)) for x in rng.standard_normal(n)]
 
 
+FAKE_POOL = 64 * 2**20   # the FAKE reference engine's KV pool, reserved up front
+
+
+def fake_resources(engine: str, threads: int = 2, cores: tuple[int, ...] = (0, 1), device: str = "cpu") -> dict[str, Any]:
+    """FAKE where-it-ran fields of a row (cpu_affinity, compute_threads, worker_*)."""
+    return {"cpu_affinity": list(cores), "compute_threads": threads, "device": device,
+            "worker_python": "/fake/venv/bin/python", "worker_launch": None,
+            "worker_versions": {"python": "3.11.7", "torch": "2.13.0+cpu", "engine": f"{engine}-0.0-fake"}}
+
+
 def sweep_row(engine: str, batch: int, prompt: int, output: int = 8, speed: float = 1.0,
-              model: str = "tiny", seed: int = 0, **extra: Any) -> dict[str, Any]:
-    """One FAKE ok sweep row, internally consistent (medians, CIs, throughputs from samples)."""
+              model: str = "tiny", seed: int = 0, legacy: bool = False, **extra: Any) -> dict[str, Any]:
+    """One FAKE ok sweep row, internally consistent (medians, CIs, throughputs from samples).
+    The FAKE reference engine reserves a KV pool up front (kv_reserved_bytes); `legacy`: a row
+    as older versions wrote it (no kv_reserved_bytes, no resource fields; the pool only in
+    kv_cache_bytes and kv_info.num_blocks)."""
     rng = np.random.default_rng(seed + 7919 * batch + prompt)
     prefill = _samples(rng, 1e-4 * batch * prompt / speed + 2e-3, 5)
     steps = _samples(rng, (2e-3 + 1e-4 * batch) / speed, 20)
@@ -58,6 +71,11 @@ def sweep_row(engine: str, batch: int, prompt: int, output: int = 8, speed: floa
         kv_used_bytes=tokens * kv_per_tok, kv_est_bytes=tokens * kv_per_tok, kv_est_bytes_per_token=kv_per_tok,
         kv_info={"kv_dtype": "fp32"}, engine_options={}, repeats=5, warmup=2,
     )
+    if legacy:
+        if engine == "reference":
+            row["kv_info"] = {"kv_dtype": "fp32", "block_size": 16, "num_blocks": FAKE_POOL // (16 * kv_per_tok)}
+    else:
+        row.update(fake_resources(engine), kv_reserved_bytes=FAKE_POOL if engine == "reference" else None)
     row.update(extra)
     return row
 
@@ -114,6 +132,130 @@ def other_workload_rows(engines=("hf", "reference")) -> list[dict[str, Any]]:
                              point={"prompts": 8}, point_key="parity:8")
                     | {"agreement": 1.0 - 0.1 * i, "first_divergence": None if i == 0 else 17})
     return rows
+
+
+def fake_load_point(load: float, speed: float = 1.0, saturate_above: float = 8.0) -> tuple[float, float, float]:
+    """FAKE (median TPOT, per-user tok/s, device tok/s) at a load: per-user speed falls with the
+    load, device throughput rises with it until `saturate_above`, then stays."""
+    tpot = 0.002 * (1 + load / 8) / speed
+    return tpot, 1 / tpot, min(load, saturate_above) / tpot * 0.9
+
+
+def serving_load_rows(engines: dict[str, float], mode: str = "open", loads=(1.0, 4.0, 16.0),
+                      saturate_above: float = 8.0, model: str = "tiny", **extra: Any) -> list[dict[str, Any]]:
+    """FAKE serving rows with the load fields of issue 16: an open loop over request rates or a
+    closed loop over concurrencies; every engine (name -> speed) at every load. Per-user speed
+    falls and device throughput rises with the load; loads above `saturate_above` are saturated."""
+    rows = []
+    for engine, speed in engines.items():
+        for load in loads:
+            tpot, per_user, device = fake_load_point(load, speed, saturate_above)
+            point = {"request_rate": load} if mode == "open" else {"concurrency": load}
+            fields = {"load_mode": mode, "request_rate": load if mode == "open" else None,
+                      "concurrency": int(load) if mode == "closed" else None,
+                      "max_concurrency": None, "ramp_up_s": 0.0, "per_user_tok_s": per_user, "output_tok_s": device,
+                      "saturated": load > saturate_above, "stopped_early": False,
+                      "tpot_s": tpot, "tpot_s_p50": tpot, "tpot_s_p90": tpot * 1.2, "tpot_s_p99": tpot * 1.5,
+                      "ttft_s_p50": 0.01 * load, "ttft_s_p90": 0.02 * load, "ttft_s_p99": 0.03 * load}
+            rows.append(make_row(engine=engine, workload="serving", status="ok", model=model, dtype="float32",
+                                 device="cpu", point=point,
+                                 point_key="serving:" + json.dumps(point, sort_keys=True, separators=(",", ":")))
+                        | fake_resources(engine) | fields | extra)
+    return rows
+
+
+def capacity_rows(engine: str, search: str = "concurrency",
+                  probes=((4, True, False), (16, False, True), (8, True, False), (12, False, False)),
+                  capacity: float | None = 8, slo: dict[str, Any] | None = None, model: str = "tiny", speed: float = 1.0,
+                  status: str = "ok", error: str | None = None, **extra: Any) -> list[dict[str, Any]]:
+    """FAKE workload `capacity` rows of one engine: a probe row per (value, meets_slo, saturated)
+    with serving fields, then the conclusion row."""
+    slo = slo if slo is not None else {"ttft_p99_s": 0.5, "tpot_p99_s": 0.05, "e2el_p99_s": None}
+    rows = []
+    for i, (value, meets, saturated) in enumerate(probes):
+        tpot, per_user, device = fake_load_point(value, speed)
+        point = {"search": search, "value": value, "probe": i}
+        rows.append(make_row(engine=engine, workload="capacity", status="ok", model=model, dtype="float32",
+                             device="cpu", point=point,
+                             point_key="capacity:" + json.dumps(point, sort_keys=True, separators=(",", ":")))
+                    | fake_resources(engine)
+                    | {"load_mode": "closed" if search == "concurrency" else "open",
+                       "concurrency": value if search == "concurrency" else None,
+                       "request_rate": value if search == "rate" else None,
+                       "per_user_tok_s": per_user, "output_tok_s": device, "saturated": saturated,
+                       "meets_slo": meets, "slo_violations": [] if meets else ["ttft_p99_s 0.71 > 0.5"]} | extra)
+    point = {"search": search, "result": True}
+    value_field = "capacity_concurrency" if search == "concurrency" else "capacity_rps"
+    lo = max([v for v, m, _ in probes if m], default=None)
+    hi = min([v for v, m, _ in probes if not m], default=None)
+    rows.append(make_row(engine=engine, workload="capacity", status=status, error=error, model=model, dtype="float32",
+                         device="cpu", point=point,
+                         point_key="capacity:" + json.dumps(point, sort_keys=True, separators=(",", ":")))
+                | fake_resources(engine)
+                | {value_field: capacity, "capacity_slo": slo, "capacity_resolution": 1,
+                   "capacity_bracket": [lo, hi], "capacity_probes": [list(p) for p in probes]})
+    return rows
+
+
+def http_serving_rows(engine: str = "vllm-http", server_tokens=(400, 400), client_tokens=(400, 400),
+                      failed=(0, 0), tls_verify: bool = True, auth: Any = "none",
+                      launch_command: str | None = "vllm serve /models/tiny --port 8000",
+                      with_metrics: bool = True, **extra: Any) -> list[dict[str, Any]]:
+    """FAKE serving rows of an engine reached over HTTP (issue 14), one per request rate, with the
+    server's identity, token counts, failures and its /metrics time series."""
+    rows = []
+    for i, rate in enumerate((2.0, 8.0)):
+        point = {"request_rate": rate}
+        metrics = {
+            "vllm:kv_cache_usage_perc": [[t * 0.5, min(1.0, 0.05 * t * rate / 2)] for t in range(8)],
+            "vllm:num_requests_running": [[t * 0.5, float(min(t, 4))] for t in range(8)],
+            "vllm:num_requests_waiting": [[t * 0.5, float(max(0, t - 4) * (i + 1))] for t in range(8)],
+            "vllm:prefix_cache_hits_total": [[t * 0.5, 0.0] for t in range(8)],
+        } if with_metrics else None
+        rows.append(make_row(engine=engine, workload="serving", status="ok", model="tiny", dtype="float32",
+                             device="cpu", point=point,
+                             point_key="serving:" + json.dumps(point, sort_keys=True, separators=(",", ":")))
+                    | {"request_rate": rate, "load_mode": "open", "transport": "http", "endpoint_kind": "vllm",
+                       "endpoint_url": "http://127.0.0.1:8000/v1", "server_version": "0.11.0-fake",
+                       "server_model": "/models/tiny", "launch_command": launch_command, "tls_verify": tls_verify,
+                       "auth": auth, "itl_chunking": "per token; the tokens of one SSE chunk share its arrival time",
+                       "output_tokens_server": server_tokens[i], "output_tokens_client": client_tokens[i],
+                       "token_count_mismatch": server_tokens[i] != client_tokens[i],
+                       "failed_requests": failed[i],
+                       "failed_request_reasons": {"HTTP 503 Service Unavailable": failed[i]} if failed[i] else {},
+                       "server_metrics": metrics, "per_user_tok_s": 300.0 / (1 + i), "output_tok_s": 250.0 * (1 + i),
+                       "ttft_s_p50": 0.02, "ttft_s_p90": 0.03, "ttft_s_p99": 0.05}
+                    | extra)
+    return rows
+
+
+def parity_rows_teacher_forced(dtype: str = "float32") -> list[dict[str, Any]]:
+    """FAKE parity rows (issue 15): the baseline, an engine within its dtype's thresholds, one
+    failed past them, one that cannot score (greedy only). Thresholds as the row states them."""
+    point = {"prompt_lens": [7, 16, 33, 64], "tokens": 32, "top_k": 8}
+    key = "parity:" + json.dumps(point, sort_keys=True, separators=(",", ":"))
+    thresholds = ({"max_abs_err": 1e-3, "mean_kl": 1e-6, "top1_agreement": 1.0} if dtype == "float32"
+                  else {"max_abs_err": 0.5, "mean_kl": 5e-3, "top1_agreement": 0.98})
+    within = {k: v / 5 if k != "top1_agreement" else 1.0 for k, v in thresholds.items()}
+    past = {k: v * 20 if k != "top1_agreement" else 0.8 for k, v in thresholds.items()}
+    common = dict(workload="parity", model="tiny", dtype=dtype, device="cpu", point=point, point_key=key)
+    tf = {"parity_baseline": "reference", "parity_thresholds": thresholds, "parity_margin_bound": 0.5,
+          "parity_margin_p50": 0.06, "parity_positions": 128, "parity_confident_positions": 40}
+    return [
+        make_row(engine="reference", status="ok", **common) | {"parity_baseline": "reference", "agreement": 1.0,
+                                                              "first_divergence": None,
+                                                              "parity_teacher": "own greedy tokens"},
+        make_row(engine="hf", status="ok", **common) | tf | {
+            "agreement": 0.42, "first_divergence": 3, "parity_max_abs_err": within["max_abs_err"],
+            "parity_mean_kl": within["mean_kl"], "parity_top1_agreement": within["top1_agreement"]},
+        make_row(engine="vllm", status="failed", error=f"parity: mean KL {past['mean_kl']:g} > {thresholds['mean_kl']:g}",
+                 **common) | tf | {
+            "agreement": 0.1, "first_divergence": 0, "parity_max_abs_err": past["max_abs_err"],
+            "parity_mean_kl": past["mean_kl"], "parity_top1_agreement": past["top1_agreement"]},
+        make_row(engine="trtllm", status="ok", **common) | {
+            "parity_baseline": "reference", "agreement": 0.9, "first_divergence": 12,
+            "parity_note": "trtllm cannot score sequences (no prompt log-probabilities)"},
+    ]
 
 
 def write_results(directory: Path, rows: list[dict[str, Any]], env: dict[str, Any] | None = FAKE_ENV,

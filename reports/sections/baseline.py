@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num
-from reports.comparison import compare_rows, method_text
+from reports.comparison import MachineCheck, compare_rows, machine_check, method_text
 from reports.data import ReportData
 from reports.figures import base_layout, esc
 from reports.sections import section
@@ -84,6 +84,23 @@ def comparison_table(cmp: pd.DataFrame) -> Table:
                   "note"], rows, "", "comparison", classes)
 
 
+def machine_note(check: MachineCheck) -> Note:
+    """'Same machine' or 'different machines' (naming what differs), as infer-bench-compare decides."""
+    if check.same is False:
+        return Note("WARNING: different machines. The baseline and the current results differ in "
+                    + "; ".join(check.differences) + ". The ratios below mix the change under test with the "
+                    "machines' differences (infer-bench-compare refuses such a comparison unless "
+                    "--allow-other-machine)." + (f" No environment.json for part of the {' and '.join(check.unknown)} "
+                                                 f"results." if check.unknown else ""),
+                    kind="warning", name="different-machines")
+    if check.same is None:
+        return Note(f"Cannot tell whether the baseline and the current results ran on the same machine: no "
+                    f"environment.json beside the {' and '.join(check.unknown)} results.",
+                    kind="warning", name="machine-unknown")
+    return Note("Same machine: the baseline and the current results agree on CPU model and ISA, cores, GPUs, "
+                "torch and engine versions.", name="same-machine")
+
+
 @section("baseline", "Comparison with the baseline",
          "The ratio of medians, current / baseline, with its 95% bootstrap confidence interval, and "
          "the verdict of the regression check (infer-bench-compare): regressed only when the whole "
@@ -92,16 +109,17 @@ def comparison_table(cmp: pd.DataFrame) -> Table:
 def baseline(data: ReportData) -> list[Block]:
     if data.baseline is None:
         return []
+    machines = machine_note(machine_check(data.baseline_runs, data.baseline, data.runs, data.rows))
     cmp, unmatched = compare_rows(data.baseline, data.rows, data.threshold)
     only_cur, only_base = len(unmatched["current_only"]), len(unmatched["baseline_only"])
     note = Note(f"Threshold {data.threshold:.1%}. Method: {method_text()}. Rows match on engine, model, "
                 f"workload, point and dtype: {only_cur} only in the current results, {only_base} only in "
                 f"the baseline.")
     if cmp.empty:
-        return [Note("No point of the current results matches a point of the baseline."), note]
+        return [machines, Note("No point of the current results matches a point of the baseline."), note]
     counts = cmp["verdict"].value_counts()
     head = Note(", ".join(f"{n} {v}" for v, n in counts.items()) + ".")
-    blocks: list[Block] = [head]
+    blocks: list[Block] = [machines, head]
     if cmp["ratio"].notna().any():
         blocks.append(Figure(ratio_figure(cmp, data.colours), "baseline-ratio",
                              "Ratio current / baseline with its CI; ▲ with a red outline: regressed, ▼: improved.",

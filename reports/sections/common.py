@@ -154,3 +154,72 @@ def workload_rows(rows: pd.DataFrame, workload: str | None, *need: str, ok_only:
 def facet_if_varies(df: pd.DataFrame, col: str) -> str | None:
     """`col` when its values differ between the rows (one panel per value), else None."""
     return col if col in df.columns and df[col].nunique() > 1 else None
+
+
+# ---- memory accounting (issue 15) ------------------------------------------------------------
+# A pre-reserved KV pool (the reference engine, vLLM, TensorRT-LLM) sits in an engine's process
+# peak from the start; transformers holds only the live cache. Compared raw, the two read as
+# "needs 116× more memory". Like with like: each row's KV reserved up front apart from what its
+# sequences use, and a working memory with the idle part of the pool taken out where the
+# measured peak counts the pool.
+
+POOL_COUNTED_SOURCES = ("nvml",)   # device memory: an allocated pool counts whole, written or not
+RECORDED_KV_RESERVED = "_kv_reserved_recorded"   # set by reports.data.frame: the row has the field
+
+
+def present(v: Any) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def kv_reserved(row: dict[str, Any]) -> tuple[Any, str]:
+    """(bytes of KV the engine reserved up front or None, where the number comes from). Rows
+    with `kv_reserved_bytes` say it themselves (null: nothing pre-allocated); older rows carry
+    only `kv_cache_bytes`, which is the whole pool for an engine with a block pool
+    (kv_info.num_blocks or kv_info.extra.reserved_bytes) and the live cache otherwise."""
+    v = row.get("kv_reserved_bytes")
+    if present(v):
+        return v, "kv_reserved_bytes"
+    if row.get(RECORDED_KV_RESERVED) is True:     # recorded as null: nothing pre-allocated
+        return None, "kv_reserved_bytes"
+    info = row.get("kv_info") if isinstance(row.get("kv_info"), dict) else {}
+    extra = info.get("extra") if isinstance(info.get("extra"), dict) else {}
+    if present(extra.get("reserved_bytes")):
+        return extra["reserved_bytes"], "kv_info.extra.reserved_bytes (older row)"
+    if present(info.get("num_blocks")) and present(row.get("kv_cache_bytes")):
+        return row["kv_cache_bytes"], "kv_cache_bytes of a block pool (older row)"
+    return None, ""
+
+
+def working_memory(row: dict[str, Any]) -> tuple[Any, str]:
+    """(the memory comparable across engines, how it was obtained). With a reserved pool that
+    the measured peak counts whole (device memory): process peak − reserved pool + KV in use,
+    i.e. the peak as if the pool had been sized to what the sequences used. Otherwise the
+    process peak itself (resident memory counts pool pages only once written)."""
+    peak = row.get("peak_memory_bytes")
+    if not present(peak):
+        return None, "no process peak"
+    reserved, _ = kv_reserved(row)
+    if not present(reserved):
+        return peak, "process peak (nothing reserved up front)"
+    if row.get("memory_source") not in POOL_COUNTED_SOURCES:
+        return peak, f"process peak ({row.get('memory_source') or 'this source'}: the pool counts as far as written)"
+    used = row.get("kv_used_bytes")
+    if reserved > peak:
+        return None, "none: the reserved pool exceeds the measured peak"
+    if not present(used):
+        return peak - reserved, "process peak − reserved (KV in use unknown)"
+    return peak - reserved + min(used, reserved), "process peak − reserved + KV in use"
+
+
+def add_memory_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """`kv_reserved` (+ `kv_reserved_from`), `working_memory_bytes` (+ `working_memory_basis`)
+    on every row (None where they do not apply)."""
+    df = df.copy()
+    recs = df.to_dict("records")
+    res = [kv_reserved(r) for r in recs]
+    work = [working_memory(r) for r in recs]
+    df["kv_reserved"] = pd.Series([v for v, _ in res], index=df.index, dtype=object)
+    df["kv_reserved_from"] = [w for _, w in res]
+    df["working_memory_bytes"] = pd.Series([v for v, _ in work], index=df.index, dtype=object)
+    df["working_memory_basis"] = [w for _, w in work]
+    return df

@@ -35,7 +35,13 @@ def definitions(data: ReportData) -> list[Block]:
     if "serving" in workloads or "prefix_sharing" in workloads:
         blocks.append(_table(d.SERVING, "Online (serving) metrics, per request. TPOT is averaged per "
                                         "request, ITL per token; they are never relabelled.", "definitions-serving"))
+    if "capacity" in workloads or "per_user_tok_s" in data.rows.columns or "load_mode" in data.rows.columns:
+        blocks.append(_table(d.CAPACITY, "Load and capacity.", "definitions-capacity"))
+    if "transport" in data.rows.columns and (data.rows["transport"] == "http").any():
+        blocks.append(_table(d.HTTP, "Engines over HTTP.", "definitions-http"))
     blocks.append(_table(d.MEMORY, "Memory.", "definitions-memory"))
+    if "energy_j" in data.rows.columns or "energy_note" in data.rows.columns:
+        blocks.append(_table(d.ENERGY, "Energy.", "definitions-energy"))
     blocks.append(_table(statistics_items(), "Statistics.", "definitions-statistics"))
     blocks.append(_table(d.CLOCKS, "Clocks, token counts and repeats.", "definitions-clocks"))
     return blocks

@@ -9,8 +9,10 @@ import pandas as pd
 
 from harness.core.results import SCHEMA_VERSION
 from reports.blocks import Block, Cell, KeyValues, Note, Pre, Table, fmt_num
+from reports.comparison import machine_check
 from reports.data import ReportData, RunInfo
 from reports.sections import section
+from reports.sections.resources import resource_blocks
 
 MAX_CONFIGS = 8
 
@@ -85,7 +87,7 @@ def _machine_key(env: dict[str, Any] | None) -> tuple:
     return tuple(sorted(m.items()))
 
 
-@section("run", "Run", "What was run, when, on what machine, and with which configuration.")
+@section("run", "Run", "What was run, when, on what machine and resources, and with which configuration.")
 def run_header(data: ReportData) -> list[Block]:
     rows, runs = data.rows, data.runs
     items = list(what_summary(rows).items())
@@ -101,7 +103,8 @@ def run_header(data: ReportData) -> list[Block]:
     if len(argvs) == 1:
         items.append(("command", argvs[0]))
     items.append(("results", "; ".join(str(r.results) for r in runs)))
-    blocks: list[Block] = [KeyValues(items, name="run-facts")]
+    warnings, resources = resource_blocks(rows)
+    blocks: list[Block] = [*warnings, KeyValues(items, name="run-facts"), *resources]
     other = sum(r.other_version_rows for r in runs)
     if other:
         blocks.append(Note(f"{other} rows are of another results schema version and are left out; this report "
@@ -132,7 +135,11 @@ def run_header(data: ReportData) -> list[Block]:
         where = dirs[0] + (f" and {len(dirs) - 1} more" if len(dirs) > 1 else "")
         blocks.append(Pre(f"config ({where})", text))
     if data.baseline is not None:
+        check = machine_check(data.baseline_runs, data.baseline, data.runs, data.rows)
+        machine = ("same machine" if check.same else "different machines: " + "; ".join(check.differences)
+                   if check.same is False else "unknown (no environment.json for the " + " and ".join(check.unknown) + ")")
         blocks.append(KeyValues([("baseline", "; ".join(str(r.results) for r in data.baseline_runs)),
+                                 ("baseline machine", machine),
                                  ("baseline when (UTC)", when_summary(data.baseline, data.baseline_runs)),
                                  ("baseline rows", fmt_num(len(data.baseline)))], name="baseline-facts"))
     return blocks

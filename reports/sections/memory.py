@@ -1,16 +1,19 @@
-"""Memory: peak memory per point, the engine's KV pool and used KV beside the estimator's
-figure, and the memory timeline of a chosen point (a selector switches points)."""
+"""Memory: per engine, the process peak, the KV cache reserved up front and the KV in use kept
+apart, with a working memory that compares like with like (issue 15); peak memory per point; the
+engine's KV figures beside the estimator's; and the memory timeline of a chosen point (a selector
+switches points)."""
 
 from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
 
-from reports.blocks import Block, Figure
+from reports.blocks import Block, Figure, Note
 from reports.data import ReportData
 from reports.figures import base_layout, esc, facet_lines, series_styles
 from reports.sections import section
-from reports.sections.common import MIB, Col, column, has, point_label, values_table
+from reports.sections.common import (MIB, POOL_COUNTED_SOURCES, Col, add_memory_columns, column, has, int_columns,
+                                     point_label, present, values_table)
 from reports.sections.summary import sweep_frame
 
 TIMELINE_MAX_SAMPLES = 400   # per line, after downsampling (the maximum of each bucket is kept)
@@ -18,18 +21,68 @@ TIMELINE_MAX_POINTS = 40     # points offered in the selector (the largest ones)
 
 
 def memory_frame(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per series and point: peak memory and its source, KV pool / used / estimate, and the
-    tokens the batch's KV cache holds at the end (batch × (prompt + output − 1))."""
+    """Per series and sweep point: the process peak and its source, the KV reserved up front, in
+    use and estimated, the working memory (`reports.sections.common.working_memory`), the
+    device-wide peak, and the tokens the batch's KV cache holds at the end
+    (batch × (prompt + output − 1))."""
     df = sweep_frame(rows)
     if df.empty or not (has(df, "peak_memory_bytes") or has(df, "kv_est_bytes")):
         return pd.DataFrame()
     keep = ["engine", "series", "batch_size", "prompt_len", "output_len", "peak_memory_bytes",
-            "memory_source", "kv_cache_bytes", "kv_used_bytes", "kv_est_bytes", "kv_est_bytes_per_token"]
+            "memory_source", "kv_reserved", "kv_reserved_from", "kv_used_bytes", "kv_est_bytes",
+            "kv_est_bytes_per_token", "working_memory_bytes", "working_memory_basis", "device_peak_memory_bytes"]
     out = pd.DataFrame({k: column(df, k) for k in keep}).reset_index(drop=True)
     out["kv_tokens"] = out["batch_size"] * (out["prompt_len"] + out["output_len"] - 1)
     used, est = pd.to_numeric(out["kv_used_bytes"], errors="coerce"), pd.to_numeric(out["kv_est_bytes"], errors="coerce")
     out["kv_used_over_est"] = (used / est).where(est > 0)
     return out
+
+
+def _largest(values: pd.Series) -> float | None:
+    v = pd.to_numeric(values, errors="coerce").dropna()
+    return float(v.max()) if len(v) else None
+
+
+def memory_engines_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per series and workload (ok rows with a process peak): the memory source, the
+    largest process peak, the KV reserved up front, the largest KV in use, the largest working
+    memory and how it was obtained, the largest device-wide peak."""
+    df = rows[(rows["status"] == "ok")]
+    if df.empty or not has(df, "peak_memory_bytes"):
+        return pd.DataFrame()
+    df = add_memory_columns(int_columns(df[df["peak_memory_bytes"].notna()]))
+    out = []
+    for (s, w), g in df.groupby(["series", "workload"], sort=False):
+        bases = list(dict.fromkeys(b for b in g["working_memory_basis"] if b))
+        sources = list(dict.fromkeys(str(v) for v in g["memory_source"].dropna())) if "memory_source" in g else []
+        out.append({"engine": g["engine"].iloc[0], "series": s, "workload": w, "points": len(g),
+                    "memory_source": ", ".join(sources) or None,
+                    "peak_memory_bytes": _largest(g["peak_memory_bytes"]),
+                    "kv_reserved": _largest(g["kv_reserved"]), "kv_used_bytes": _largest(column(g, "kv_used_bytes")),
+                    "working_memory_bytes": _largest(g["working_memory_bytes"]),
+                    "device_peak_memory_bytes": _largest(column(g, "device_peak_memory_bytes")),
+                    "memory_scope": ", ".join(dict.fromkeys(str(v) for v in column(g, "memory_scope").dropna())) or None,
+                    "working_memory_basis": "; ".join(bases) or None})
+    return pd.DataFrame(out)
+
+
+def reserved_note(engines: pd.DataFrame) -> Note | None:
+    """What the memory comparison compares, when an engine reserved its KV cache up front."""
+    if engines.empty or not engines["kv_reserved"].map(present).any():
+        return None
+    pooled = engines[engines["kv_reserved"].map(present)]
+    sources = " ".join(pooled["memory_source"].fillna(""))
+    text = (f"KV reserved up front by {', '.join(dict.fromkeys(pooled['series']))}: a pool allocated at load, "
+            f"whatever the batch needs, and part of the process peak from the start; process peaks are therefore "
+            f"not compared across engines (no ★). Working memory compares like with like. ")
+    if any(s in sources for s in POOL_COUNTED_SOURCES):
+        text += ("Where the peak is device memory (NVML counts an allocated pool whole), working memory = "
+                 "process peak − KV reserved up front + KV in use: the peak as if the pool had been sized to "
+                 "what the sequences used. ")
+    if "psutil-rss" in sources:
+        text += ("Where the peak is resident memory (CPU), a pool counts only as far as it was written, so "
+                 "working memory is the process peak as measured. ")
+    return Note(text + "KV in use compares the caches themselves.")
 
 
 def downsample_max(timeline: list, n: int = TIMELINE_MAX_SAMPLES) -> list[tuple[float, float]]:
@@ -100,35 +153,70 @@ def timeline_figure(tl: pd.DataFrame, colours: dict[str, str]) -> go.Figure:
     return fig
 
 
-@section("memory", "Memory", "Peak memory while each point ran (resident memory of the engine's "
-         "process tree on CPU; NVML per-process memory on GPU), and the KV cache: what the engine "
-         "reports (its pool and what the batch uses) beside the estimator's figure "
+ENGINE_COLS = [
+    Col("engine", "series", text=True), Col("workload", "workload", text=True), Col("points", "points"),
+    Col("source", "memory_source", text=True),
+    Col("process peak MiB", "peak_memory_bytes", MIB),
+    Col("KV reserved up front MiB", "kv_reserved", MIB),
+    Col("KV in use MiB (largest)", "kv_used_bytes", MIB),
+    Col("working memory MiB", "working_memory_bytes", MIB, None, "lower"),
+    Col("device-wide peak MiB", "device_peak_memory_bytes", MIB),
+    Col("memory seen from", "memory_scope", text=True),
+    Col("working memory is", "working_memory_basis", text=True),
+]
+
+
+@section("memory", "Memory", "The engine process tree's peak memory (resident memory on CPU; NVML "
+         "per-process memory on GPU), the KV cache an engine reserved up front and the KV its "
+         "sequences used, kept apart, and a working memory that compares engines like with like; "
+         "the KV cache as the engine reports it beside the estimator's figure "
          "(2 × layers × KV heads × head_dim × bytes per element, per token).")
 def memory(data: ReportData) -> list[Block]:
-    df = memory_frame(data.rows)
     blocks: list[Block] = []
+    engines = memory_engines_frame(data.rows)
+    if not engines.empty:
+        note = reserved_note(engines)
+        if note:
+            blocks.append(note)
+        cols = [c for c in ENGINE_COLS if c.field != "memory_scope" or has(engines, "memory_scope")]
+        blocks.append(values_table(engines, cols, "memory-engines",
+                                   "Per engine and workload, the largest value over its points. ★: the "
+                                   "least working memory among engines of the same workload.", group="workload"))
+    df = memory_frame(data.rows)
     if not df.empty and has(df, "peak_memory_bytes"):
-        fig = facet_lines(df, x="prompt_len", y="peak_memory_bytes", facet="batch_size",
+        pooled = df["kv_reserved"].map(present).any()
+        y_title = "working memory (MiB)" if pooled else "peak memory (MiB)"
+        fig = facet_lines(df.dropna(subset=["working_memory_bytes"]).assign(
+                              working_memory_bytes=lambda d: pd.to_numeric(d["working_memory_bytes"])),
+                          x="prompt_len", y="working_memory_bytes", facet="batch_size",
                           facet_label=lambda b: f"batch size {b}", colours=data.colours,
-                          x_title="prompt length (tokens)", y_title="peak memory (MiB)", scale=MIB,
-                          hover=[("memory_source", "source", "")])
+                          x_title="prompt length (tokens)", y_title=y_title, scale=MIB,
+                          hover=[("peak_memory_bytes", "process peak (bytes)", ",d"),
+                                 ("kv_reserved", "KV reserved up front (bytes)", ",d"),
+                                 ("memory_source", "source", "")])
         fig.update_yaxes(rangemode="normal")
-        blocks.append(Figure(fig, "memory-peak", "Peak memory vs prompt length, one panel per batch size."))
+        caption = ("Working memory vs prompt length, one panel per batch size: " + (
+            "the process peak with the idle part of a KV pool reserved up front taken out where the peak "
+            "counts it (see above); hover shows the process peak." if pooled else "the process peak."))
+        blocks.append(Figure(fig, "memory-peak", caption))
     if not df.empty and has(df, "kv_est_bytes"):
         blocks.append(Figure(kv_figure(df, data.colours), "memory-kv",
-                             "KV cache vs the tokens it holds: the engine's pool (allocated) and used "
-                             "bytes, measured, beside the estimator's line."))
-    if blocks:
+                             "KV cache vs the tokens it holds: the KV reserved up front (a pool allocated "
+                             "at load, whatever the batch needs) and the bytes in use, measured, beside "
+                             "the estimator's line."))
+    if not df.empty and any(isinstance(b, Figure) for b in blocks):
         blocks[-1].table = values_table(df, [
             Col("batch", "batch_size"), Col("prompt", "prompt_len"), Col("engine", "series", text=True),
-            Col("peak MiB", "peak_memory_bytes", MIB, None, "lower"), Col("source", "memory_source", text=True),
-            Col("KV tokens", "kv_tokens"), Col("KV pool MiB", "kv_cache_bytes", MIB),
-            Col("KV used MiB", "kv_used_bytes", MIB), Col("KV estimate MiB", "kv_est_bytes", MIB),
-            Col("used / estimate", "kv_used_over_est")], "memory-values", group=["batch_size", "prompt_len"])
+            Col("process peak MiB", "peak_memory_bytes", MIB), Col("source", "memory_source", text=True),
+            Col("KV reserved up front MiB", "kv_reserved", MIB), Col("KV in use MiB", "kv_used_bytes", MIB),
+            Col("working memory MiB", "working_memory_bytes", MIB, None, "lower"),
+            Col("device-wide peak MiB", "device_peak_memory_bytes", MIB),
+            Col("KV tokens", "kv_tokens"), Col("KV estimate MiB", "kv_est_bytes", MIB),
+            Col("in use / estimate", "kv_used_over_est")], "memory-values", group=["batch_size", "prompt_len"])
     tl = timeline_frame(data.rows)
     if not tl.empty:
         blocks.append(Figure(timeline_figure(tl, data.colours), "memory-timeline",
-                             "Memory over time while one point was measured; the selector (top right) "
+                             "Memory over time while one point was measured; the selector above the plot "
                              "switches points. Largest point first."))
     return blocks
 
@@ -138,21 +226,21 @@ def kv_figure(df: pd.DataFrame, colours: dict[str, str]) -> go.Figure:
     styles = series_styles(df, colours)
     for s, st in styles.items():
         d = df[df["series"] == s].sort_values("kv_tokens")
-        for field, what, dash, symbol in (("kv_cache_bytes", "pool", "dot", "square-open"),
-                                          ("kv_used_bytes", "used", "solid", "circle"),
+        for field, what, dash, symbol in (("kv_reserved", "reserved up front", "dot", "square-open"),
+                                          ("kv_used_bytes", "in use", "solid", "circle"),
                                           ("kv_est_bytes", "estimate", "dash", None)):
             dd = d.dropna(subset=[field])
             if dd.empty:
                 continue
             fig.add_trace(go.Scatter(
-                x=list(dd["kv_tokens"]), y=list(dd[field] * MIB), name=esc(f"{s} · {what}"),
+                x=list(dd["kv_tokens"]), y=[float(v) * MIB for v in dd[field]], name=esc(f"{s} · {what}"),
                 mode="lines" if symbol is None else "lines+markers",
                 line=dict(color=st["color"], dash=dash, width=1.5 if symbol is None else 2),
                 marker=dict(symbol=symbol, size=8, color=st["color"]) if symbol else None,
                 customdata=[[b, p] for b, p in zip(dd["batch_size"], dd["prompt_len"])],
                 hovertemplate=f"<b>{esc(s)}</b> {what}<br>batch %{{customdata[0]}}, prompt %{{customdata[1]}}<br>"
                               f"KV tokens: %{{x}}<br>{what}: %{{y:.6~g}} MiB<extra></extra>"))
-    vals = pd.concat([pd.to_numeric(df[c], errors="coerce") for c in ("kv_cache_bytes", "kv_used_bytes", "kv_est_bytes")]).dropna()
+    vals = pd.concat([pd.to_numeric(df[c], errors="coerce") for c in ("kv_reserved", "kv_used_bytes", "kv_est_bytes")]).dropna()
     vals = vals[vals > 0]
     log_y = bool(len(vals)) and vals.max() / vals.min() > 100     # a pre-allocated pool dwarfs the rest
     toks = pd.to_numeric(df["kv_tokens"], errors="coerce").dropna()

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from reports.blocks import Block, Figure
+from reports.blocks import Block, Figure, Note
 from reports.data import ReportData
 from reports.figures import facet_lines
 from reports.sections import section
@@ -23,18 +23,39 @@ SERVING_METRICS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e
 ALL_AT_ONCE = "all at once"
 
 
+LOAD = {  # load mode -> (x-axis title, what one panel's value is, load column)
+    "open": ("request rate (req/s)", "req/s", "request_rate"),
+    "closed": ("concurrent requests (closed loop)", "concurrent", "concurrency"),
+}
+
+
+def yes_no(v: object) -> str:
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    return "–"
+
+
 def serving_frame(rows: pd.DataFrame) -> pd.DataFrame:
-    """Serving rows (ok) in point order, with `rate_x` (the request rate to plot at; a rate of
-    infinity, stored as null, sits one step right of the largest finite rate) and `rate_label`."""
+    """Serving rows (ok) in point order, with `load_mode` ("open" when the row does not say),
+    `rate_x` (the load to plot at: the request rate in an open loop, where a rate of infinity,
+    stored as null, sits one step right of the largest finite rate; the concurrency in a closed
+    loop) and `rate_label`."""
     df = workload_rows(rows, "serving")
     if df.empty:
         return df
+    df["load_mode"] = column(df, "load_mode").map(lambda m: m if m in LOAD else "open")
     rate = pd.to_numeric(column(df, "request_rate"), errors="coerce")
-    finite = rate[np.isfinite(rate)]
+    conc = pd.to_numeric(column(df, "concurrency"), errors="coerce")
+    finite = rate[np.isfinite(rate) & (df["load_mode"] == "open")]
     top = float(finite.max()) * 2 if len(finite) else 1.0
-    df["rate_x"] = rate.where(np.isfinite(rate), top)
-    df["rate_label"] = [f"{v:g}" if np.isfinite(v) else ALL_AT_ONCE for v in rate.fillna(np.inf)]
-    return df.sort_values(["series", "rate_x"], kind="stable").reset_index(drop=True)
+    closed = df["load_mode"] == "closed"
+    df["rate_x"] = rate.where(np.isfinite(rate), top).where(~closed, conc)
+    df["rate_label"] = [(f"{c:g}" if np.isfinite(c) else "?") if m == "closed" else
+                        (f"{v:g}" if np.isfinite(v) else ALL_AT_ONCE)
+                        for m, v, c in zip(df["load_mode"], rate.fillna(np.inf), conc.fillna(np.nan))]
+    df["saturated_text"] = column(df, "saturated").map(yes_no)
+    df["stopped_early_text"] = column(df, "stopped_early").map(yes_no)
+    return df.sort_values(["load_mode", "series", "rate_x"], kind="stable").reset_index(drop=True)
 
 
 def _rate_ticks(fig: go.Figure, df: pd.DataFrame) -> go.Figure:
@@ -75,42 +96,71 @@ def cdf_frame(df: pd.DataFrame, samples: str = "ttft_s_samples") -> pd.DataFrame
     return pd.DataFrame(recs)
 
 
-@section("serving", "Serving", "Requests arriving over time at a given rate: TTFT, TPOT and ITL "
-         "percentiles against the request rate, the TTFT distribution, and goodput.")
-def serving(data: ReportData) -> list[Block]:
-    df = serving_frame(data.rows)
-    if df.empty:
-        return []
+def _mode_figures(df: pd.DataFrame, mode: str, colours: dict[str, str]) -> list[Block]:
+    x_title, unit, _ = LOAD[mode]
+    prefix = "serving-" if mode == "open" else "serving-closed-"
+    against = "request rate" if mode == "open" else "concurrency"
     blocks: list[Block] = []
     for metric, label in SERVING_METRICS:
         long = serving_percentiles(df, metric)
         if long.empty:
             continue
         blocks.append(Figure(_rate_ticks(facet_lines(
-            long, x="rate_x", y="value", facet="percentile", facet_label=lambda p: p, colours=data.colours,
-            x_title="request rate (req/s)", y_title=f"{label} (ms)", scale=MS), df),
-            f"serving-{metric.removesuffix('_s')}", f"{label} percentiles vs request rate."))
+            long, x="rate_x", y="value", facet="percentile", facet_label=lambda p: p, colours=colours,
+            x_title=x_title, y_title=f"{label} (ms)", scale=MS), df),
+            f"{prefix}{metric.removesuffix('_s')}", f"{label} percentiles vs {against}."))
     cdf = cdf_frame(df)
     if not cdf.empty:
         labels = dict(zip(df["rate_x"], df["rate_label"]))
         fig = facet_lines(cdf, x="value", y="fraction", facet="rate_x",
-                          facet_label=lambda r: labels.get(r, ALL_AT_ONCE) + (" req/s" if labels.get(r) != ALL_AT_ONCE else ""),
-                          colours=data.colours,
-                          x_title="TTFT (s)", y_title="fraction of requests", labels=False)
+                          facet_label=lambda r: labels.get(r, ALL_AT_ONCE) + (f" {unit}" if labels.get(r) != ALL_AT_ONCE else ""),
+                          colours=colours, x_title="TTFT (s)", y_title="fraction of requests", labels=False)
         fig.update_xaxes(tickvals=None)
-        blocks.append(Figure(fig, "serving-ttft-cdf", "Cumulative distribution of TTFT, one panel per request rate."))
+        blocks.append(Figure(fig, f"{prefix}ttft-cdf", f"Cumulative distribution of TTFT, one panel per {against}."))
     if has(df, "goodput_req_s"):
         blocks.append(Figure(_rate_ticks(facet_lines(
-            df, x="rate_x", y="goodput_req_s", facet=None, colours=data.colours,
-            x_title="request rate (req/s)", y_title="goodput (req/s)"), df), "serving-goodput",
+            df, x="rate_x", y="goodput_req_s", facet=None, colours=colours,
+            x_title=x_title, y_title="goodput (req/s)"), df), f"{prefix}goodput",
             "Requests per second meeting every SLO."))
-    cols = [Col("engine", "series", text=True), Col("rate req/s", "rate_label", text=True)]
+    cols = [Col("engine", "series", text=True),
+            Col("rate req/s" if mode == "open" else "concurrency", "rate_label", text=True)]
     for metric, label in SERVING_METRICS:
         cols += [Col(f"{label} {p} ms", f"{metric}_{p}", MS, None, "lower") for p in PERCENTILE_KEYS
                  if has(df, f"{metric}_{p}")]
     if has(df, "goodput_req_s"):
         cols.append(Col("goodput req/s", "goodput_req_s", 1, None, "higher"))
+    cols += [c for c in (Col("output tok/s", "output_tok_s", 1, None, "higher"),
+                         Col("per-user tok/s", "per_user_tok_s", 1, None, "higher")) if has(df, c.field)]
+    if has(df, "saturated"):
+        cols.append(Col("saturated", "saturated_text", text=True))
+    if has(df, "stopped_early"):
+        cols.append(Col("stopped early", "stopped_early_text", text=True))
     if blocks:
-        blocks[-1].table = values_table(df, cols, "serving-values", group="rate_x")
+        blocks[-1].table = values_table(df, cols, f"{prefix}values", group="rate_x")
     return blocks
 
+
+@section("serving", "Serving", "Requests arriving over time, at a given rate (open loop) or from a "
+         "fixed number of users who each send the next request when the last one ends (closed loop): "
+         "TTFT, TPOT, ITL and E2EL percentiles against the load, the TTFT distribution, and goodput.")
+def serving(data: ReportData) -> list[Block]:
+    df = serving_frame(data.rows)
+    if df.empty:
+        return []
+    blocks: list[Block] = []
+    for mode in LOAD:
+        part = df[df["load_mode"] == mode]
+        if not part.empty:
+            blocks += _mode_figures(part, mode, data.colours)
+    sat = df[df["saturated_text"] == "yes"]
+    if not sat.empty:
+        where = "; ".join(f"{s} at {', '.join(g['rate_label'])} {LOAD[g['load_mode'].iloc[0]][1]}"
+                          for s, g in sat.groupby("series", sort=False))
+        blocks.append(Note(f"Saturated (the queue grew through the run, TTFT rising with arrival index: the load "
+                           f"is past what the engine sustains): {where}."))
+    early = df[df["stopped_early_text"] == "yes"]
+    if not early.empty:
+        blocks.append(Note("Stopped early (the point ended before every request was sent): "
+                           + "; ".join(f"{s} at {', '.join(g['rate_label'])}" for s, g in early.groupby("series", sort=False))
+                           + "."))
+    return blocks

@@ -9,7 +9,8 @@ import pandas as pd
 from reports.blocks import Block, Cell, Note, Table
 from reports.data import ReportData
 from reports.sections import section
-from reports.sections.common import MIB, MS, Col, column, has, int_columns, inverse_ci, point_label, values_table
+from reports.sections.common import (MIB, MS, Col, add_memory_columns, column, has, int_columns, inverse_ci,
+                                     point_label, values_table)
 
 POINT_COLS = [
     Col("prefill latency ms [95% CI]", "prefill_latency_s", MS, "prefill_latency_s_ci", "lower"),
@@ -18,7 +19,9 @@ POINT_COLS = [
     Col("decode tok/s [95% CI]", "decode_tok_s", 1, "decode_tok_s_ci", "higher"),
     Col("end-to-end ms [95% CI]", "e2e_latency_s", MS, "e2e_latency_s_ci", "lower"),
     Col("output tok/s [95% CI]", "output_tok_s", 1, "output_tok_s_ci", "higher"),
-    Col("peak memory MiB", "peak_memory_bytes", MIB, None, "lower"),
+    Col("process peak MiB", "peak_memory_bytes", MIB),
+    Col("KV reserved up front MiB", "kv_reserved", MIB),
+    Col("working memory MiB", "working_memory_bytes", MIB, None, "lower"),
     Col("repeats", "repeats"),
 ]
 HEADLINE = [  # (field, CI field, which way is better, header)
@@ -26,8 +29,13 @@ HEADLINE = [  # (field, CI field, which way is better, header)
     ("decode_tok_s", "decode_tok_s_ci", "higher", "best decode tok/s [95% CI]"),
     ("output_tok_s", "output_tok_s_ci", "higher", "best output tok/s [95% CI]"),
     ("decode_step_latency_s", "decode_step_latency_s_ci", "lower", "lowest decode step ms [95% CI]"),
-    ("peak_memory_bytes", None, "higher", "largest peak memory MiB"),
+    ("peak_memory_bytes", None, "higher", "largest process peak MiB"),
+    ("kv_reserved", None, "higher", "KV reserved up front MiB"),
+    ("working_memory_bytes", None, "higher", "largest working memory MiB"),
 ]
+# memory: the largest value is the headline; only working memory compares engines like with like
+# (a pool reserved up front is in the process peak whatever the batch needs), so only it gets a ★
+STARRED_MEMORY = {"working_memory_bytes"}
 
 
 def sweep_frame(rows: pd.DataFrame) -> pd.DataFrame:
@@ -35,6 +43,7 @@ def sweep_frame(rows: pd.DataFrame) -> pd.DataFrame:
     df = int_columns(rows[(rows["workload"] == "sweep") & (rows["status"] == "ok")])
     if df.empty:
         return df
+    df = add_memory_columns(df)
     b, s = column(df, "batch_size"), column(df, "prompt_len")
     df["prefill_tok_s_ci"] = inverse_ci(b * s, column(df, "prefill_latency_s_ci"))
     df["decode_tok_s_ci"] = inverse_ci(b.astype(float), column(df, "decode_step_latency_s_ci"))
@@ -83,13 +92,17 @@ def summary(data: ReportData) -> list[Block]:
         head = headline_frame(sweep)
         cols = [Col("engine", "series", text=True), Col("points", "points")]
         for field, ci, better, header in HEADLINE:
-            scale = MS if field.endswith("latency_s") else MIB if field.endswith("bytes") else 1
+            memory = field.endswith("bytes") or field == "kv_reserved"
+            scale = MS if field.endswith("latency_s") else MIB if memory else 1
             if has(head, field):
-                cols.append(Col(header, field, scale, f"{field}_ci",
-                                better if field != "peak_memory_bytes" else "lower"))
-        table = values_table(head, cols, "summary-engines",
-                             "Per engine: the best value over the points it ran (peak memory: the "
-                             "largest). Where each was measured is in the table below.")
+                better_way = ("lower" if field in STARRED_MEMORY else None) if memory else better
+                cols.append(Col(header, field, scale, f"{field}_ci", better_way))
+        caption = "Per engine: the best value over the points it ran (memory: the largest)."
+        if has(head, "kv_reserved"):
+            caption += (" KV reserved up front is a pool allocated at load, whatever the batch needs, and is "
+                        "inside the process peak; working memory takes its idle part out where the peak "
+                        "counts it (see Memory), so it, not the process peak, compares engines.")
+        table = values_table(head, cols, "summary-engines", caption + " Where each was measured is in the table below.")
         blocks.append(table)
         cols = [Col("point", "point_label", text=True), Col("engine", "series", text=True)]
         cols += [c for c in POINT_COLS if has(sweep, c.field)]

@@ -1,0 +1,244 @@
+"""The capacity section (issue 16): per model, throughput per device against per-user speed (a
+Pareto figure, one curve per engine over its rate or concurrency sweep: serving rows and the
+capacity search's probes), and the capacity each engine was found to have under the SLOs
+(workload `capacity`, one conclusion row per engine). In-process engines and HTTP endpoints alike:
+an endpoint is an engine with another name."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num, nice
+from reports.data import ReportData
+from reports.figures import base_layout, esc, series_styles
+from reports.sections import section
+from reports.sections.common import MS, Col, present, values_table
+
+KIND = {"rate": ("request rate", "req/s"), "concurrency": ("concurrency", "concurrent")}
+SATURATED_COLOUR = "#B00020"
+
+
+def _point(r: dict[str, Any]) -> dict[str, Any]:
+    return r.get("point") if isinstance(r.get("point"), dict) else {}
+
+
+def _f(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if not math.isnan(x) else None
+
+
+def _bool(v: Any) -> bool | None:
+    return bool(v) if isinstance(v, (bool, np.bool_)) else None
+
+
+def load_label(kind: str, value: float | None) -> str:
+    if kind == "rate":
+        return "all at once" if value is None or math.isinf(value) else f"{value:g} req/s"
+    return "?" if value is None else f"c={value:g}"
+
+
+def pareto_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """Every ok serving row and capacity probe with a device throughput (`output_tok_s`) and a
+    per-user speed (`per_user_tok_s`; older serving rows without it: 1 / median TPOT, marked
+    derived): series, model, kind (rate | concurrency), load (its value; inf: all at once),
+    load_label, source, saturated, meets_slo, slo_violations."""
+    ok = rows[(rows["status"] == "ok") & rows["workload"].isin(["serving", "capacity"])]
+    out = []
+    for r in ok.to_dict("records"):
+        p = _point(r)
+        if r["workload"] == "capacity":
+            if p.get("result") or p.get("search") not in KIND:
+                continue
+            kind, load, source = p["search"], _f(p.get("value")), f"capacity probe {p.get('probe', '')}".strip()
+        else:
+            closed = r.get("load_mode") == "closed"
+            kind = "concurrency" if closed else "rate"
+            load = _f(r.get("concurrency")) if closed else _f(r.get("request_rate"))
+            if not closed and load is None:
+                load = math.inf                       # all at once
+            source = "serving"
+        per_user, derived = _f(r.get("per_user_tok_s")), False
+        if per_user is None and (_f(r.get("tpot_s")) or 0) > 0:
+            per_user, derived = 1 / _f(r.get("tpot_s")), True     # type: ignore[operator]
+        thr = _f(r.get("output_tok_s"))
+        if per_user is None or thr is None:
+            continue
+        viol = r.get("slo_violations")
+        out.append({"engine": r["engine"], "series": r["series"], "model": r.get("model") or "?", "kind": kind,
+                    "curve": curve_of(kind, source),
+                    "load": load if load is not None else float("nan"), "load_label": load_label(kind, load),
+                    "source": source, "per_user_tok_s": per_user, "per_user_derived": derived,
+                    "output_tok_s": thr, "saturated": _bool(r.get("saturated")),
+                    "meets_slo": _bool(r.get("meets_slo")),
+                    "slo_violations": "; ".join(map(str, viol)) if isinstance(viol, list) and viol else None})
+    df = pd.DataFrame(out)
+    if df.empty:
+        return df
+    df["_probes"] = df["curve"].str.startswith("capacity")     # sweeps first, then the probes
+    return df.sort_values(["model", "series", "_probes", "curve", "load"], kind="stable").drop(
+        columns="_probes").reset_index(drop=True)
+
+
+def curve_of(kind: str, source: str) -> str:
+    """Which curve a point belongs to (besides its series): the serving sweep over rates, over
+    concurrencies, or the capacity search's probes over either."""
+    return f"capacity probes ({KIND[kind][0]})" if source.startswith("capacity") else f"{KIND[kind][0]} sweep"
+
+
+def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.Figure:
+    """One model: x per-user speed, y device throughput; one curve per series and sweep (rates,
+    concurrencies, the capacity search's probes) in load order, each point labelled with its load;
+    saturated points drawn as a red ✕. A series with one curve is named by the series alone."""
+    fig = go.Figure()
+    styles = series_styles(df, colours)
+    curves_per_series = df.groupby("series", sort=False)["curve"].nunique()
+    for (s, curve), d in df.groupby(["series", "curve"], sort=False):
+        st = styles[s]
+        kind = d["kind"].iloc[0]
+        name = str(s) if curves_per_series[s] == 1 else f"{s} · {curve}"
+        probes = str(curve).startswith("capacity")
+        sat = [v is True for v in d["saturated"]]
+        fig.add_trace(go.Scatter(
+            x=list(d["per_user_tok_s"]), y=list(d["output_tok_s"]), name=esc(name), legendgroup=esc(name),
+            mode="lines+markers+text", text=[esc(v) for v in d["load_label"]], texttemplate="%{text}",
+            textposition="top right", textfont=dict(size=10, color=st["color"]), cliponaxis=False,
+            line=dict(color=st["color"], dash="dot" if probes else "dash" if kind == "concurrency" else "solid",
+                      width=1.5 if probes else 2),
+            marker=dict(color=[SATURATED_COLOUR if x else st["color"] for x in sat],
+                        symbol=["x" if x else st["symbol"] for x in sat], size=[12 if x else 8 for x in sat],
+                        line=dict(width=0)),
+            customdata=[[esc(lbl), esc(src), "yes" if s_ is True else "no" if s_ is False else "–",
+                         "yes" if m is True else "no" if m is False else "–", " (1 / median TPOT)" if der else ""]
+                        for lbl, src, s_, m, der in zip(d["load_label"], d["source"], d["saturated"], d["meets_slo"],
+                                                        d["per_user_derived"])],
+            hovertemplate=(f"<b>{esc(name)}</b> at %{{customdata[0]}} (%{{customdata[1]}})<br>"
+                           "per-user: %{x:.4~g} tok/s%{customdata[4]}<br>device: %{y:.5~g} tok/s<br>"
+                           "saturated: %{customdata[2]}<br>meets SLO: %{customdata[3]}<extra></extra>")))
+    log = lambda col: (df[col] > 0).all() and df[col].max() / df[col].min() > 50  # noqa: E731
+    fig.update_xaxes(title_text="per-user speed: output tok/s per request (1 / median TPOT)",
+                     type="log" if log("per_user_tok_s") else None, rangemode="tozero")
+    fig.update_yaxes(title_text="throughput per device: output tok/s", type="log" if log("output_tok_s") else None,
+                     rangemode="tozero")
+    return base_layout(fig, height=440, title=f"{model}: throughput per device vs per-user speed")
+
+
+def capacity_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per capacity conclusion (workload capacity, point.result): series, model, search,
+    capacity, the SLOs, bracket, resolution, probes (how many, met the SLO, saturated), status."""
+    df = rows[rows["workload"] == "capacity"]
+    out = []
+    for r in df.to_dict("records"):
+        p = _point(r)
+        if not p.get("result"):
+            continue
+        search = p.get("search") if p.get("search") in KIND else ("concurrency" if present(r.get("capacity_concurrency"))
+                                                                 else "rate")
+        value = _f(r.get("capacity_rps") if search == "rate" else r.get("capacity_concurrency"))
+        probes = r.get("capacity_probes") if isinstance(r.get("capacity_probes"), list) else []
+        probes = [q for q in probes if isinstance(q, (list, tuple)) and len(q) >= 2]
+        met = [q for q in probes if q[1] is True]
+        sat = [q for q in probes if len(q) > 2 and q[2] is True]
+        bracket = r.get("capacity_bracket") if isinstance(r.get("capacity_bracket"), (list, tuple)) else None
+        out.append({"engine": r["engine"], "series": r["series"], "model": r.get("model") or "?", "search": search,
+                    "capacity": value, "capacity_text": capacity_text(search, value, probes, r.get("status")),
+                    "slo_text": slo_text(r.get("capacity_slo")),
+                    "bracket": bracket_text(bracket, search),
+                    "resolution": _f(r.get("capacity_resolution")),
+                    "probes": len(probes) if probes else None, "probes_met": len(met), "probes_saturated": len(sat),
+                    "status": r.get("status"), "error": r.get("error")})
+    return pd.DataFrame(out)
+
+
+def capacity_text(search: str, value: float | None, probes: list, status: Any) -> str:
+    if status != "ok":
+        return f"{status}"
+    if value is not None:
+        return f"{fmt_num(nice(value))} {KIND[search][1]}"
+    loads = [_f(q[0]) for q in probes if _f(q[0]) is not None]
+    if probes and not any(q[1] is True for q in probes) and loads:
+        return f"not found: every probe missed the SLOs (lowest {fmt_num(min(loads))} {KIND[search][1]})"
+    if probes and all(q[1] is True for q in probes) and loads:
+        return f"not found: every probe met the SLOs (highest {fmt_num(max(loads))} {KIND[search][1]})"
+    return "not found"
+
+
+def slo_text(slo: Any) -> str:
+    """'TTFT p99 ≤ 500 ms · TPOT p99 ≤ 50 ms · E2EL p99 unset'."""
+    if not isinstance(slo, dict):
+        return "–"
+    parts = []
+    for key, label in (("ttft_p99_s", "TTFT p99"), ("tpot_p99_s", "TPOT p99"), ("e2el_p99_s", "E2EL p99")):
+        v = _f(slo.get(key))
+        parts.append(f"{label} ≤ {fmt_num(v * MS)} ms" if v is not None else f"{label} unset")
+    return " · ".join(parts)
+
+
+def bracket_text(bracket: Any, search: str) -> str:
+    if not bracket or len(bracket) != 2:
+        return "–"
+    lo, hi = (_f(v) for v in bracket)
+    return f"[{fmt_num(nice(lo)) if lo is not None else '–'}, {fmt_num(nice(hi)) if hi is not None else '–'}] {KIND[search][1]}"
+
+
+def capacity_table(cap: pd.DataFrame) -> Table:
+    rows, classes = [], []
+    several_models = cap["model"].nunique() > 1
+    for r in cap.to_dict("records"):
+        ok = r["status"] == "ok"
+        rows.append([
+            Cell(str(r["series"])), *([Cell(str(r["model"]))] if several_models else []),
+            Cell(KIND[r["search"]][0]),
+            Cell(r["capacity_text"], r["capacity"], cls="num" if r["capacity"] is not None else ""),
+            Cell(r["slo_text"], cls="wrap"),
+            Cell(r["bracket"], cls="num"),
+            Cell(fmt_num(nice(r["resolution"])) if r["resolution"] is not None else "–", r["resolution"], cls="num"),
+            Cell("–" if r["probes"] is None else f"{r['probes']} ({r['probes_met']} met the SLOs, "
+                                                 f"{r['probes_saturated']} saturated)", r["probes"], cls="num"),
+            Cell("" if ok else str(r["error"] or ""), cls="error" if not ok else ""),
+        ])
+        classes.append("" if ok else "bad")
+    return Table(["engine", *(["model"] if several_models else []), "search", "capacity", "SLOs it was found under",
+                  "bracket [meets, misses]", "resolution", "probes", "error"], rows,
+                 "The largest load at which every SLO held, found by the capacity search: the bracket is the last "
+                 "load that met the SLOs and the first that missed them, searched down to the resolution.",
+                 "capacity", classes)
+
+
+@section("capacity", "Capacity", "How much load each engine sustains, and what each user gets at it: "
+         "throughput per device (output tokens/s) against per-user speed (output tokens/s of one "
+         "request, 1 / median TPOT) over the rate or concurrency sweep, and the capacity found under "
+         "the SLOs.")
+def capacity(data: ReportData) -> list[Block]:
+    blocks: list[Block] = []
+    cap = capacity_frame(data.rows)
+    if not cap.empty:
+        blocks.append(capacity_table(cap))
+    pf = pareto_frame(data.rows)
+    for model, d in (pf.groupby("model", sort=False) if not pf.empty else []):
+        table = values_table(d.assign(saturated_text=d["saturated"].map(lambda v: "yes" if v is True else "no" if v is False else "–"),
+                                      meets_text=d["meets_slo"].map(lambda v: "yes" if v is True else "no" if v is False else "–")),
+                             [Col("engine", "series", text=True), Col("load", "load_label", text=True),
+                              Col("from", "source", text=True),
+                              Col("per-user tok/s", "per_user_tok_s"), Col("device tok/s", "output_tok_s"),
+                              Col("saturated", "saturated_text", text=True), Col("meets SLOs", "meets_text", text=True),
+                              Col("SLO violations", "slo_violations", text=True)],
+                             "capacity-pareto-values")
+        blocks.append(Figure(pareto_figure(d, data.colours, str(model)), "capacity-pareto",
+                             f"{model}: each point is one load (labelled: c = concurrent requests, or the request "
+                             "rate); up is more throughput for the device, right is faster for each user. Solid: a "
+                             "rate sweep; dashed: a concurrency sweep; dotted: the capacity search's probes. "
+                             "Red ✕: saturated (the queue grew through the run).", table))
+    if pf.empty and cap.empty:
+        return []
+    if not pf.empty and pf["per_user_derived"].any():
+        blocks.append(Note("Rows without per_user_tok_s (older serving rows): per-user speed is 1 / their median TPOT."))
+    return blocks
+
