@@ -228,6 +228,7 @@ class Runtime:
     api_key: str | None
     version: str
     counters: dict[str, float]
+    compute_threads: int | None = None
 
 
 def _error(message: str, status: int, kind: str = "invalid_request_error") -> Any:
@@ -303,7 +304,7 @@ def build_app(rt: Runtime) -> Any:
 
     @app.get("/version")
     async def version() -> Any:
-        return {"version": rt.version}
+        return {"version": rt.version, "compute_threads": rt.compute_threads}
 
     @app.get("/v1/models")
     async def models() -> Any:
@@ -621,12 +622,12 @@ def serve(plan: ServePlan, sock: socket.socket) -> int:
     et.start()
     rt = Runtime(et, s.served_model_name or plan.shape.name, plan.max_model_len, tokenizer, eos, plan.api_key,
                  f"infer-bench-serve {__version__} (reference engine {ReferenceEngine.version()})",
-                 {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0})
+                 {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0}, info.compute_threads)
     app = build_app(rt)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"infer-bench-serve: {rt.served_model_name} (reference engine, {plan.dtype}, {plan.device}, "
-          f"max_model_len {plan.max_model_len}, loaded in {info.load_time_s:.1f} s) at "
+          f"max_model_len {plan.max_model_len}, {info.compute_threads} threads, loaded in {info.load_time_s:.1f} s) at "
           f"http://{shown}:{port}/v1{' (Bearer key required)' if plan.api_key else ''}", flush=True)
     config = uvicorn.Config(app, log_level=s.log_level, access_log=False, timeout_graceful_shutdown=5,
                             lifespan="off")

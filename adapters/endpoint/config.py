@@ -22,7 +22,7 @@ from harness.core.schema import check, spec
 
 KINDS = ("vllm", "trtllm", "sglang", "infer-bench", "generic")
 PLACEHOLDERS = ("python", "model", "port", "host", "dtype", "max_model_len", "served_model_name", "device",
-                "api_key")
+                "threads", "cpus", "api_key")
 
 
 @dataclass
@@ -31,7 +31,7 @@ class EndpointConfig:
                            "e.g. http://127.0.0.1:8000/v1")
     launch: list[str] | None = spec(None, help="launch: the server's command as a list, with placeholders "
                                     "{python} {model} {port} {host} {dtype} {max_model_len} "
-                                    "{served_model_name} {device} {api_key}")
+                                    "{served_model_name} {device} {threads} {cpus} {api_key}")
     kind: str = spec("generic", choices=KINDS, help="which server: decides how options map to its flags "
                      "and which request extensions it knows")
     python: str | None = spec(None, help="interpreter for {python}; null: the harness's own")
@@ -56,7 +56,8 @@ class EndpointConfig:
     api_key_file: str | None = spec(None, help="file holding the API key (sent as Bearer)")
     ca_bundle: str | None = spec(None, help="PEM file of a CA to trust in addition to the system's")
     verify_tls: bool = spec(True, help="verify the server's TLS certificate (false is stated in every row)")
-    env: dict = spec({}, help="launch: environment variables of the server (added to the harness's own)")
+    env: dict = spec({}, help="launch: environment variables of the server (added to the harness's own; "
+                     "values may use the launch placeholders, e.g. {cpus})")
     attached_options: dict = spec({}, help="attach: the standard options the server was started with "
                                   "(e.g. {prefix_caching: true}); points needing others are skipped")
 
@@ -210,6 +211,13 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
                                 "free port and waits for the server there.")
             if "api_key" in names and not cfg.has_key:
                 problems.append(f"{p}.launch uses {{api_key}}: give {p}.{_SAFE} for its value.")
+        for k, v in cfg.env.items():
+            names, probs = template_fields([str(v)])
+            bad = sorted(names - set(PLACEHOLDERS) | ({"api_key"} & names))
+            if probs or bad:
+                problems.append(f"{p}.env.{k}: placeholders there may be "
+                                f"{', '.join('{' + x + '}' for x in PLACEHOLDERS if x != 'api_key')} "
+                                "(write a literal brace as {{ or }}).")
         if cfg.attached_options:
             problems.append(f"{p}.attached_options: only for an attached server (url); a launched one is "
                             f"started with engine_options.{name}.")

@@ -214,7 +214,7 @@ class Redactor:
             for k, v in o.items():
                 key = self.text(k) if isinstance(k, str) else k
                 if is_sensitive_key(k) and isinstance(v, str) and not _is_placeholder(v):
-                    out[key] = MASK
+                    out[key] = self._literal(MASK)  # (a secret made of '*' is masked too)
                 else:
                     out[key] = self.obj(v)
             return out
@@ -225,7 +225,7 @@ class Redactor:
                 if (isinstance(o[i], str) and o[i].startswith("-") and is_sensitive_key(o[i].lstrip("-"))
                         and isinstance(o[i + 1], str) and not _is_placeholder(o[i + 1])
                         and not o[i + 1].startswith("-")):
-                    items[i + 1] = MASK
+                    items[i + 1] = self._literal(MASK)
             return type(o)(items) if isinstance(o, tuple) else items
         return o
 
