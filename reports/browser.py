@@ -2,6 +2,7 @@
 used by the browser tests, and to take the README's screenshot:
 
     python -m reports.browser runs/.../report.html docs/report-top.png [--width 1280 --height 1000]
+    python -m reports.browser runs/.../report.html docs/report-capacity.png --section capacity
 
 Needs `apt-get install -y chromium chromium-driver` and `pip install selenium` (the [dev] extra).
 """
@@ -67,17 +68,29 @@ def open_report(driver: Any, path: str | Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def screenshot(report: str | Path, out: str | Path, width: int = 1280, height: int = 1000) -> Path:
-    """The top of a report as a PNG (palette-quantised when Pillow is present, to stay small)."""
+def screenshot(report: str | Path, out: str | Path, width: int = 1280, height: int = 1000,
+               section: str | None = None) -> Path:
+    """The top of a report as a PNG, or one whole section of it (`section`: its id, e.g.
+    "capacity"); palette-quantised when Pillow is present, to stay small."""
     driver = chromium(width, height)
     try:
         open_report(driver, report)
+        if section is not None:
+            tall = driver.execute_script("const s = document.getElementById(arguments[0]);"
+                                         "return s ? s.scrollHeight : null", section)
+            if tall is None:
+                raise ValueError(f"{report}: no section with id {section!r}")
+            height = max(height, int(tall) + 100)
         inner = driver.execute_script("return [window.innerWidth, window.innerHeight]")
         driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])   # the viewport, exactly
         time.sleep(0.5)   # let Plotly finish its transitions and resizes
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(out))
+        if section is None:
+            driver.save_screenshot(str(out))
+        else:
+            from selenium.webdriver.common.by import By
+            driver.find_element(By.ID, section).screenshot(str(out))
     finally:
         driver.quit()
     try:
@@ -89,17 +102,23 @@ def screenshot(report: str | Path, out: str | Path, width: int = 1280, height: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m reports.browser", description="Screenshot the top of a report.")
+    p = argparse.ArgumentParser(prog="python -m reports.browser",
+                                description="Screenshot the top of a report, or one of its sections.")
     p.add_argument("report")
     p.add_argument("out")
     p.add_argument("--width", type=int, default=1280)
     p.add_argument("--height", type=int, default=1000)
+    p.add_argument("--section", default=None, metavar="ID", help="one section (its id, e.g. capacity), whole")
     a = p.parse_args(argv)
     why = missing()
     if why:
         print(f"reports.browser: error: {why}", file=sys.stderr)
         return 2
-    print(screenshot(a.report, a.out, a.width, a.height))
+    try:
+        print(screenshot(a.report, a.out, a.width, a.height, a.section))
+    except ValueError as e:
+        print(f"reports.browser: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

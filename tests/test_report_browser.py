@@ -16,7 +16,8 @@ import pytest
 
 from reports import browser, write_report
 from reports.blocks import fmt_num
-from test_report_fakes import other_workload_rows, status_row, sweep_rows, write_results
+from test_report_fakes import (FAKE_ENV, capacity_rows, http_serving_rows, other_workload_rows,
+                               parity_rows_teacher_forced, serving_load_rows, status_row, sweep_rows, write_results)
 
 pytestmark = pytest.mark.browser
 
@@ -32,7 +33,7 @@ SUMMARY_FIELDS = {
     "decode tok/s [95% CI]": ("decode_tok_s", 1),
     "end-to-end ms [95% CI]": ("e2e_latency_s", MS),
     "output tok/s [95% CI]": ("output_tok_s", 1),
-    "peak memory MiB": ("peak_memory_bytes", MIB),
+    "process peak MiB": ("peak_memory_bytes", MIB),
     "repeats": ("repeats", 1),
 }
 # script, an event handler, and the tags Plotly itself renders in figure text (bold, links)
@@ -152,31 +153,60 @@ def test_real_run_report_in_chromium(driver: Any, real_run: tuple[Path, str]) ->
 def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
     rows = (sweep_rows({"hf": 1.0, "reference": 1.6}, decode_bw_fraction=0.3, prefill_compute_fraction=0.2)
             + other_workload_rows()
+            + serving_load_rows({"hf": 1.0, "reference": 1.5}, mode="closed", loads=(1, 2, 4, 8, 16))
+            + capacity_rows("hf") + capacity_rows("reference", speed=1.5, capacity=12,
+                                                  probes=((4, True, False), (16, False, True), (12, True, False)))
+            + http_serving_rows(server_tokens=(400, 398), failed=(0, 2), tls_verify=False)
+            + [r for r in parity_rows_teacher_forced() if r["engine"] != "reference"]
             + [status_row("vllm", "unavailable", "vllm is not installed"),
                status_row("hf", "failed", "out of memory", point={"batch_size": 64})])
+    for r in rows:
+        if r["engine"] == "reference" and r["workload"] == "sweep":
+            r["compute_threads"] = 1                   # engines got different resources: warned
+        if r["workload"] == "serving" and r.get("load_mode") == "closed":
+            r.update(energy_j=5.0, joules_per_output_token=0.01, output_tokens_per_joule=100.0, energy_source="rapl")
     write_results(tmp_path / "cur", rows)
-    write_results(tmp_path / "base", sweep_rows({"hf": 1.2, "reference": 1.5}))
+    other_machine = {**FAKE_ENV, "cpu": {**FAKE_ENV["cpu"], "model": "Other CPU"}}
+    write_results(tmp_path / "base", sweep_rows({"hf": 1.2, "reference": 1.5}), env=other_machine)
     report = write_report([tmp_path / "cur"], tmp_path / "fake-report.html", baseline=[tmp_path / "base"])
     browser.open_report(driver, report)
     assert console_errors(driver) == []
     sections = driver.execute_script("return Array.from(document.querySelectorAll('section')).map(s => s.id)")
     assert sections == ["run", "summary", "baseline", "prefill", "decode", "memory", "kv-ablation", "prefix-sharing",
-                        "serving", "kv-fragmentation", "roofline", "parity", "definitions"]
+                        "serving", "capacity", "http-endpoints", "energy", "kv-fragmentation", "roofline", "parity",
+                        "definitions"]
     figs = drawn_figures(driver)
-    assert len(figs) >= 20
+    assert len(figs) >= 25
     for f in figs:
         assert f["plotted"] and f["traces"] > 0 and f["drawn"] > 0, f
+    names = {f["name"] for f in figs}
+    assert {"capacity-pareto", "http-telemetry", "serving-closed-ttft", "parity"} <= names
     failures = table(driver, "failures")
-    assert [c[1]["text"] for c in failures["rows"]] == ["unavailable", "failed"]
+    assert [c[1]["text"] for c in failures["rows"]] == ["failed", "unavailable", "failed"]   # parity (vllm) first
     regressions = driver.execute_script("return document.querySelectorAll('table[data-table=\"comparison\"] tr.bad').length")
     assert regressions > 0                           # hf got slower than its baseline: highlighted
-    # the memory timeline's selector switches the point shown
+    # the warnings are on the page, visible, in the order: resources, TLS (header), machines (baseline)
+    alerts = driver.execute_script("""
+        return Array.from(document.querySelectorAll('[role=alert]')).map(e => [e.dataset.note, e.offsetHeight > 0,
+                                                                              e.innerText]);""")
+    assert [a[0] for a in alerts] == ["resources-differ", "tls-off", "different-machines", "http-flags"]
+    assert all(a[1] for a in alerts) and "compute threads: hf 2; reference 1 / 2" in alerts[0][2]
+    capacity = table(driver, "capacity")
+    assert [r[0]["text"] for r in capacity["rows"]] == ["hf", "reference"]
+    assert [r[2]["text"] for r in capacity["rows"]] == ["8 concurrent", "12 concurrent"]
+    # the memory timeline's and the server telemetry's selectors switch the point shown
     switched = driver.execute_script("""
         const el = document.querySelector('figure[data-figure="memory-timeline"] .js-plotly-plot');
         const before = el.layout.title.text;
         return Plotly.update(el, {visible: el.data.map((t, i) => i >= el.data.length - 2)},
                              {'title.text': 'switched'}).then(() => [before, el.layout.title.text]);""")
     assert switched[1] == "switched" and switched[0].startswith("Memory timeline: batch 4")
+    telemetry = driver.execute_script("""
+        const el = document.querySelector('figure[data-figure="http-telemetry"] .js-plotly-plot');
+        const b = el.layout.updatemenus[0].buttons[1];
+        return Plotly.update(el, b.args[0], b.args[1]).then(() => [el.layout.title.text,
+            el.data.filter(t => t.visible !== false).length, el.data.length]);""")
+    assert telemetry[0] == "Server telemetry: serving · rate 8.0" and telemetry[1] * 2 == telemetry[2]
     save_screenshots(driver, "report-fake-all-sections")
 
 

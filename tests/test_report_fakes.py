@@ -167,13 +167,14 @@ def serving_load_rows(engines: dict[str, float], mode: str = "open", loads=(1.0,
 def capacity_rows(engine: str, search: str = "concurrency",
                   probes=((4, True, False), (16, False, True), (8, True, False), (12, False, False)),
                   capacity: float | None = 8, slo: dict[str, Any] | None = None, model: str = "tiny", speed: float = 1.0,
+                  saturate_above: float = 8.0,
                   status: str = "ok", error: str | None = None, **extra: Any) -> list[dict[str, Any]]:
     """FAKE workload `capacity` rows of one engine: a probe row per (value, meets_slo, saturated)
     with serving fields, then the conclusion row."""
     slo = slo if slo is not None else {"ttft_p99_s": 0.5, "tpot_p99_s": 0.05, "e2el_p99_s": None}
     rows = []
     for i, (value, meets, saturated) in enumerate(probes):
-        tpot, per_user, device = fake_load_point(value, speed)
+        tpot, per_user, device = fake_load_point(value, speed, saturate_above)
         point = {"search": search, "value": value, "probe": i}
         rows.append(make_row(engine=engine, workload="capacity", status="ok", model=model, dtype="float32",
                              device="cpu", point=point,

@@ -83,8 +83,9 @@ def pareto_frame(rows: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     df["_probes"] = df["curve"].str.startswith("capacity")     # sweeps first, then the probes
-    return df.sort_values(["model", "series", "_probes", "curve", "load"], kind="stable").drop(
-        columns="_probes").reset_index(drop=True)
+    df["_model"] = df["model"].map({m: i for i, m in enumerate(dict.fromkeys(df["model"]))})   # as the rows come
+    return df.sort_values(["_model", "series", "_probes", "curve", "load"], kind="stable").drop(
+        columns=["_probes", "_model"]).reset_index(drop=True)
 
 
 def curve_of(kind: str, source: str) -> str:
@@ -108,13 +109,15 @@ def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.F
         sat = [v is True for v in d["saturated"]]
         fig.add_trace(go.Scatter(
             x=list(d["per_user_tok_s"]), y=list(d["output_tok_s"]), name=esc(name), legendgroup=esc(name),
-            mode="lines+markers+text", text=[esc(v) for v in d["load_label"]], texttemplate="%{text}",
+            mode="markers+text" if probes else "lines+markers+text",   # probes bisect: no line through them
+            text=[esc(v) for v in d["load_label"]], texttemplate="%{text}",
             textposition="top right", textfont=dict(size=10, color=st["color"]), cliponaxis=False,
             line=dict(color=st["color"], dash="dot" if probes else "dash" if kind == "concurrency" else "solid",
                       width=1.5 if probes else 2),
             marker=dict(color=[SATURATED_COLOUR if x else st["color"] for x in sat],
-                        symbol=["x" if x else st["symbol"] for x in sat], size=[12 if x else 8 for x in sat],
-                        line=dict(width=0)),
+                        symbol=["x" if x else "diamond-open" if probes else st["symbol"] for x in sat],
+                        size=[12 if x else 10 if probes else 8 for x in sat],
+                        line=dict(width=2 if probes else 0, color=st["color"])),
             customdata=[[esc(lbl), esc(src), "yes" if s_ is True else "no" if s_ is False else "–",
                          "yes" if m is True else "no" if m is False else "–", " (1 / median TPOT)" if der else ""]
                         for lbl, src, s_, m, der in zip(d["load_label"], d["source"], d["saturated"], d["meets_slo"],
@@ -164,9 +167,9 @@ def capacity_text(search: str, value: float | None, probes: list, status: Any) -
         return f"{fmt_num(nice(value))} {KIND[search][1]}"
     loads = [_f(q[0]) for q in probes if _f(q[0]) is not None]
     if probes and not any(q[1] is True for q in probes) and loads:
-        return f"not found: every probe missed the SLOs (lowest {fmt_num(min(loads))} {KIND[search][1]})"
+        return f"not found: every probe missed the SLOs (lowest {fmt_num(nice(min(loads)))} {KIND[search][1]})"
     if probes and all(q[1] is True for q in probes) and loads:
-        return f"not found: every probe met the SLOs (highest {fmt_num(max(loads))} {KIND[search][1]})"
+        return f"not found: every probe met the SLOs (highest {fmt_num(nice(max(loads)))} {KIND[search][1]})"
     return "not found"
 
 
@@ -234,7 +237,7 @@ def capacity(data: ReportData) -> list[Block]:
         blocks.append(Figure(pareto_figure(d, data.colours, str(model)), "capacity-pareto",
                              f"{model}: each point is one load (labelled: c = concurrent requests, or the request "
                              "rate); up is more throughput for the device, right is faster for each user. Solid: a "
-                             "rate sweep; dashed: a concurrency sweep; dotted: the capacity search's probes. "
+                             "rate sweep; dashed: a concurrency sweep; open diamonds: the capacity search's probes. "
                              "Red ✕: saturated (the queue grew through the run).", table))
     if pf.empty and cap.empty:
         return []
