@@ -51,7 +51,7 @@ def kv_fragmentation(data: ReportData) -> list[Block]:
                               Col("tokens stored", "tokens_stored"), Col("waste %", "waste", 100, None, "lower"),
                               Col("bytes/token (engine)", "kv_bytes_per_token"),
                               Col("bytes/token (estimate)", "kv_est_bytes_per_token"),
-                              Col("pool MiB", "kv_pool_bytes", MIB)],
+                              Col("KV held MiB (the whole pool where reserved up front)", "kv_pool_bytes", MIB)],
                          "kv-fragmentation-values", group="point_label")
     return [Figure(base_layout(fig, height=420), "kv-fragmentation",
                    "Pale bar: slots allocated; solid bar: tokens stored in them.", table)]
