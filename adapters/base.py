@@ -6,8 +6,9 @@ The semantics are fixed by DESIGN.md ("The engine interface"):
 - prefill(prompts)      run a batch of token-id lists until every sequence has its first token
 - decode(steps)         advance every live sequence by one token per step, `steps` times
 - release()             drop the live sequences and free their KV blocks
-- serve(requests, t0)   continuous batching: requests arrive at scheduled times; yields one
-                        timestamped `TokenEvent` for every output token (or a `RequestFailed`)
+- serve(requests, t0)   continuous batching: requests arrive at scheduled times (a list) or as a
+                        RequestSource makes them due (a closed loop); yields one timestamped
+                        `TokenEvent` for every output token (or a `RequestFailed`)
 - score(seqs, start, k) teacher-forced log-probabilities of given sequences (parity)
 - kv_cache_info()       what the engine can report about its KV cache (None where it cannot)
 - capabilities(...)     which options it supports, so a workload can skip what it cannot do
@@ -68,6 +69,67 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     arrival_s: float = 0.0
+
+
+class RequestSource:
+    """The requests of a serve() call as they become due. An engine's serve loop asks `due(now)`
+    for the requests whose time has come (each handed out once), `next_due_ns()` for when to look
+    again (None: nothing is scheduled until a request finishes - a closed loop), and `exhausted()`
+    whether every request was handed out. The consumer of serve()'s events reports each request's
+    end with `finished()`, so a closed loop (workloads.serving) can schedule the next one; an
+    engine never needs to call it. A plain list of requests is a `ListSource`."""
+
+    def due(self, now_ns: int) -> list[Request]:
+        raise NotImplementedError
+
+    def next_due_ns(self) -> int | None:
+        raise NotImplementedError
+
+    def exhausted(self) -> bool:
+        raise NotImplementedError
+
+    def finished(self, request_id: str, time_ns: int) -> None:
+        """A request produced its last token (or failed)."""
+
+
+class ListSource(RequestSource):
+    """Open loop: requests due at their scheduled arrival (start_ns + arrival_s). With
+    `max_concurrency`, at most that many are handed out before earlier ones finish (the others
+    wait at the client; their clock still starts at the scheduled arrival)."""
+
+    def __init__(self, requests: list[Request], start_ns: int, max_concurrency: int | None = None):
+        self.start_ns = start_ns
+        self.pending = sorted(requests, key=lambda r: r.arrival_s)
+        self.max_concurrency = max_concurrency
+        self.in_flight: set[str] = set()
+
+    def _arrival_ns(self, r: Request) -> int:
+        return self.start_ns + int(r.arrival_s * 1e9)
+
+    def due(self, now_ns: int) -> list[Request]:
+        out = []
+        while self.pending and self._arrival_ns(self.pending[0]) <= now_ns and (
+                self.max_concurrency is None or len(self.in_flight) < self.max_concurrency):
+            r = self.pending.pop(0)
+            self.in_flight.add(r.request_id)
+            out.append(r)
+        return out
+
+    def next_due_ns(self) -> int | None:
+        if not self.pending or (self.max_concurrency is not None and len(self.in_flight) >= self.max_concurrency):
+            return None
+        return self._arrival_ns(self.pending[0])
+
+    def exhausted(self) -> bool:
+        return not self.pending
+
+    def finished(self, request_id: str, time_ns: int) -> None:
+        self.in_flight.discard(request_id)
+
+
+def as_source(requests: list[Request] | RequestSource, start_ns: int) -> RequestSource:
+    """What a serve() loop iterates: the source it was given, or a list as an open loop."""
+    return requests if isinstance(requests, RequestSource) else ListSource(list(requests), start_ns)
 
 
 # ---- what comes out ---------------------------------------------------------------------
@@ -273,7 +335,12 @@ class Engine(ABC):
     def release(self) -> None: ...
 
     @abstractmethod
-    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]: ...
+    def serve(self, requests: list[Request] | RequestSource, start_ns: int) -> Iterator[TokenEvent]:
+        """Continuous batching: take requests as they become due (`as_source(requests, start_ns)`:
+        a list is an open loop at the requests' scheduled arrivals) and yield a TokenEvent for every
+        output token (or a RequestFailed). While nothing runs and nothing is due, wait until
+        `next_due_ns()`; when that is None, no request can become due before one finishes, so a
+        serve loop with nothing running ends only when the source is exhausted."""
 
     @abstractmethod
     def kv_cache_info(self) -> KVCacheInfo: ...

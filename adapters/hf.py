@@ -25,7 +25,7 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    StepTiming, TokenEvent, TokenScores, now_ns, option_type_problems, wait_until,
+    RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns, option_type_problems, wait_until,
 )
 from harness.core.kvcalc import canonical_kv_dtype
 
@@ -195,14 +195,18 @@ class HFEngine(Engine):
         return out
 
     # ---- serving: static batches ---------------------------------------------------------
-    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]:
-        pending = sorted(requests, key=lambda r: r.arrival_s)
-        while pending:
-            first_arrival = start_ns + int(pending[0].arrival_s * 1e9)
-            wait_until(first_arrival)
-            t = now_ns()
-            batch = [r for r in pending if start_ns + int(r.arrival_s * 1e9) <= t][: self.max_batch_size]
-            pending = pending[len(batch):]
+    def serve(self, requests: list[Request] | RequestSource, start_ns: int) -> Iterator[TokenEvent]:
+        source = as_source(requests, start_ns)
+        waiting: list[Request] = []
+        while True:
+            waiting += source.due(now_ns())
+            if not waiting:
+                nxt = source.next_due_ns()
+                if source.exhausted() or nxt is None:
+                    return
+                wait_until(nxt)
+                continue
+            batch, waiting = waiting[: self.max_batch_size], waiting[self.max_batch_size:]
             pre = self.prefill([r.prompt_ids for r in batch])
             for r, tok in zip(batch, pre.first_tokens):
                 yield TokenEvent(r.request_id, 0, tok, pre.end_ns, finished=r.max_new_tokens <= 1)

@@ -99,7 +99,10 @@ class Plan:
         return [p for w in self.workloads for p in w.points]
 
     def workload_named(self, name: str) -> Workload:
-        return next(w.workload for w in self.workloads if w.workload.name == name)
+        return self.workload_and_cfg(name)[0]
+
+    def workload_and_cfg(self, name: str) -> tuple[Workload, Any]:
+        return next((w.workload, w.cfg) for w in self.workloads if w.workload.name == name)
 
     def engine_order(self) -> list[str]:
         """The reference engine runs first: it is the baseline of the parity check."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+from collections import deque
 import signal
 import subprocess
 import threading
@@ -275,17 +276,15 @@ class Runner:
                                          model=self.model_path)
         return [*prefix, str(self._script)]
 
-    def _start_worker(self, engine: str, log_path: Path) -> tuple[WorkerProcess | None, WorkerInfo, str | None,
-                                                                      str | None]:
-        """(worker, its identity, None, None) after a good handshake, else (None, info, status, reason)
-        with status 'unavailable' or 'failed'."""
+    def _start_worker(self, engine: str, log_path: Path) -> tuple[WorkerProcess | None, WorkerInfo, str | None]:
+        """(worker, its identity, None) after a good handshake, else (None, info, why it failed)."""
         cmd = self._command(engine)
         launch = self.plan.launch_prefix(engine) if self.plan.engine_envs.get(engine) else None
         info = WorkerInfo(launch=launch)
         try:
             worker = WorkerProcess(cmd, log_path, self.redact)
         except OSError as e:
-            return None, info, "failed", f"the worker command could not start ({e}): {' '.join(cmd)}"
+            return None, info, f"the worker command could not start ({e}): {' '.join(cmd)}"
         self._worker = worker
         worker.send(Hello(PROTOCOL_VERSION, self._job(engine)))
         deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT_S, self.plan.settings.point_timeout_s)
@@ -293,17 +292,17 @@ class Runner:
             msg = worker.recv(min(0.5, deadline - time.monotonic()))
             if isinstance(msg, Ready) and msg.protocol != PROTOCOL_VERSION:
                 self._end_worker()
-                return None, info, "failed", (f"worker protocol mismatch: the harness speaks version "
-                                              f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version {msg.protocol}")
+                return None, info, (f"worker protocol mismatch: the harness speaks version "
+                                    f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version {msg.protocol}")
             if isinstance(msg, Ready):
                 info.python, info.versions = msg.python, msg.versions
                 info.sees_processes = msg.pid in worker.pids()
-                return worker, info, None, None
+                return worker, info, None
             if isinstance(msg, Incompatible):
                 self._end_worker()
-                return None, info, "failed", (f"worker protocol mismatch: the harness speaks version "
-                                              f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version "
-                                              f"{msg.protocol}: {msg.message}")
+                return None, info, (f"worker protocol mismatch: the harness speaks version "
+                                    f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version "
+                                    f"{msg.protocol}: {msg.message}")
             if msg is _EOF or (msg is None and worker.proc.poll() is not None) or time.monotonic() > deadline:
                 why = ("did not answer the handshake within "
                        f"{min(HANDSHAKE_TIMEOUT_S, self.plan.settings.point_timeout_s):g} s"
@@ -311,99 +310,124 @@ class Runner:
                        f"died during the handshake ({_exit_text(worker.proc.wait(10))})")
                 self._end_worker()
                 tail = _tail(log_path)
-                return None, info, "failed", (f"the engine's worker {why}. Command: {' '.join(cmd)}"
-                                              + (f"\nlast lines of logs/{log_path.name}:\n{tail}" if tail else ""))
+                return None, info, (f"the engine's worker {why}. Command: {' '.join(cmd)}"
+                                    + (f"\nlast lines of logs/{log_path.name}:\n{tail}" if tail else ""))
 
-    def _end_worker(self) -> None:
+    def _end_worker(self, grace_s: float = 30.0) -> None:
         if self._worker is not None:
-            self._worker.stop()
+            self._worker.stop(grace_s)
             self._worker = None
 
+    def _existing_row(self, engine: str, point: Point) -> dict[str, Any] | None:
+        """The row this engine already has for the point (resume), if any."""
+        if (engine, point.key) not in self.done:
+            return None
+        return next((r for r in reversed(self.rows) if r.get("engine") == engine and r.get("point_key") == point.key),
+                    None)
+
     def run_engine(self, engine: str) -> None:
-        remaining = [p for p in self.plan.points if (engine, p.key) not in self.done]
-        self.progress.skip(len(self.plan.points) - len(remaining), engine, "done before (resume)", quiet_if_zero=True)
-        if not remaining:
-            return
+        """The engine's points in order. A workload may add points as rows come in (capacity's
+        search: the next probe depends on the last one), and compute some in the harness itself
+        (capacity's conclusion); the engine's worker is started when a point first needs it, and
+        restarted after it dies."""
+        queue = deque(self.plan.points)
         if engine in self.plan.unavailable:
             if (engine, None) not in self.done:
                 self._row(engine, None, "unavailable", self.plan.unavailable[engine], {})
-            self.progress.skip(len(remaining), engine, "unavailable")
+            self.progress.skip(len(queue), engine, "unavailable")
             return
         log_path = self.out_dir / "logs" / f"{engine}.log"
-        while remaining:
-            worker, info, status, reason = self._start_worker(engine, log_path)
-            if worker is None:
-                if status == "unavailable" or not remaining:
-                    self._row(engine, None, "unavailable", reason, {}, info)
+        worker: WorkerProcess | None = None
+        info = WorkerInfo()
+        try:
+            while queue:
+                point = queue.popleft()
+                wl, cfg = self.plan.workload_and_cfg(point.workload)
+                row = self._existing_row(engine, point)
+                if row is not None:
+                    self.progress.skip(1, engine, "done before (resume)")
                 else:
-                    self._fail_all(engine, remaining, reason or "worker failed", info)
-                return
-            remaining, stop = self._follow(engine, worker, info, remaining, log_path)
+                    ooms = [Point(r["workload"], r["point"]) for r in self.rows
+                            if r["engine"] == engine and r["status"] == "failed" and r.get("oom")]
+                    skip = oom_skip_reason(point, ooms)
+                    fields = None if skip else wl.compute_in_harness(point, engine, self.rows, cfg)
+                    if skip or fields is not None:
+                        row = self._row(engine, point, "skipped" if skip else "ok", skip, fields or {}, info)
+                        self.progress.finish(engine, point, row["status"])
+                    else:
+                        if worker is None:
+                            worker, info, reason = self._start_worker(engine, log_path)
+                            if worker is None:  # could not start: this point and the rest fail with the reason
+                                self._fail_all(engine, [point, *queue], reason or "the worker failed", info)
+                                return
+                        row, alive = self._run_point(engine, worker, info, point, log_path)
+                        if row is None:  # the engine is unavailable after all
+                            self.progress.skip(len(queue), engine, "unavailable")
+                            return
+                        if not alive:
+                            self._end_worker()
+                            worker = None
+                new = wl.next_points(point, row, [r for r in self.rows if r.get("engine") == engine], cfg)
+                self.progress.total += len(new)
+                queue.extendleft(reversed(new))
+        except KeyboardInterrupt:
+            self._end_worker(grace_s=2.0)
+            raise
+        finally:
             self._end_worker()
-            if stop:
-                return
 
-    def _follow(self, engine: str, worker: WorkerProcess, info: WorkerInfo, points: list[Point],
-                log_path: Path) -> tuple[list[Point], bool]:
-        """Send the points one by one until they are done or the worker dies. Returns (the points
-        still to run, whether the engine is finished: unavailable, or nothing left)."""
+    def _run_point(self, engine: str, worker: WorkerProcess, info: WorkerInfo, point: Point,
+                   log_path: Path) -> tuple[dict[str, Any] | None, bool]:
+        """Send one point and wait for its row. Returns (the row, whether the worker is still
+        usable); (None, False) when the worker says the engine cannot run here."""
         limit = self.plan.settings.point_timeout_s
-        for i, point in enumerate(points):
-            skip = oom_skip_reason(point, [Point(r["workload"], r["point"]) for r in self.rows
-                                           if r["engine"] == engine and r["status"] == "failed" and r.get("oom")])
-            if skip:
-                self._row(engine, point, "skipped", skip, {}, info)
-                self.progress.finish(engine, point, "skipped")
-                continue
-            inputs = self.plan.workload_named(point.workload).point_inputs(point, self.rows)
-            worker.send(RunPoint(point.to_dict(), inputs))  # a worker that is gone shows as end of output below
-            started = time.monotonic()
-            min_avail = 1.0
-            while True:
-                min_avail = min(min_avail, _available_share())
-                msg = worker.recv(0.1)
-                if isinstance(msg, PointStarted):
-                    started = time.monotonic()
-                    min_avail = 1.0
-                    self.progress.start(engine, point)
-                elif isinstance(msg, PointDone):
-                    self._row(engine, point, msg.status, msg.error, msg.fields, info)
-                    self.progress.finish(engine, point, msg.status)
-                    break
-                elif isinstance(msg, Unavailable):
-                    self._row(engine, None, "unavailable", msg.reason, {}, info)
-                    self.progress.skip(len(points) - i, engine, "unavailable")
-                    return [], True
-                elif msg is _EOF or (msg is None and worker.proc.poll() is not None):
-                    code = worker.proc.wait(10)
-                    what = f"engine process died ({_exit_text(code)})"
-                    oom = code == -signal.SIGKILL and min_avail < LOW_MEMORY_SHARE
-                    if oom:
-                        what += (f" while only {min_avail:.1%} of the machine's memory was available: likely the "
-                                 "kernel's out-of-memory killer")
-                    self._fail_point(engine, point, what, log_path, info, oom=oom)
-                    return points[i + 1:], False
-                elif msg is None and time.monotonic() - started > limit:
-                    worker.kill()
-                    self._fail_point(engine, point, f"timed out after {limit:g} s (point_timeout_s); the engine "
-                                     "process was killed", log_path, info)
-                    return points[i + 1:], False
-        return [], True
+        inputs = self.plan.workload_named(point.workload).point_inputs(point, self.rows)
+        worker.send(RunPoint(point.to_dict(), inputs))  # a worker that is gone shows as end of output below
+        started = time.monotonic()
+        min_avail = 1.0
+        while True:
+            min_avail = min(min_avail, _available_share())
+            msg = worker.recv(0.1)
+            if isinstance(msg, PointStarted):
+                started = time.monotonic()
+                min_avail = 1.0
+                self.progress.start(engine, point)
+            elif isinstance(msg, PointDone):
+                row = self._row(engine, point, msg.status, msg.error, msg.fields, info)
+                self.progress.finish(engine, point, msg.status)
+                return row, True
+            elif isinstance(msg, Unavailable):
+                self._row(engine, None, "unavailable", msg.reason, {}, info)
+                self.progress.skip(1, engine, "unavailable")
+                return None, False
+            elif msg is _EOF or (msg is None and worker.proc.poll() is not None):
+                code = worker.proc.wait(10)
+                what = f"engine process died ({_exit_text(code)})"
+                oom = code == -signal.SIGKILL and min_avail < LOW_MEMORY_SHARE
+                if oom:
+                    what += (f" while only {min_avail:.1%} of the machine's memory was available: likely the "
+                             "kernel's out-of-memory killer")
+                return self._fail_point(engine, point, what, log_path, info, oom=oom), False
+            elif msg is None and time.monotonic() - started > limit:
+                worker.kill()
+                return self._fail_point(engine, point, f"timed out after {limit:g} s (point_timeout_s); the engine "
+                                        "process was killed", log_path, info), False
 
     def _fail_point(self, engine: str, point: Point, what: str, log_path: Path, info: WorkerInfo,
-                    oom: bool = False) -> None:
+                    oom: bool = False) -> dict[str, Any]:
         tail = _tail(log_path)
         reason = what + (f"; last lines of logs/{log_path.name}:\n{tail}" if tail else "")
-        self._row(engine, point, "failed", reason, {"oom": oom}, info)
+        row = self._row(engine, point, "failed", reason, {"oom": oom}, info)
         self.progress.finish(engine, point, "failed")
+        return row
 
     def _fail_all(self, engine: str, points: list[Point], error: str, info: WorkerInfo) -> None:
         for p in points:
             self._row(engine, p, "failed", error, {}, info)
         self.progress.skip(len(points), engine, "failed")
 
-    def stop_children(self) -> None:
-        self._end_worker()
+    def stop_children(self, grace_s: float = 30.0) -> None:
+        self._end_worker(grace_s)
 
     def run(self) -> list[dict[str, Any]]:
         if self.plan.settings.roofline:
@@ -411,6 +435,9 @@ class Runner:
         try:
             for engine in self.plan.engine_order():
                 self.run_engine(engine)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the worker at once (it may be mid-point)
+            self.stop_children(grace_s=2.0)
+            raise
         finally:
             self.stop_children()
             self.writer.close()

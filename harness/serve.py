@@ -207,7 +207,8 @@ class EngineThread(threading.Thread):
                 hits=info.prefix_cache_hits or 0, queries=info.prefix_cache_queries or 0,
                 preemptions=info.preemptions or 0,
                 config={"block_size": str(info.block_size), "num_blocks": str(info.num_blocks),
-                        "kv_dtype": str(info.kv_dtype), "prefix_caching": str(info.prefix_cache_queries is not None)})
+                        "kv_dtype": str(info.kv_dtype), "pool_bytes": str(info.pool_bytes),
+                        "prefix_caching": str(info.prefix_cache_queries is not None)})
 
 
 # ---- the HTTP side --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ REGISTRY: dict[str, str] = {
     "serving": "workloads.serving:Serving",
     "kv_memory": "workloads.kv_memory:KVMemory",
     "parity": "workloads.parity:Parity",
+    "capacity": "workloads.capacity:Capacity",
 }
 
 

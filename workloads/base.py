@@ -89,22 +89,60 @@ def oom_skip_reason(point: Point, out_of_memory: list[Point]) -> str | None:
     return None if o is None else f"batch_size={o.params['batch_size']} of this point ran out of memory"
 
 
-def collect(requests: list[Request], start_ns: int, events: Iterable[TokenEvent | RequestFailed]) -> list[RequestTrace]:
-    """Group an engine's token events by request. The clock of each request starts at its
-    scheduled arrival (start_ns + arrival_s), not when the engine took it. A `RequestFailed`
-    marks its request failed with the reason."""
-    traces = {r.request_id: RequestTrace(r.request_id, start_ns + round(r.arrival_s * 1e9), len(r.prompt_ids))
-              for r in requests}
-    for ev in events:
-        tr = traces[ev.request_id]
+class Collector:
+    """Token events of a serve() call, grouped by request. Each request's clock starts at its
+    scheduled arrival (start_ns + arrival_s, read when the traces are taken: a closed loop sets it
+    when the request's slot frees), not when the engine took it. A `RequestFailed` marks its
+    request failed with the reason. The request source hears of every request's end."""
+
+    def __init__(self, requests: list[Request], start_ns: int, source: Any = None):
+        self.requests = {r.request_id: r for r in requests}
+        self.expected = {r.request_id: r.max_new_tokens for r in requests}
+        self.start_ns = start_ns
+        self.source = source
+        self._traces = {r.request_id: RequestTrace(r.request_id, 0, len(r.prompt_ids)) for r in requests}
+
+    def feed(self, ev: TokenEvent | RequestFailed) -> bool:
+        """Take one event; True when it was a request's first token."""
+        tr = self._traces[ev.request_id]
         if isinstance(ev, RequestFailed):
             tr.error = ev.reason
-            continue
+            if self.source is not None:
+                self.source.finished(ev.request_id, ev.time_ns)
+            return False
         if ev.index != tr.n_out:
             raise RuntimeError(f"request {ev.request_id}: token {ev.index} arrived after {tr.n_out} tokens")
         tr.token_times_ns.append(ev.time_ns)
         tr.token_ids.append(ev.token_id)
-    return list(traces.values())
+        if self.source is not None and (ev.finished or tr.n_out >= self.expected[ev.request_id]):
+            self.source.finished(ev.request_id, ev.time_ns)
+        return tr.n_out == 1
+
+    def _arrival_ns(self, request_id: str) -> int:
+        return self.start_ns + round(self.requests[request_id].arrival_s * 1e9)
+
+    def first_token_delays(self) -> tuple[list[float], list[float]]:
+        """(scheduled arrival in s since the start, TTFT in s) of every request with a first token."""
+        out_a, out_t = [], []
+        for rid, tr in self._traces.items():
+            if tr.token_times_ns:
+                a = self._arrival_ns(rid)
+                out_a.append((a - self.start_ns) / 1e9)
+                out_t.append((tr.token_times_ns[0] - a) / 1e9)
+        return out_a, out_t
+
+    def traces(self) -> list[RequestTrace]:
+        for rid, tr in self._traces.items():
+            tr.arrival_ns = self._arrival_ns(rid)
+        return list(self._traces.values())
+
+
+def collect(requests: list[Request], start_ns: int, events: Iterable[TokenEvent | RequestFailed]) -> list[RequestTrace]:
+    """Group an engine's token events by request (see Collector)."""
+    c = Collector(requests, start_ns)
+    for ev in events:
+        c.feed(ev)
+    return c.traces()
 
 
 @dataclass
@@ -173,6 +211,17 @@ class Workload(ABC):
     def point_inputs(self, point: Point, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         """Data the harness computes for a point before sending it to an engine's worker, from the
         rows written so far (e.g. parity's teacher tokens from the baseline engine). Default: none."""
+        return None
+
+    def next_points(self, point: Point, row: dict[str, Any], rows: list[dict[str, Any]], cfg: Any) -> list[Point]:
+        """Points to run next for this engine, decided from `point`'s row and the engine's rows so
+        far (a search: capacity's next probe). They run right after `point`. Default: none."""
+        return []
+
+    def compute_in_harness(self, point: Point, engine: str, rows: list[dict[str, Any]],
+                           cfg: Any) -> dict[str, Any] | None:
+        """A point the harness computes from earlier rows without the engine (capacity's
+        conclusion): its row's fields, or None for a point the engine measures (the default)."""
         return None
 
     def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:

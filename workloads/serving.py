@@ -1,10 +1,24 @@
 """Serving under load: requests arrive over time and go through each engine's `serve()`.
 
-One point per request rate. Arrivals are Poisson (exponential gaps) or gamma with shape
-`burstiness` (< 1 burstier, > 1 more regular; the mean rate is kept), or all at once for
-rate `inf`. Input/output lengths come from a distribution (workloads/lengths.py) or a dataset
-file (workloads/datasets.py). Every request's clock starts at its scheduled arrival, so
-queueing inside the engine counts (METRICS.md): above capacity, TTFT grows with the queue.
+Two kinds of load, each one point per value (both may be given):
+
+- **Open loop** (`request_rates`): requests arrive on a schedule whatever the engine does.
+  Arrivals are Poisson (exponential gaps), gamma with shape `burstiness` (< 1 burstier, > 1 more
+  regular; the mean rate is kept), `constant` (evenly spaced), or all at once for rate `inf`.
+  `max_concurrency` caps the requests in flight (as `vllm bench serve --max-concurrency`): the
+  others wait at the client, and their clock still runs from their scheduled arrival.
+- **Closed loop** (`concurrency`): N requests are kept in flight; each one that finishes is
+  replaced at once by the next (its clock starts then).
+
+`ramp_up_s` ramps either in: the arrival rate grows linearly from 0 over the first ramp_up_s
+seconds (open loop), or the N slots start one after another over ramp_up_s (closed loop).
+
+Input/output lengths come from a distribution (workloads/lengths.py) or a dataset file
+(workloads/datasets.py). Every request's clock starts at its scheduled arrival, so queueing
+inside the engine (and at the client, under a cap) counts (docs/metrics.md). An open-loop point
+whose queue grows through the run - time to first token rising with the arrival time by more
+than `SATURATION_SLOPE` seconds per second - is over capacity: it stops early, its remaining
+requests are cancelled, and the row is marked `saturated`.
 """
 
 from __future__ import annotations
@@ -15,43 +29,116 @@ from typing import Any
 
 import numpy as np
 
-from adapters.base import Engine, Request, now_ns
+from adapters.base import Engine, ListSource, Request, RequestSource, now_ns
 from harness.core.metrics import SLO, serving_metrics
 from harness.core.schema import spec
-from workloads.base import Point, RunContext, Workload, collect, kv_memory_fields
+from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
 from workloads.lengths import LengthDist, parse_length
 from workloads.prompts import seed_for
 
+# An open-loop point is saturated when TTFT grows by more than this many seconds per second of
+# arrival time (the engine serves less than 1 / (1 + slope) of the offered rate).
+SATURATION_SLOPE = 0.25
+# ... judged once this many requests (and a quarter of the point's) have their first token
+SATURATION_MIN_REQUESTS = 8
+
 
 @dataclass
-class ServingConfig:
-    name: str = spec("serving")
-    request_rates: list[float] = spec([math.inf], gt=0, nonempty=True,
-                                      help="requests per second, one point each; inf = all at once")
+class LoadShape:
+    """What the requests of a load point look like, and how they arrive (shared by `serving` and
+    `capacity`)."""
+
     num_requests: int = spec(32, ge=1, help="requests per point")
-    arrival: str = spec("poisson", choices=("poisson", "gamma"), help="arrival process")
+    arrival: str = spec("poisson", choices=("poisson", "gamma", "constant"), help="open-loop arrival process")
     burstiness: float = spec(1.0, gt=0, help="gamma shape (1.0 = Poisson); lower is burstier")
+    max_concurrency: int | None = spec(None, ge=1, help="open loop: most requests in flight (the rest wait at the client)")
+    ramp_up_s: float = spec(0.0, ge=0, help="seconds over which the rate (open) or the slots (closed) ramp in")
     input_len: Any = spec(128, help="tokens: a number, or {dist: uniform|normal|lognormal, ...}")
     output_len: Any = spec(32, help="tokens: a number, or {dist: ..., ...}")
     dataset: str | None = spec(None, help="JSONL (trtllm-bench format) or ShareGPT JSON file; overrides lengths")
     dataset_format: str = spec("auto", choices=("auto", "jsonl", "sharegpt"))
+    warmup_requests: int = spec(2, ge=1, help="requests served before measuring each point")
+    max_len: int | None = spec(None, ge=2, help="dataset requests longer than this (prompt+output) are dropped")
+    stop_when_saturated: bool = spec(True, help="stop an open-loop point early once its queue grows")
+
+    def goodput_slo(self) -> SLO:
+        return SLO()
+
+
+@dataclass
+class ServingConfig(LoadShape):
+    name: str = spec("serving")
+    request_rates: list[float] = spec([math.inf], gt=0,
+                                      help="open loop: requests per second, one point each; inf = all at once")
+    concurrency: list[int] | None = spec(None, ge=1, help="closed loop: requests kept in flight, one point each")
     slo_ttft_s: float | None = spec(None, gt=0, help="goodput SLO on time to first token")
     slo_tpot_s: float | None = spec(None, gt=0, help="goodput SLO on time per output token")
     slo_e2el_s: float | None = spec(None, gt=0, help="goodput SLO on end-to-end latency")
-    warmup_requests: int = spec(2, ge=1, help="requests served before measuring each point")
-    max_len: int | None = spec(None, ge=2, help="dataset requests longer than this (prompt+output) are dropped")
+
+    def goodput_slo(self) -> SLO:
+        return SLO(self.slo_ttft_s, self.slo_tpot_s, self.slo_e2el_s)
 
 
-def arrival_times(n: int, rate: float, arrival: str, burstiness: float, rng: np.random.Generator) -> list[float]:
-    """Scheduled arrival offsets in seconds, the first at 0."""
+def arrival_times(n: int, rate: float, arrival: str, burstiness: float, rng: np.random.Generator,
+                  ramp_up_s: float = 0.0) -> list[float]:
+    """Scheduled arrival offsets in seconds, the first at 0. With a ramp-up the rate grows
+    linearly from 0 to `rate` over `ramp_up_s` (the arrivals of a steady process at `rate`,
+    mapped through the inverse of the ramped cumulative rate)."""
     if math.isinf(rate):
         return [0.0] * n
-    if arrival == "poisson" or burstiness == 1.0:
+    if arrival == "constant":
+        gaps = np.full(n, 1.0 / rate)
+    elif arrival == "poisson" or burstiness == 1.0:
         gaps = rng.exponential(1.0 / rate, size=n)
     else:
         gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)
     t = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    if ramp_up_s > 0:  # cumulative rate R(s) = rate s^2 / (2 T) for s < T, rate (s - T/2) after
+        steady = t * rate  # expected arrivals so far
+        half = rate * ramp_up_s / 2
+        t = np.where(steady < half, np.sqrt(2 * ramp_up_s * steady / rate), steady / rate + ramp_up_s / 2)
     return [float(x) for x in t]
+
+
+class ClosedLoopSource(RequestSource):
+    """Closed loop: `concurrency` requests in flight; when one finishes the next is due at once
+    (its scheduled arrival is that moment). With `ramp_up_s` the slots start one after another."""
+
+    def __init__(self, requests: list[Request], start_ns: int, concurrency: int, ramp_up_s: float = 0.0):
+        self.start_ns = start_ns
+        self.pending = list(requests)
+        self.ready: list[tuple[int, Request]] = []
+        for i in range(min(concurrency, len(self.pending))):
+            self._schedule(start_ns + int(ramp_up_s * 1e9 * i / max(concurrency, 1)))
+
+    def _schedule(self, at_ns: int) -> None:
+        if self.pending:
+            r = self.pending.pop(0)
+            r.arrival_s = (at_ns - self.start_ns) / 1e9  # its clock starts when its slot frees
+            self.ready.append((at_ns, r))
+            self.ready.sort(key=lambda x: x[0])
+
+    def due(self, now_ns: int) -> list[Request]:
+        out = [r for at, r in self.ready if at <= now_ns]
+        self.ready = [(at, r) for at, r in self.ready if at > now_ns]
+        return out
+
+    def next_due_ns(self) -> int | None:
+        return self.ready[0][0] if self.ready else None
+
+    def exhausted(self) -> bool:
+        return not self.pending and not self.ready
+
+    def finished(self, request_id: str, time_ns: int) -> None:
+        self._schedule(time_ns)
+
+
+def saturated(arrivals_s: list[float], ttfts_s: list[float], total: int) -> bool:
+    """The queue grows through the run: TTFT rises with arrival time faster than SATURATION_SLOPE."""
+    if len(ttfts_s) < max(SATURATION_MIN_REQUESTS, total // 4) or len(set(arrivals_s)) < 2:
+        return False
+    slope = float(np.polyfit(np.asarray(arrivals_s), np.asarray(ttfts_s), 1)[0])
+    return slope > SATURATION_SLOPE
 
 
 class Serving(Workload):
@@ -59,18 +146,20 @@ class Serving(Workload):
     config_cls = ServingConfig
     reset_prefix_cache = True
     summary_columns = [
-        ("request_rate", "rate/s", "g"), ("completed", "done", "d"), ("request_throughput", "req/s", ".2f"),
-        ("output_tok_s", "out tok/s", ".1f"), ("ttft_s", "TTFT p50 ms", "ms"), ("ttft_s_p99", "TTFT p99 ms", "ms"),
-        ("tpot_s", "TPOT p50 ms", "ms"), ("itl_s", "ITL p50 ms", "ms"), ("e2el_s", "E2EL p50 ms", "ms"),
-        ("goodput_req_s", "goodput/s", ".2f"), ("failed_requests", "failed", "d"),
+        ("request_rate", "rate/s", "g"), ("concurrency", "conc", "d"), ("completed", "done", "d"),
+        ("request_throughput", "req/s", ".2f"), ("output_tok_s", "out tok/s", ".1f"),
+        ("per_user_tok_s", "tok/s/user", ".1f"), ("ttft_s", "TTFT p50 ms", "ms"),
+        ("ttft_s_p99", "TTFT p99 ms", "ms"), ("tpot_s", "TPOT p50 ms", "ms"), ("itl_s", "ITL p50 ms", "ms"),
+        ("e2el_s", "E2EL p50 ms", "ms"), ("goodput_req_s", "goodput/s", ".2f"), ("failed_requests", "failed", "d"),
+        ("saturated", "saturated", "s"),
     ]
 
-    def _lengths(self, cfg: ServingConfig) -> tuple[LengthDist, LengthDist]:
+    def _lengths(self, cfg: LoadShape) -> tuple[LengthDist, LengthDist]:
         i, _ = parse_length(cfg.input_len, "workload.input_len")
         o, _ = parse_length(cfg.output_len, "workload.output_len")
         return i, o  # type: ignore[return-value]
 
-    def check(self, cfg: ServingConfig, shape: Any) -> list[str]:
+    def check(self, cfg: LoadShape, shape: Any) -> list[str]:
         problems = []
         _, p1 = parse_length(cfg.input_len, "workload.input_len")
         _, p2 = parse_length(cfg.output_len, "workload.output_len")
@@ -84,7 +173,7 @@ class Serving(Workload):
                 problems += e.problems
         return problems or super().check(cfg, shape)
 
-    def max_model_len(self, cfg: ServingConfig) -> int:
+    def max_model_len(self, cfg: LoadShape) -> int:
         if cfg.dataset:  # lengths are known only once the dataset is tokenised in the engine's process
             return cfg.max_len or 0
         i, o = self._lengths(cfg)
@@ -93,11 +182,14 @@ class Serving(Workload):
         return i.bounds()[1] + o.bounds()[1]
 
     def plan(self, cfg: ServingConfig) -> list[Point]:
-        return [Point(self.name, {"request_rate": r, "num_requests": cfg.num_requests}) for r in cfg.request_rates]
+        points = [Point(self.name, {"request_rate": r, "num_requests": cfg.num_requests}) for r in cfg.request_rates]
+        points += [Point(self.name, {"concurrency": c, "num_requests": cfg.num_requests}) for c in cfg.concurrency or []]
+        return points
 
-    def requests(self, cfg: ServingConfig, ctx: RunContext, rate: float, key: str) -> list[Request]:
+    def requests(self, cfg: LoadShape, ctx: RunContext, rate: float, key: str,
+                 n: int | None = None) -> list[Request]:
         rng = np.random.default_rng(seed_for(ctx.seed, key))
-        n = cfg.num_requests
+        n = cfg.num_requests if n is None else n
         if cfg.dataset:
             from workloads.datasets import read_dataset, tokenize_entries
             pairs = tokenize_entries(read_dataset(cfg.dataset, cfg.dataset_format), ctx.model_path,
@@ -112,27 +204,53 @@ class Serving(Workload):
             idist, odist = self._lengths(cfg)
             in_lens, outs = idist.sample(n, rng), odist.sample(n, rng)
             prompts = [ctx.prompts(1, s, f"{key}/prompt{i}")[0] for i, s in enumerate(in_lens)]
-        times = arrival_times(n, rate, cfg.arrival, cfg.burstiness, rng)
+        times = arrival_times(n, rate, cfg.arrival, cfg.burstiness, rng, cfg.ramp_up_s)
         return [Request(f"r{i}", prompts[i], outs[i], times[i]) for i in range(n)]
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
-        cfg: ServingConfig = ctx.extra["workload_cfg"]
-        rate = point.params["request_rate"]
-        warm = self.requests(cfg, ctx, math.inf, f"{point.key}/warmup")[: cfg.warmup_requests]
+    def measure(self, engine: Engine, cfg: LoadShape, ctx: RunContext, params: dict[str, Any],
+                key: str) -> dict[str, Any]:
+        """Serve one load point - {"request_rate": r} or {"concurrency": c}, plus num_requests -
+        and return its row fields. Used by this workload and by `capacity`'s probes."""
+        closed = params.get("concurrency") is not None
+        rate = math.inf if closed else params["request_rate"]
+        warm = self.requests(cfg, ctx, math.inf, f"{key}/warmup", n=cfg.warmup_requests)
         for _ in engine.serve(warm, now_ns()):
             pass
-        reqs = self.requests(cfg, ctx, rate, point.key)
+        reqs = self.requests(cfg, ctx, rate, key, n=params.get("num_requests", cfg.num_requests))
         sampler = ctx.sampler().start()
         start = now_ns() + 5_000_000  # the schedule starts 5 ms from now
-        traces = collect(reqs, start, engine.serve(reqs, start))
+        source = (ClosedLoopSource(reqs, start, params["concurrency"], cfg.ramp_up_s) if closed
+                  else ListSource(reqs, start, cfg.max_concurrency))
+        collector = Collector(reqs, start, source)
+        is_saturated = False
+        events = engine.serve(source, start)
+        try:
+            for ev in events:
+                if collector.feed(ev) and not closed and cfg.stop_when_saturated and not math.isinf(rate):
+                    arrivals, ttfts = collector.first_token_delays()
+                    if saturated(arrivals, ttfts, len(reqs)):
+                        is_saturated = True
+                        break
+        finally:
+            events.close()  # an engine's serve() cancels what it still runs
         mem = sampler.stop()
-        slo = SLO(cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.slo_e2el_s)
-        row = serving_metrics(traces, slo, {r.request_id: r.max_new_tokens for r in reqs})
+        traces = collector.traces()
+        if is_saturated:  # the cancelled requests are not failures of the engine: left out
+            traces = [t for t in traces if t.token_times_ns and t.n_out == collector.expected[t.request_id]]
+        slo = cfg.goodput_slo()
+        row = serving_metrics(traces, slo, collector.expected)
         if not row["completed"]:
             raise RuntimeError(f"no request of the point completed: {row['failed_request_reasons']}")
         info = engine.kv_cache_info()
-        row.update(request_rate=rate, arrival=cfg.arrival, burstiness=cfg.burstiness,
-                   slo={"ttft_s": cfg.slo_ttft_s, "tpot_s": cfg.slo_tpot_s, "e2el_s": cfg.slo_e2el_s},
+        row.update(load_mode="closed" if closed else "open", request_rate=None if closed else rate,
+                   concurrency=params.get("concurrency"), max_concurrency=None if closed else cfg.max_concurrency,
+                   ramp_up_s=cfg.ramp_up_s, arrival=None if closed else cfg.arrival,
+                   burstiness=None if closed else cfg.burstiness, saturated=is_saturated,
+                   stopped_early=is_saturated, offered_requests=len(reqs),
+                   slo={"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2el_s": slo.e2el_s},
                    kv_info=info.to_dict(), measured_output_tokens=row["total_output_tokens"], **mem.row_fields(),
                    **kv_memory_fields(info, peak=True))
         return row
+
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
+        return self.measure(engine, ctx.extra["workload_cfg"], ctx, point.params, point.key)
