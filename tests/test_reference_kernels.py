@@ -16,6 +16,7 @@ Real-GPU tests are marked `gpu` and skip without CUDA."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ import torch
 
 from adapters.base import ModelSpec, Request, now_ns
 from adapters.reference import engine as engine_module
-from adapters.reference import kernels, kernels_cpu
+from adapters.reference import cpu_decode, kernels, kernels_cpu
 from adapters.reference.config import EngineConfig
 from adapters.reference.cuda_graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to
 from adapters.reference.engine import ReferenceEngine, activation_reserve
@@ -128,7 +129,62 @@ def test_fallback_gives_the_same_numbers(tiny_ckpt, monkeypatch, dtype, tol):
 def test_kernels_recorded_and_plain_matches(spec, plain):
     engine, pre, dec = run(spec)
     info = engine.kv_cache_info().extra["kernels"]
-    assert info["kernels"] == "cpu" and "AVX" in info["cpu_flags"] or "DEFAULT" in info["cpu_flags"]
+    assert info["kernels"] == "cpu" and info["cpu_flags"] and info["linear"] == "onednn-packed"
+    assert_same((engine, pre, dec), plain)
+    engine.close()
+
+
+# ---- the fused CPU decode kernel (cpu_decode.py) -----------------------------------------
+
+HAVE_CC = shutil.which(os.environ.get("CC", "cc")) is not None or shutil.which("gcc") is not None
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler here: the engine uses the plain decode path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_decode_builds_and_is_chosen(dtype):
+    kernel, why = cpu_decode.probe(dtype)
+    assert why is None and kernel is not None
+    details = kernels.select(torch.device("cpu"), dtype, EngineConfig()).details
+    assert details["decode_attention"].startswith("fused C kernel")
+    assert kernels.select(torch.device("cpu"), dtype, EngineConfig(kv_dtype="int8")).details[
+        "decode_fallback_reason"] == "kv_dtype=int8"
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler here")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bs,heads,kv_heads,d,lens", [
+    (16, 12, 4, 64, (290, 1, 17)),  # the small preset's shape
+    (4, 4, 4, 40, (9, 30, 3)),  # MHA, tiny blocks, head_dim not a multiple of 16
+    (128, 8, 1, 128, (128, 70, 1)),  # one KV head (G = 8), a block of more than a chunk
+    (300, 6, 2, 32, (300, 299, 64)),  # a contiguous region: one block of max_model_len
+])
+def test_fused_cpu_decode_matches_paged_torch(dtype, tol, bs, heads, kv_heads, d, lens):
+    kernel, why = cpu_decode.probe(dtype)
+    assert why is None
+    g = torch.Generator().manual_seed(1)
+    n = -(-max(lens) // bs)
+    nb = 3 * n + 2
+    pool = KVPool(2, nb, bs, kv_heads, d, "auto", dtype, torch.device("cpu"))
+    pool.prepare(set(range(nb)))
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g).to(dtype))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g).to(dtype))
+    tables = torch.stack([torch.randperm(nb, generator=g)[:n] for _ in lens])
+    lens = torch.tensor(lens)
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, d, generator=g).to(dtype)
+    q = qkv[:, :heads]  # a strided view, as the model hands it over
+    want = paged_decode_torch(q, pool, 1, tables, lens).float()
+    got = kernel(q, pool, 1, tables, lens).float()
+    assert rel_err(got, want) < tol
+
+
+def test_fused_cpu_decode_falls_back_when_it_cannot_build(spec, plain, monkeypatch):
+    def no_compiler():
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    monkeypatch.setattr(cpu_decode, "build", no_compiler)
+    engine, pre, dec = run(spec)
+    details = engine.kernels.details
+    assert details["decode_attention"].startswith("plain")
+    assert "no C compiler" in details["decode_fallback_reason"]
     assert_same((engine, pre, dec), plain)
     engine.close()
 

@@ -3,7 +3,9 @@ kv_cache_info().extra["kernels"]).
 
     plain  model.Linear + attention.StepAttention: the reference semantics, on any device
     cpu    matrix products on oneDNN-packed weights (kernels_cpu.py), when its probe passes;
-           attention as plain (already batched matmuls over head-major blocks)
+           decode attention by a fused C kernel that reads K/V through the block table
+           (cpu_decode.py, compiled for this CPU at load), when it builds and agrees with the
+           plain path; prefill attention as plain (sliced batched matmuls)
     cuda   SDPA (flash) prefill and a paged decode kernel (Triton, else a PyTorch one) that reads
            K/V through the block table (kernels_cuda.py); decode steps replayed from CUDA graphs
            (cuda_graphs.py); no slicing of long prefills
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from adapters.reference import kernels_cpu
+from adapters.reference import cpu_decode, kernels_cpu
 from adapters.reference.attention import StepAttention
 from adapters.reference.config import EngineConfig
 from adapters.reference.model import ROWS, Linear
@@ -52,12 +54,34 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
         return Kernels("plain", Linear, ROWS, StepAttention,
                        details={"kernels": "plain", "linear": "torch", "attention": "plain (gather + matmul)"})
     why = kernels_cpu.probe(dtype)
-    details = {"kernels": "cpu", "attention": "plain (head-major gather + batched matmul)",
-               "linear": "onednn-packed" if why is None else "torch", "cpu_flags": cpu_flags()}
+    details = {"kernels": "cpu", "linear": "onednn-packed" if why is None else "torch", "cpu_flags": cpu_flags(),
+               "prefill_attention": "plain (sliced batched matmuls)"}
     if why:
         details["linear_fallback_reason"] = why
-    return Kernels("cpu", kernels_cpu.PackedLinear if why is None else Linear, ROWS, StepAttention,
-                   details=details)
+    attention = StepAttention
+    decode = None
+    if cfg.use_cache and cfg.kv_dtype == "auto":
+        decode, why = cpu_decode.probe(dtype)
+    else:
+        why = f"kv_dtype={cfg.kv_dtype}" if cfg.use_cache else "no KV cache"
+    details["decode_attention"] = "fused C kernel (cpu_decode.py)" if decode else "plain (gather + batched matmul)"
+    if why:
+        details["decode_fallback_reason"] = why
+    if decode is not None:
+        attention = partial(CpuStepAttention, decode_fn=decode)
+    return Kernels("cpu", kernels_cpu.PackedLinear if details["linear"] == "onednn-packed" else Linear, ROWS,
+                   attention, details=details)
+
+
+class CpuStepAttention(StepAttention):
+    """The plain attention with decode chunks handed to the fused kernel."""
+
+    def __init__(self, pool, chunks, num_heads, device, decode_fn):
+        super().__init__(pool, chunks, num_heads, device)
+        self.decode_fn = decode_fn
+
+    def decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return self.decode_fn(q, self.pool, layer, self.decode_tables, self.decode_lens)
 
 
 def cpu_flags() -> str:

@@ -1,0 +1,247 @@
+"""Fused paged decode attention for CPUs: a small C kernel, compiled for this machine at load.
+
+The plain decode path gathers each sequence's blocks into a contiguous copy and then multiplies:
+the context's K/V cross memory three times (read the pool, write the copy, read the copy). At
+batch 16 on the `small` preset that traffic is of the order of the weights' own. This kernel
+reads K/V once, straight from the pool through the block table, like vLLM's CPU attention does.
+
+What it computes is attention.decode_attention (the reference semantics): for sequence b and
+KV head h, the G query heads that share h against tokens 0 .. lens[b]-1, each token's key and
+value at row (h * total_blocks + table[b][t / block_size]) * block_size + t % block_size of the
+layer's [kv_heads * total_blocks * block_size, head_dim] pool. Per (b, h) it converts each key
+and value row to float32 once, keeps an online softmax (running max, running sum, weighted sum
+of values) over chunks of at most 64 tokens of a block, and writes acc / sum in the model's
+dtype. Scores and probabilities stay in float32 (the plain path rounds them to the model's
+dtype), so bf16 results differ from it by bf16 rounding only. (sequence, head) pairs run in
+parallel on torch's own OpenMP threads: the library links the libgomp torch already loaded.
+
+No torch headers: the C file compiles in about a second with `cc -O3 -march=native -fopenmp`
+and is called through ctypes with raw pointers. The build is cached per source, compiler and
+CPU (its flags), so a binary is never run on a CPU it was not built for. Anything that fails
+(no compiler, a build error, a probe that disagrees with the plain path) leaves the plain
+path in place; kernels.py records why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+C_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+#define MAXG 16     /* query heads per KV head */
+#define MAXD 256    /* head_dim */
+#define CHUNK 64    /* tokens scored at once */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+static inline void load_row(int bf16, const void *base, int64_t row, int d, float *dst) {
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)base + row * d;
+        for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(p[i]);
+    } else {
+        const float *p = (const float *)base + row * d;
+        for (int i = 0; i < d; i++) dst[i] = p[i];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= d; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += a[i + j] * b[i + j];
+    float s = 0.f;
+    for (int j = 0; j < 16; j++) s += part[j];
+    for (; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* q: [B, H, D] with strides (q_sb, q_sh, 1); k, v: one layer, [KV, NB, BS, D] contiguous;
+   tables: int64 [B, W]; lens: int64 [B]; out: [B, H, D] contiguous. bf16: 1 for bfloat16,
+   0 for float32 (q, k, v and out alike). Returns 0, or -1 for shapes it cannot take. */
+int paged_decode(int bf16, const void *q, int64_t q_sb, int64_t q_sh, const void *k, const void *v,
+                 const int64_t *tables, const int64_t *lens, void *out, int B, int H, int KV, int D,
+                 int64_t NB, int BS, int W, float scale, int threads) {
+    int G = H / KV;
+    if (G > MAXG || D > MAXD || G * KV != H) return -1;
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < KV; h++) {
+            float qf[MAXG][MAXD], acc[MAXG][MAXD], m[MAXG], l[MAXG];
+            float kf[CHUNK][MAXD], vf[MAXD], s[MAXG][CHUNK];
+            for (int g = 0; g < G; g++) {
+                int64_t off = (int64_t)b * q_sb + (int64_t)(h * G + g) * q_sh;
+                for (int i = 0; i < D; i++)
+                    qf[g][i] = bf16 ? bf16_to_f32(((const uint16_t *)q)[off + i]) : ((const float *)q)[off + i];
+                for (int i = 0; i < D; i++) acc[g][i] = 0.f;
+                m[g] = -INFINITY;
+                l[g] = 0.f;
+            }
+            int64_t len = lens[b];
+            for (int64_t t0 = 0; t0 < len;) {
+                int64_t block = tables[(int64_t)b * W + t0 / BS];
+                int off = (int)(t0 % BS);
+                int n = BS - off;
+                if (n > CHUNK) n = CHUNK;
+                if (n > len - t0) n = (int)(len - t0);
+                int64_t row0 = ((int64_t)h * NB + block) * BS + off;
+                for (int j = 0; j < n; j++) load_row(bf16, k, row0 + j, D, kf[j]);
+                for (int g = 0; g < G; g++) {
+                    float mx = m[g];
+                    for (int j = 0; j < n; j++) {
+                        s[g][j] = dot(qf[g], kf[j], D) * scale;
+                        if (s[g][j] > mx) mx = s[g][j];
+                    }
+                    float alpha = expf(m[g] - mx);  /* 0 on the first chunk: m = -inf */
+                    l[g] *= alpha;
+                    for (int i = 0; i < D; i++) acc[g][i] *= alpha;
+                    for (int j = 0; j < n; j++) {
+                        s[g][j] = expf(s[g][j] - mx);
+                        l[g] += s[g][j];
+                    }
+                    m[g] = mx;
+                }
+                for (int j = 0; j < n; j++) {
+                    load_row(bf16, v, row0 + j, D, vf);
+                    for (int g = 0; g < G; g++) {
+                        float p = s[g][j];
+                        for (int i = 0; i < D; i++) acc[g][i] += p * vf[i];
+                    }
+                }
+                t0 += n;
+            }
+            for (int g = 0; g < G; g++) {
+                int64_t o = ((int64_t)b * H + h * G + g) * D;
+                float inv = 1.f / l[g];
+                for (int i = 0; i < D; i++) {
+                    float x = acc[g][i] * inv;
+                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16(x);
+                    else ((float *)out)[o + i] = x;
+                }
+            }
+        }
+    }
+    return 0;
+}
+"""
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
+DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+
+
+def _cpu_signature() -> str:
+    """What a build depends on besides its source: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("INFER_BENCH_CACHE") or str(Path.home() / ".cache" / "infer-bench")
+    return Path(root) / "kernels"
+
+
+def build() -> ctypes.CDLL:
+    """The compiled kernel for this machine (built on first use, then cached). Raises
+    RuntimeError with the reason when it cannot be built."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"{cc} does not run ({e})") from e
+    key = hashlib.sha256("\0".join([C_SOURCE, " ".join(FLAGS), version, _cpu_signature()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
+            src.write_text(C_SOURCE)
+            r = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}")
+            os.replace(lib, target)  # atomic: a concurrent build just wins or loses the race
+    lib = ctypes.CDLL(str(target))
+    fn = lib.paged_decode
+    fn.restype = ctypes.c_int
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [i, p, i64, i64, p, p, p, p, p, i, i, i, i, i64, i, i, ctypes.c_float, i]
+    return lib
+
+
+class PagedDecode:
+    """Callable like kernels_cuda.paged_decode_torch: (q, pool, layer, tables, lens) -> [B, heads * d]."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.fn = lib.paged_decode
+
+    def supports(self, pool, dtype: torch.dtype) -> bool:
+        return pool.kv_dtype == "auto" and dtype in DTYPES
+
+    def __call__(self, q: torch.Tensor, pool, layer: int, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        b, heads, d = q.shape
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        k, v = pool.k[layer], pool.v[layer]
+        tables = tables.to(torch.int64).contiguous()
+        lens = lens.to(torch.int64).contiguous()
+        out = torch.empty(b, heads * d, dtype=q.dtype)
+        rc = self.fn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+                     tables.data_ptr(), lens.data_ptr(), out.data_ptr(), b, heads, pool.kv_heads, d,
+                     pool.total_blocks, pool.block_size, tables.shape[1], d ** -0.5, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"cpu_decode: shapes it cannot take (heads {heads}, kv_heads {pool.kv_heads}, head_dim {d})")
+        return out
+
+
+def probe(dtype: torch.dtype) -> tuple[PagedDecode | None, str | None]:
+    """(the kernel, None) when it builds here and agrees with the plain decode; else (None, why)."""
+    if dtype not in DTYPES:
+        return None, f"no fused CPU decode kernel for {dtype}"
+    try:
+        kernel = PagedDecode(build())
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return None, f"the fused CPU decode kernel could not be built ({e})"
+    from adapters.reference.attention import decode_attention, length_mask
+    from adapters.reference.kv_cache import KVPool
+
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(1, 10, 16, 2, 64, "auto", dtype, torch.device("cpu"))
+    pool.prepare(set(range(10)))
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g).to(dtype))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g).to(dtype))
+    tables = torch.tensor([[3, 7, 1, 0, 9], [2, 2, 2, 2, 2], [8, 5, 6, 4, 0]])
+    lens = torch.tensor([70, 1, 80])
+    q = torch.randn(3, 6, 64, generator=g).to(dtype)
+    kc, vc = pool.gather(0, tables, 80)
+    want = decode_attention(q, kc, vc, length_mask(lens, kc.shape[2])).float()
+    got = kernel(q, pool, 0, tables, lens).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    if not err < (1e-5 if dtype == torch.float32 else 2e-2):
+        return None, f"the fused CPU decode kernel disagrees with the plain path (relative error {err:.2e})"
+    return kernel, None
