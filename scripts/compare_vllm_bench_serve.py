@@ -50,7 +50,6 @@ def cpu_name() -> str:
 
 
 def harness_round(engine, model_path: str, shape, args, key: str) -> dict:
-    from adapters.base import now_ns  # noqa: F401  (the harness clock, used by the engine)
     from workloads.base import Point, RunContext
     from workloads.serving import Serving, ServingConfig
 

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator

@@ -110,6 +110,8 @@ def test_sweep_workload_runs_unchanged(served, tiny_ckpt):
                             ctx_for(tiny_ckpt, cfg))
     fields = eng.end_point()
     assert row["repeats"] == 2 and row["decode_steps"] == 6 and row["prefill_latency_s"] > 0
+    info = eng.kv_cache_info()  # from the server's /metrics
+    assert info.pool_bytes == info.num_blocks * info.bytes_per_block and info.pool_bytes > 0
     assert all(x >= 0 for x in row["decode_step_latency_s_samples"])
     assert fields["failed_requests"] == 0 and fields["requests_sent"] == 6
 

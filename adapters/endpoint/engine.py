@@ -14,9 +14,10 @@ and stamps each SSE chunk's arrival with `adapters.base.now_ns()`):
                     its i-th token after the first, and starts where step i-1 ended (so a step is
                     the batch's inter-token latency as the client sees it).
   release()         closes the streams still running (the server aborts them).
-  serve(requests)   each request is sent at its scheduled arrival (its clock starts then, before
-                    it is sent); one TokenEvent per token, stamped with its chunk's arrival; a
-                    request that fails yields RequestFailed(reason) instead of its last events.
+  serve(requests)   each request is sent when its source hands it out (a list: at its scheduled
+                    arrival, where its clock starts, before it is sent); one TokenEvent per token,
+                    stamped with its chunk's arrival; a request that fails yields
+                    RequestFailed(reason) after whatever tokens it had sent.
   score(...)        prompt log-probabilities (`prompt_logprobs`), for kind vllm and infer-bench.
   kv_cache_info()   what the server's /metrics says (usage, prefix-cache counters, preemptions).
   begin/end_point() a point's server identity, token counts (server's usage vs the client's),
@@ -46,7 +47,7 @@ import httpx
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    RequestFailed, StepTiming, TokenEvent, TokenScores, now_ns,
+    RequestFailed, RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns,
 )
 from adapters.endpoint import telemetry
 from adapters.endpoint.config import EndpointConfig, template_fields
@@ -203,6 +204,7 @@ class EndpointEngine(Engine):
         self.base = self.root = ""
         self.model_name: str | None = None
         self.server_version: str | None = None
+        self.server_threads: int | None = None
         self.server_models: list[str] = []
         self.launch_command: str | None = None
         self.metrics_on = False
@@ -286,9 +288,10 @@ class EndpointEngine(Engine):
         host = cfg.host
         port = free_port(host)
         served = cfg.served_model_name or model.name
+        cpus = model.cpus or tuple(sorted(os.sched_getaffinity(0)))  # the server inherits this process's cores
         values = {"python": cfg.python or sys.executable, "model": model.path, "port": port, "host": host,
                   "dtype": model.dtype, "max_model_len": model.max_model_len, "served_model_name": served,
-                  "device": model.device}
+                  "device": model.device, "threads": model.threads or len(cpus), "cpus": ",".join(map(str, cpus))}
         if "api_key" in template_fields(cfg.launch or [])[0]:
             values["api_key"] = self._key()
         log_dir = Path(model.run_dir) / "logs" if model.run_dir else None
@@ -299,8 +302,11 @@ class EndpointEngine(Engine):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
         command = render(cfg.launch or [], values) + extras.args
+        if cfg.kind == "infer-bench" and model.threads and not any("num_threads=" in a for a in command):
+            command.append(f"engine_options.num_threads={model.threads}")  # equal resources: the run's threads
         self.launch_command = self.redactor.text(shlex.join(command))
-        env: dict[str, str | None] = {**{k: str(v) for k, v in cfg.env.items()}, **extras.env}
+        env: dict[str, str | None] = {**{k: str(v).format_map({k2: v2 for k2, v2 in values.items() if k2 != "api_key"})
+                                         for k, v in cfg.env.items()}, **extras.env}
         self.server = ServerProcess(self.name, command, env, log_dir / f"{self.name}.log" if log_dir else None,
                                     self.redactor, cfg.stop_grace_s)
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
@@ -359,11 +365,14 @@ class EndpointEngine(Engine):
         elif models and self.model_name not in models:
             self.model_name = models[0]
         self.server_version = None
+        self.server_threads = None
         try:
             v = self._get(self.root + "/version")
             if v.status_code == 200:
                 body = v.json()
                 self.server_version = str(body.get("version")) if isinstance(body, dict) else str(body)
+                if isinstance(body, dict) and isinstance(body.get("compute_threads"), int):
+                    self.server_threads = body["compute_threads"]
         except (httpx.HTTPError, ValueError):
             pass
         if self.server_version is None:
@@ -546,66 +555,74 @@ class EndpointEngine(Engine):
         self._point += states
 
     # ---- serving -----------------------------------------------------------------------------
-    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent | RequestFailed]:
+    def serve(self, requests: list[Request] | RequestSource, start_ns: int) -> Iterator[TokenEvent | RequestFailed]:
+        """Each request is sent when the source hands it out (a list: at its scheduled arrival);
+        the source is polled in the caller's thread (the consumer reports finished requests to it
+        there), the streams run in the loop thread."""
         self.release()
         assert self._loop is not None
+        source = as_source(requests, start_ns)
+        open_loop_start = getattr(source, "start_ns", None)  # a list's schedule: start_ns + arrival_s
         events: queue.SimpleQueue = queue.SimpleQueue()
-        states = []
-        payloads = []
-        for r in requests:
-            if r.max_new_tokens < 1:
-                raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-            states.append(ReqState(r.request_id, len(r.prompt_ids), r.max_new_tokens,
-                                   scheduled_ns=start_ns + round(r.arrival_s * 1e9)))
-            payloads.append(self._prompt(r.prompt_ids))
+        live: dict[str, ReqState] = {}
+        states: list[ReqState] = []
+        futs: list[Future] = []
+        sem = asyncio.Semaphore(self.cfg.max_concurrency) if self.cfg.max_concurrency else None
 
         def on_tokens(st: ReqState, first: int, n: int) -> None:
             for k in range(first, min(first + n, st.expected)):
                 events.put(TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k],
                                       finished=k == st.expected - 1))
 
-        fut = self._loop.submit(self._serve_all(states, payloads, on_tokens, events))
-        remaining = len(states)
         try:
-            while remaining:
-                item = events.get()
+            while True:
+                now = now_ns()
+                for r in source.due(now):
+                    if r.max_new_tokens < 1:
+                        raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
+                    scheduled = open_loop_start + round(r.arrival_s * 1e9) if open_loop_start is not None else now
+                    st = ReqState(r.request_id, len(r.prompt_ids), r.max_new_tokens, scheduled_ns=scheduled)
+                    live[r.request_id] = st
+                    states.append(st)
+                    futs.append(self._loop.submit(self._request_task(st, self._prompt(r.prompt_ids), on_tokens,
+                                                                     events, sem)))
+                nxt = source.next_due_ns()
+                if not live:
+                    if source.exhausted() or nxt is None:
+                        break  # nothing runs, and nothing can become due
+                    time.sleep(max(0.0, (nxt - now_ns()) / 1e9))
+                    continue
+                try:
+                    item = events.get(timeout=None if nxt is None else max(0.0, (nxt - now_ns()) / 1e9))
+                except queue.Empty:
+                    continue
                 if isinstance(item, tuple):  # ("end", state)
-                    remaining -= 1
-                    st = item[1]
+                    st = live.pop(item[1].request_id)
                     if st.error is not None:
                         yield RequestFailed(st.request_id, self._failure_detail(st),
                                             st.token_times[-1] if st.token_times else now_ns())
                     continue
-                if isinstance(item, BaseException):
-                    raise item
                 yield item
-        finally:
-            if not fut.done():
-                fut.cancel()
-            try:
-                fut.result(timeout=30)
-            except BaseException:
-                pass
+        finally:  # a consumer that stops early: the streams still running are closed
+            for f in futs:
+                f.cancel()
+            for f in futs:
+                try:
+                    f.result(timeout=30)
+                except BaseException:
+                    pass
             self._point += states
 
-    async def _serve_all(self, states: list[ReqState], payloads: list[Any], on_tokens: Any,
-                         events: queue.SimpleQueue) -> None:
-        sem = asyncio.Semaphore(self.cfg.max_concurrency) if self.cfg.max_concurrency else None
-
-        async def one(st: ReqState, payload: Any) -> None:
-            try:
-                delay = (st.scheduled_ns - now_ns()) / 1e9
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if sem is None:
+    async def _request_task(self, st: ReqState, payload: Any, on_tokens: Any, events: queue.SimpleQueue,
+                            sem: asyncio.Semaphore | None) -> None:
+        try:
+            if sem is None:
+                await self._one(st, payload, on_tokens)
+            else:
+                async with sem:
                     await self._one(st, payload, on_tokens)
-                else:
-                    async with sem:
-                        await self._one(st, payload, on_tokens)
-            finally:
-                events.put(("end", st))
-
-        await asyncio.gather(*(one(st, pl) for st, pl in zip(states, payloads)))
+        finally:
+            events.put(("end", st))
 
     # ---- scores ----------------------------------------------------------------------------------
     def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
@@ -656,9 +673,11 @@ class EndpointEngine(Engine):
         used = values.get(usage)
         extra.update(kv_usage_frac=used, prefix_counts_in="tokens" if self.cfg.kind == "vllm" else "blocks",
                      cache_config=info or None)
+        pool = _int(info.get("kv_cache_memory_bytes") or info.get("pool_bytes"))
         return KVCacheInfo(
             kv_dtype=info.get("cache_dtype") or info.get("kv_dtype") or None, block_size=block_size,
-            num_blocks=num_blocks,
+            num_blocks=num_blocks, pool_bytes=pool,
+            bytes_per_block=pool // num_blocks if pool and num_blocks else None,
             blocks_in_use=round(used * num_blocks) if used is not None and num_blocks else None,
             prefix_cache_hits=_int(values.get(hits)), prefix_cache_queries=_int(values.get(queries)),
             preemptions=_int(values.get(preempt)), extra=extra)
@@ -702,6 +721,8 @@ class EndpointEngine(Engine):
         )
         if self.cfg.ca_bundle:
             fields["ca_bundle"] = str(self.cfg.ca_bundle)
+        if self.server_threads is not None:
+            fields["server_compute_threads"] = self.server_threads
         if self.server is not None and not self.server.alive():
             fields["server_exit"] = self.server.exit_text()
         self._point = []
