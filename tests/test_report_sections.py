@@ -337,6 +337,11 @@ def test_capacity_table_states_slos_bracket_and_probes(tmp_path: Path) -> None:
     assert t["reference"]["search"] == "request rate"
     assert t["reference"]["capacity"] == "not found: every probe missed the SLOs (lowest 1 req/s)"
     assert t["reference"]["SLOs it was found under"] == "TTFT p99 ≤ 200.0 ms · TPOT p99 unset · E2EL p99 ≤ 4,000 ms"
+    unbounded = capacity_rows("hf", capacity=32, probes=((8, True, False), (32, True, False)))
+    assert capacity_frame(frame(unbounded))["capacity_text"].iloc[0] == "≥ 32 concurrent (every probe met the SLOs)"
+    noted = capacity_rows("hf", capacity=None, probes=((1, False, False),))
+    noted[-1]["capacity_note"] = "no probed load met the SLOs"
+    assert capacity_frame(frame(noted))["capacity_text"].iloc[0] == "not found: no probed load met the SLOs"
     failed = capacity_rows("hf", status="failed", error="engine crashed")
     t = by_header(page(tmp_path, failed, name="failed"), "capacity")
     assert t[0]["capacity"] == "failed" and t[0]["error"] == "engine crashed"

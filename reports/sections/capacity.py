@@ -109,11 +109,11 @@ def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.F
         sat = [v is True for v in d["saturated"]]
         fig.add_trace(go.Scatter(
             x=list(d["per_user_tok_s"]), y=list(d["output_tok_s"]), name=esc(name), legendgroup=esc(name),
-            mode="markers+text" if probes else "lines+markers+text",   # probes bisect: no line through them
+            mode="lines+markers+text", showlegend=True,
             text=[esc(v) for v in d["load_label"]], texttemplate="%{text}",
             textposition="top right", textfont=dict(size=10, color=st["color"]), cliponaxis=False,
             line=dict(color=st["color"], dash="dot" if probes else "dash" if kind == "concurrency" else "solid",
-                      width=1.5 if probes else 2),
+                      width=1 if probes else 2),
             marker=dict(color=[SATURATED_COLOUR if x else st["color"] for x in sat],
                         symbol=["x" if x else "diamond-open" if probes else st["symbol"] for x in sat],
                         size=[12 if x else 10 if probes else 8 for x in sat],
@@ -151,7 +151,8 @@ def capacity_frame(rows: pd.DataFrame) -> pd.DataFrame:
         sat = [q for q in probes if len(q) > 2 and q[2] is True]
         bracket = r.get("capacity_bracket") if isinstance(r.get("capacity_bracket"), (list, tuple)) else None
         out.append({"engine": r["engine"], "series": r["series"], "model": r.get("model") or "?", "search": search,
-                    "capacity": value, "capacity_text": capacity_text(search, value, probes, r.get("status")),
+                    "capacity": value,
+                    "capacity_text": capacity_text(search, value, probes, r.get("status"), r.get("capacity_note")),
                     "slo_text": slo_text(r.get("capacity_slo")),
                     "bracket": bracket_text(bracket, search),
                     "resolution": _f(r.get("capacity_resolution")),
@@ -160,11 +161,16 @@ def capacity_frame(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def capacity_text(search: str, value: float | None, probes: list, status: Any) -> str:
+def capacity_text(search: str, value: float | None, probes: list, status: Any, note: Any = None) -> str:
+    """The capacity found, or why there is none (the row's capacity_note, else what the probes say)."""
     if status != "ok":
         return f"{status}"
     if value is not None:
+        if probes and all(q[1] is True for q in probes):     # no probe missed: the upper end was never found
+            return f"≥ {fmt_num(nice(value))} {KIND[search][1]} (every probe met the SLOs)"
         return f"{fmt_num(nice(value))} {KIND[search][1]}"
+    if isinstance(note, str) and note:
+        return f"not found: {note}"
     loads = [_f(q[0]) for q in probes if _f(q[0]) is not None]
     if probes and not any(q[1] is True for q in probes) and loads:
         return f"not found: every probe missed the SLOs (lowest {fmt_num(nice(min(loads)))} {KIND[search][1]})"
@@ -237,7 +243,8 @@ def capacity(data: ReportData) -> list[Block]:
         blocks.append(Figure(pareto_figure(d, data.colours, str(model)), "capacity-pareto",
                              f"{model}: each point is one load (labelled: c = concurrent requests, or the request "
                              "rate); up is more throughput for the device, right is faster for each user. Solid: a "
-                             "rate sweep; dashed: a concurrency sweep; open diamonds: the capacity search's probes. "
+                             "rate sweep; dashed: a concurrency sweep; open diamonds on a dotted line: the capacity search's "
+                             "probes, in load order. "
                              "Red ✕: saturated (the queue grew through the run).", table))
     if pf.empty and cap.empty:
         return []
