@@ -122,7 +122,7 @@ class StepAttention:
             self.decode_tables = torch.tensor(padded_tables([seq.block_table for seq, _, _ in dec], width),
                                               dtype=torch.long, device=device)
             self.decode_lens = torch.tensor([end for _, _, end in dec], device=device)
-            self.decode_rows = pool.block_rows(self.decode_tables)
+            self._gather_plan = None  # the plain decode's rows and mask, made on first use
         self.prefill_groups = self._plan_prefills(spans[self.num_decode:], device)
 
     def _plan_prefills(self, spans: list, device: torch.device) -> list[PrefillGroup]:
@@ -159,6 +159,8 @@ class StepAttention:
         if self.pool is not None:
             self.pool.write(layer, self.rows, k, v)
         t, heads, d = q.shape
+        if self.num_decode == t:  # decode chunks only
+            return self.decode(layer, q)
         out = torch.empty(t, heads * d, dtype=q.dtype, device=q.device)  # every row is written below
         if self.num_decode:
             out[:self.num_decode] = self.decode(layer, q[:self.num_decode])
@@ -168,8 +170,13 @@ class StepAttention:
 
     def decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """[B, heads, d] decode queries -> [B, heads * d]."""
-        kc, vc = self.pool.gather(layer, self.decode_tables, self.decode_len, self.decode_rows)
-        return decode_attention(q, kc, vc, length_mask(self.decode_lens, kc.shape[2]))
+        if self._gather_plan is None:  # the same for every layer of the step
+            rows = self.pool.block_rows(self.decode_tables)
+            keys = self.decode_tables.shape[1] * self.pool.block_size if self.decode_tables.shape[1] > 1 else self.decode_len
+            self._gather_plan = rows, length_mask(self.decode_lens, keys)
+        rows, mask = self._gather_plan
+        kc, vc = self.pool.gather(layer, self.decode_tables, self.decode_len, rows)
+        return decode_attention(q, kc, vc, mask)
 
     def prefill(self, layer: int, g: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor) -> None:
