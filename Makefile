@@ -49,9 +49,14 @@ browser-deps:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
+# Every test: the import layers, the whole suite in the harness's environment (engine runs that
+# need vLLM go through .venv-vllm), then vLLM's in-process adapter tests under vLLM's interpreter.
 test: venv browser-deps
 	$(BIN)/lint-imports
 	$(VLLM_ENV) $(BIN)/pytest -m "" -q
+ifdef WITH_VLLM
+	$(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider tests/test_vllm*.py tests/test_trtllm*.py
+endif
 
 test-fast: venv
 	$(BIN)/pytest -q

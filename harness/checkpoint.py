@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from harness.core.presets import ModelShape
 
@@ -26,7 +27,7 @@ FIRST_ORDINARY_ID = len(SPECIAL_TOKENS)
 
 
 def shape_key(shape: ModelShape, seed: int) -> str:
-    blob = json.dumps({"shape": shape.to_dict(), "seed": seed, "format": 1}, sort_keys=True)
+    blob = json.dumps({"shape": shape.to_dict(), "seed": seed, "format": CHECKPOINT_FORMAT}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -44,6 +45,37 @@ def _build_tokenizer(vocab_size: int, out: Path) -> None:
     fast.save_pretrained(out)
 
 
+# Random weights that decide something. With transformers' default init (every weight N(0, 0.02))
+# attention is nearly uniform - positions hardly matter - and the next-token logits nearly tie, so
+# a rounding difference flips a greedy token and a wrong RoPE goes unseen. The presets are drawn
+# with per-weight standard deviations set from the hidden size d instead:
+#   q_proj, k_proj  sqrt(ATTN_LOGIT_STD / d): attention scores of standard deviation ATTN_LOGIT_STD
+#   v_proj, o_proj  sqrt(BRANCH_GAIN / d): the attention branch adds about as much as the stream holds
+#   lm_head         LOGIT_STD / sqrt(d): next-token logits of standard deviation LOGIT_STD
+#   attention biases (attention_bias shapes) N(0, BIAS_STD), not zero
+# docs/metrics.md ("Parity") gives the margins and parity errors they lead to.
+ATTN_LOGIT_STD = 2.5
+BRANCH_GAIN = 1.0
+LOGIT_STD = 3.2
+BIAS_STD = 0.1
+CHECKPOINT_FORMAT = 2  # bump when the weights drawn for a preset change
+
+
+def _decisive_init(model: Any, shape: ModelShape, seed: int) -> None:
+    import torch
+    d = shape.hidden_size
+    std = {"q_proj": (ATTN_LOGIT_STD / d) ** 0.5, "k_proj": (ATTN_LOGIT_STD / d) ** 0.5,
+           "v_proj": (BRANCH_GAIN / d) ** 0.5, "o_proj": (BRANCH_GAIN / d) ** 0.5, "lm_head": LOGIT_STD / d ** 0.5}
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind = next((k for k in std if f"{k}." in name or name.startswith(k)), None)
+            if kind is None:
+                continue
+            s = BIAS_STD if name.endswith(".bias") else std[kind]
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device) * s)
+
+
 def write_checkpoint(shape: ModelShape, out: Path, seed: int = 0, device: str = "cpu") -> Path:
     """Write config.json, model.safetensors and a tokenizer for `shape` into `out`."""
     import torch
@@ -57,6 +89,7 @@ def write_checkpoint(shape: ModelShape, out: Path, seed: int = 0, device: str = 
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _decisive_init(model, shape, seed)
     model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     _build_tokenizer(shape.vocab_size, out)

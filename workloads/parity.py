@@ -30,7 +30,7 @@ class ParityConfig:
     prompt_lens: list[int] = spec([7, 16, 33, 64], ge=1, nonempty=True,
                                   help="one prompt of each length, run as one batch")
     tokens: int = spec(32, ge=1, le=4096, help="greedy tokens per prompt (and teacher-forced positions scored)")
-    top_k: int = spec(8, ge=2, le=64, help="log-probabilities compared per position")
+    top_k: int = spec(8, ge=2, le=20, help="log-probabilities compared per position (vLLM returns at most 20)")
 
 
 def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
