@@ -1,6 +1,6 @@
 """The engine interface: every adapter implements `Engine`; plain data types cross it.
 
-The semantics are fixed by DESIGN.md ("The engine interface"):
+The semantics are fixed by docs/design.md ("The engine interface"):
 
 - load(model, options)  load weights from a local HF-format directory, allocate the KV cache
 - prefill(prompts)      run a batch of token-id lists until every sequence has its first token

@@ -18,7 +18,7 @@ from typing import Any
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-# PLATFORM.md: how Chromium runs on the build machines.
+# docs/platform.md: how Chromium runs on the build machines.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage",
                   "--hide-scrollbars", "--force-device-scale-factor=1"]

@@ -1,4 +1,4 @@
-"""The metric definitions the report states next to its numbers (from METRICS.md, the
+"""The metric definitions the report states next to its numbers (from docs/metrics.md, the
 project's definitions; keep the two in step)."""
 
 from __future__ import annotations

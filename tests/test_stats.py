@@ -1,4 +1,4 @@
-"""Statistics by METRICS.md, on hand-computed examples."""
+"""Statistics by docs/metrics.md, on hand-computed examples."""
 
 import numpy as np
 import pytest

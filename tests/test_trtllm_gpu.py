@@ -76,7 +76,7 @@ def test_scores_agree_with_transformers_bf16_within_its_rounding(engine, tiny_ck
     finally:
         hf.close()
     print(f"TensorRT-LLM vs transformers, bf16 target log-prob max |diff| {max(diffs):.4f}")
-    assert max(diffs) < 0.5  # bf16 rounding; METRICS.md: differences up to 0.48 on logits
+    assert max(diffs) < 0.5  # bf16 rounding; docs/metrics.md: differences up to 0.48 on logits
 
 
 def test_serve_events(engine):

@@ -1,5 +1,5 @@
 """The sweep: batch sizes x prompt lengths at a fixed output length, prefill and decode timed
-apart (METRICS.md, "Offline (batch) metrics").
+apart (docs/metrics.md, "Offline (batch) metrics").
 
 For every point: `warmup` iterations, then repeats until both `min_repeats` iterations and
 `min_duration_s` seconds of measurement are reached (MLPerf LoadGen's rule), at most

@@ -1,4 +1,4 @@
-"""The KV-cache estimator (METRICS.md, "The KV-cache estimator").
+"""The KV-cache estimator (docs/metrics.md, "The KV-cache estimator").
 
 bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per element
                   (+ per-token scale bytes for quantised caches)

@@ -1,4 +1,4 @@
-"""Online (serving) metrics, exactly as METRICS.md defines them.
+"""Online (serving) metrics, exactly as docs/metrics.md defines them.
 
 Per request, with t_a its scheduled arrival and t_1 ... t_N the times of its N output tokens:
 

@@ -1,4 +1,4 @@
-"""Roofline: how close each point comes to what the hardware allows (METRICS.md, "Roofline").
+"""Roofline: how close each point comes to what the hardware allows (docs/metrics.md, "Roofline").
 
 The machine's ceilings are measured once per (host, device, dtype, threads) and cached:
 memory bandwidth from a large tensor copy (bytes read + bytes written per second, best of

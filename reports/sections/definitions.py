@@ -1,4 +1,4 @@
-"""Definitions: what each number means (METRICS.md) and how the statistics are computed."""
+"""Definitions: what each number means (docs/metrics.md) and how the statistics are computed."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import pandas as pd
 from reports.blocks import Block, Cell, Note, Table
 from reports.sections.common import column, present
 
-# the fields that make two engines' timings comparable (METRICS.md, "Fair comparisons")
+# the fields that make two engines' timings comparable (docs/metrics.md, "Fair comparisons")
 RESOURCE_FIELDS = (("compute_threads", "compute threads"), ("cpu_affinity", "CPU cores"), ("device", "device"))
 
 
