@@ -29,6 +29,7 @@ from harness.core.env import environment
 from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
 from harness.core.paths import CONF_DIR, model_cache_dir
 from harness.core.presets import preset_names, prompt_token_range, shape_from_hf_config
+from harness.core.redact import redact_text
 from harness.core.results import CONFIG_FILE, ENVIRONMENT_FILE, RESULTS_FILE, atomic_write_text, read_rows
 from harness.locks import lock_device, lock_run_dir
 from harness.outcome import EXIT, record_exit, write_run_report
@@ -109,7 +110,7 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
         return (f"{key}: unknown setting. Check the spelling (infer-bench --cfg job shows every "
                 f"setting); to add a new key on purpose write +{key}=...")
     first = msg.splitlines()[0] if msg else type(e).__name__
-    return f"overrides {' '.join(overrides) or '(none)'}: {first}"
+    return redact_text(f"overrides {' '.join(overrides) or '(none)'}: {first}")
 
 
 def compose_job(overrides: list[str]) -> dict[str, Any]:

@@ -135,7 +135,8 @@ class Worker:
             self.ctx.extra.update(workload_cfg=cfg, inputs=msg.inputs)
             engine.begin_point()
             row = workload.run_point(engine, point, self.ctx)
-            row.update(engine.end_point())
+            for k, v in engine.end_point().items():  # the workload's own fields (measured requests) win
+                row.setdefault(k, v)
             row.update(self._engine_fields(options, just_loaded))
             self.send(PointDone(point.key, "ok", None, row))
         except EngineUnavailable:

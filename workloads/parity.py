@@ -27,8 +27,8 @@ WORKLOAD = "parity"
 @dataclass
 class ParityConfig:
     name: str = spec(WORKLOAD)
-    prompt_lens: list[int] = spec([7, 16, 33, 64], ge=1, nonempty=True,
-                                  help="one prompt of each length, run as one batch")
+    prompt_lens: list[int] = spec([64, 128, 256, 512], ge=1, nonempty=True,
+                                  help="one prompt of each length, run as one batch (long: a position error grows with it)")
     tokens: int = spec(32, ge=1, le=4096, help="greedy tokens per prompt (and teacher-forced positions scored)")
     top_k: int = spec(8, ge=2, le=20, help="log-probabilities compared per position (vLLM returns at most 20)")
 
