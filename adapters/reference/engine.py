@@ -65,16 +65,17 @@ def _budget_problem(cfg: EngineConfig, bpt: int, max_model_len: int, budget: int
 
 
 def activation_reserve(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Device bytes kept out of the KV pool for one step's activations: the largest step's
-    per-token intermediates (hidden states, fused QKV, the MLP's gate/up products) in the model's
-    dtype, float32 logits of the rows a step keeps (score() keeps at most `score_rows`), and
-    256 MiB for CUDA graphs, cuBLAS workspaces and the allocator's slack."""
+    """Device bytes kept out of the KV pool for one step's activations: twice the largest step's
+    per-token intermediates (hidden states, fused QKV, the MLP's gate/up products; twice for the
+    temporaries around them: float32 norms, rotations, SDPA) in the model's dtype, float32 logits
+    of the rows a step keeps (score() keeps at most `score_rows`), and 256 MiB for CUDA graphs,
+    cuBLAS workspaces and the allocator's slack."""
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = cfg.max_num_batched_tokens
     per_token = (4 * mcfg.hidden_size + 2 * (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim
                  + 3 * mcfg.intermediate_size) * elem
     rows = max(min(tokens, score_rows(mcfg.vocab_size)), min(tokens, cfg.max_num_seqs))
-    return tokens * per_token + 3 * rows * mcfg.vocab_size * 4 + (256 << 20)
+    return 2 * tokens * per_token + 3 * rows * mcfg.vocab_size * 4 + (256 << 20)
 
 
 def score_rows(vocab_size: int) -> int:
