@@ -57,7 +57,7 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, EngineUnavailable, KVCacheInfo, LoadInfo, ModelSpec,
-    PrefillResult, Request, TokenEvent, TokenScores, is_pos_int, now_ns,
+    PrefillResult, Request, RequestSource, TokenEvent, TokenScores, as_source, is_pos_int, now_ns,
 )
 from adapters.trtllm import timing
 from adapters.trtllm.options import (
@@ -328,7 +328,7 @@ class TRTLLMEngine(Engine):
         self._perf = self._perf[-256:]
         self._live = []
 
-    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]:
+    def serve(self, requests: list[Request] | RequestSource, start_ns: int) -> Iterator[TokenEvent]:
         import queue
         self.release()
         assert self._streamer is not None
@@ -337,21 +337,20 @@ class TRTLLMEngine(Engine):
             events.get_nowait()
         self._gen += 1
         self._clocks["serve"] = timing.CLOCK_ARRIVAL
-        pending = sorted(requests, key=lambda r: r.arrival_s)
+        source = as_source(requests, start_ns)
         owner: dict[int, Request] = {}
-        nxt, open_ = 0, 0
+        open_ = 0
         try:
-            while nxt < len(pending) or open_:
-                while nxt < len(pending) and now_ns() >= start_ns + int(pending[nxt].arrival_s * 1e9):
-                    r = pending[nxt]
+            while not source.exhausted() or open_:
+                for r in source.due(now_ns()):
                     s = self._submit(r.prompt_ids, r.max_new_tokens, f"s{self._gen}-{r.request_id}")
                     owner[id(s)] = r
                     self._live.append(s)
-                    nxt += 1
                     open_ += 1
-                timeout = None
-                if nxt < len(pending):
-                    timeout = max(0.0, (start_ns + int(pending[nxt].arrival_s * 1e9) - now_ns()) / 1e9)
+                nxt = source.next_due_ns()
+                if not open_ and nxt is None:  # nothing runs and nothing can become due
+                    break
+                timeout = None if nxt is None else max(0.0, (nxt - now_ns()) / 1e9)
                 try:
                     stream, first, count = events.get(timeout=timeout if timeout is not None else WAIT_S)
                 except queue.Empty:

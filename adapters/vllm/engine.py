@@ -58,7 +58,8 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, EngineUnavailable, KVCacheInfo, LoadInfo, ModelSpec,
-    PrefillResult, Request, StepTiming, TokenEvent, TokenScores, is_pos_int, now_ns, wait_until,
+    PrefillResult, Request, RequestSource, StepTiming, TokenEvent, TokenScores, as_source, is_pos_int, now_ns,
+    wait_until,
 )
 from adapters.vllm import introspect
 from adapters.vllm.options import (
@@ -426,20 +427,16 @@ class VLLMEngine(Engine):
         return res
 
     # ---- serving -----------------------------------------------------------------------
-    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]:
+    def serve(self, requests: list[Request] | RequestSource, start_ns: int) -> Iterator[TokenEvent]:
         self.release()
         self._gen += 1
         self._peak_in_use = 0
-        pending = sorted(requests, key=lambda r: r.arrival_s)
+        source = as_source(requests, start_ns)
         by_id: dict[str, Request] = {}
         emitted: dict[str, int] = {}
-        nxt = 0
         try:
-            while nxt < len(pending) or self._live:
-                now = now_ns()
-                while nxt < len(pending) and start_ns + int(pending[nxt].arrival_s * 1e9) <= now:
-                    r = pending[nxt]
-                    nxt += 1
+            while not source.exhausted() or self._live:
+                for r in source.due(now_ns()):
                     rid = f"s{self._gen}-{len(by_id)}"
                     by_id[rid], emitted[rid] = r, 0
                     due = start_ns + int(r.arrival_s * 1e9)
@@ -449,7 +446,10 @@ class VLLMEngine(Engine):
                                              self._params(r.max_new_tokens), arrival_time=arrival_wall)
                     self._live.append(rid)
                 if not self._live:
-                    wait_until(start_ns + int(pending[nxt].arrival_s * 1e9))
+                    nxt = source.next_due_ns()
+                    if nxt is None:  # nothing runs and nothing can become due
+                        break
+                    wait_until(nxt)
                     continue
                 _, end, outs = self._step()
                 for out in outs:
