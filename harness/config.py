@@ -91,10 +91,6 @@ class Plan:
         return self.workloads[0].workload
 
     @property
-    def workload_cfg(self) -> Any:
-        return self.workloads[0].cfg
-
-    @property
     def points(self) -> list[Point]:
         return [p for w in self.workloads for p in w.points]
 

@@ -227,7 +227,6 @@ class Runner:
         self.progress = Progress(len(plan.points) * len(plan.engines), quiet=plan.settings.quiet)
         self._worker: WorkerProcess | None = None
         self._script: Path | None = None
-        self._interrupted = False
         self.redact = plan.redactor()
 
     # ---- rows --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,9 +21,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_non_editable_install_finds_its_configs_from_anywhere(tmp_path, tiny_ckpt, model_cache):
+    src = tmp_path / "src"  # built from a copy: setuptools writes build/ into the tree it builds
+    shutil.copytree(REPO_ROOT, src, ignore=shutil.ignore_patterns(".venv*", ".git", "runs", "build", "*.egg-info",
+                                                                    "__pycache__", ".pytest_cache"))
     wheels = tmp_path / "wheels"
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                        str(wheels), str(REPO_ROOT)], capture_output=True, text=True, timeout=600)
+                        str(wheels), str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = wheels.glob("infer_bench-*.whl")
     env_dir = tmp_path / "fresh"

@@ -56,11 +56,12 @@ def test_sampling_is_greedy_forced_length_with_perf_metrics():
     assert kw["return_perf_metrics"] is True and kw["end_id"] == kw["pad_id"] == 2
 
 
-def test_end_id_comes_from_the_checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+def test_end_id_comes_from_the_checkpoint(tmp_path, tiny_ckpt):
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [7, 8]}))
     assert end_id_of(str(tmp_path)) == 7
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
-    assert end_id_of(str(tmp_path)) == 2
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 5}))
+    assert end_id_of(str(tmp_path)) == 5
     assert end_id_of(str(tmp_path / "missing")) == -1
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Capabilities, Engine
-from harness.core.kvcalc import bytes_per_token, canonical_kv_dtype
+from harness.core.kvcalc import bytes_per_token, kv_dtype_of
 from harness.core.schema import spec
 from workloads.base import Point, RunContext, Workload
 from workloads.lengths import parse_length
@@ -104,8 +104,7 @@ class KVMemory(Workload):
         info = engine.kv_cache_info()
         engine.release()
         stored_expected = sum(lens) + len(lens) * (cfg.output_len - 1)
-        kv_dtype = info.kv_dtype or canonical_kv_dtype(
-            {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[ctx.dtype])
+        kv_dtype = info.kv_dtype or kv_dtype_of(ctx.dtype)
         waste = None
         if info.slots_allocated:
             waste = 1 - (info.tokens_stored or 0) / info.slots_allocated

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters.base import Engine, now_ns
-from harness.core.kvcalc import estimate
+from harness.core.kvcalc import estimate, kv_dtype_of
 from harness.core.schema import spec
 from harness.core.stats import summarize
 from workloads.base import MEMORY_COLUMNS, Point, RunContext, Workload, kv_memory_fields, memory_note
@@ -83,7 +83,7 @@ def offline_metrics(its: list[Iteration], batch: int, prompt_len: int, output_le
 def kv_fields(kv: Any, shape: Any, dtype: str, batch: int, stored_tokens: int) -> dict[str, Any]:
     """The engine's own KV report (reserved pool apart from what the batch uses) beside the
     estimator's figure for what the batch stores."""
-    kv_dtype = kv.kv_dtype or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    kv_dtype = kv.kv_dtype or kv_dtype_of(dtype)
     est = estimate(shape, stored_tokens, batch, kv_dtype)
     return {**kv_memory_fields(kv), "kv_est_bytes": est.total_bytes, "kv_est_bytes_per_token": est.bytes_per_token,
             "kv_info": kv.to_dict()}

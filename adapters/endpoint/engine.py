@@ -56,6 +56,8 @@ from adapters.endpoint.options import (
     KV_DTYPES, PREFIX_CACHE_KINDS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems,
 )
 from adapters.endpoint.stream import ITL_CHUNKING, ReqState, http_reason, stream_completion
+from harness.core.kvcalc import bytes_per_token, kv_dtype_of
+from harness.core.presets import shape_from_hf_config
 from harness.core.redact import Redactor
 from harness.core.stats import summarize
 
@@ -205,7 +207,6 @@ class EndpointEngine(Engine):
         self.model_name: str | None = None
         self.server_version: str | None = None
         self.server_threads: int | None = None
-        self.server_models: list[str] = []
         self.launch_command: str | None = None
         self.metrics_on = False
         self.prefix_reset: str | None = None
@@ -354,7 +355,6 @@ class EndpointEngine(Engine):
             models = [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
         except (ValueError, AttributeError):
             models = []
-        self.server_models = models
         if cfg.served_model_name:
             self.model_name = cfg.served_model_name
         elif not cfg.launched:
@@ -816,12 +816,9 @@ def _tmpdir() -> str:
 
 def _kv_bytes_per_token(model: ModelSpec) -> int | None:
     """The model's KV bytes per token (config.json), for options given in bytes."""
-    from harness.core.kvcalc import bytes_per_token, canonical_kv_dtype
-    from harness.core.presets import shape_from_hf_config
     try:
         shape = shape_from_hf_config(model.path)
     except Exception:
         return None
-    return bytes_per_token(shape, canonical_kv_dtype({"float32": "fp32", "bfloat16": "bf16",
-                                                     "float16": "fp16"}[model.dtype]))
+    return bytes_per_token(shape, kv_dtype_of(model.dtype))
 

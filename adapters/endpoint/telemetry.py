@@ -65,7 +65,6 @@ class Scraper:
         self.fetch, self.kind, self.interval_s = fetch, kind, interval_s
         self.series: dict[str, list[list[float]]] = {}
         self.errors = 0
-        self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
@@ -82,7 +81,6 @@ class Scraper:
             values, _ = parse(self.fetch())
         except Exception as e:  # a scrape that fails is counted, never fatal for the point
             self.errors += 1
-            self.last_error = f"{type(e).__name__}: {e}"[:200]
             return
         for k, v in wanted(self.kind, values).items():
             self.series.setdefault(k, []).append([round(t, 4), v])

@@ -23,12 +23,12 @@ max_seq_len comes from the workload (ModelSpec.max_model_len); the dtype from th
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from adapters.base import ModelSpec, is_pos_int, option_type_problems
+from harness.core.errors import UserError
+from harness.core.presets import shape_from_hf_config
 
 VERSION_CHECKED = "1.2.1"  # the LLM API this adapter was written against (docs/engines/trtllm.md)
 PYTHONS = ((3, 10), (3, 12))  # the Python versions TensorRT-LLM 1.2.1's wheels are built for
@@ -145,15 +145,12 @@ def unavailable_text(installed: bool, cuda_devices: int | None, python: tuple[in
 
 
 def end_id_of(model_path: str) -> int:
-    """The checkpoint's EOS id from config.json (-1 when it has none)."""
+    """The checkpoint's EOS id (harness.core.presets reads config.json; -1 when it has none)."""
     try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
+        eos = shape_from_hf_config(model_path).eos_token_id
+    except UserError:
         return -1
-    eos = cfg.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return int(eos) if isinstance(eos, int) else -1
+    return -1 if eos is None else eos
 
 
 def check_problems(options: dict[str, Any], model: ModelSpec) -> list[str]:

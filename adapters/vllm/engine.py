@@ -323,7 +323,6 @@ class VLLMEngine(Engine):
                         "max_num_batched_tokens / max_num_seqs, or the KV budget.")
                 first[out.request_id] = toks[0]
                 self._room[out.request_id] -= 1
-        self._prefill_steps = steps
         return PrefillResult([first[r] for r in ids], start, end)
 
     def decode(self, steps: int, return_logits: bool = False) -> DecodeResult:

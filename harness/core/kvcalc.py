@@ -29,6 +29,12 @@ INT8_SCALE_BYTES = 4
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
 
 
+def kv_dtype_of(dtype: str) -> str:
+    """The KV-cache dtype name of a model dtype (float32 -> fp32, bfloat16 -> bf16, float16 -> fp16):
+    what a cache stores when it keeps the model's own dtype."""
+    return canonical_kv_dtype(dtype)
+
+
 def canonical_kv_dtype(kv_dtype: str) -> str:
     name = str(kv_dtype).lower()
     if name not in _ELEMENT_BYTES:

@@ -158,10 +158,6 @@ class Redactor:
     def __repr__(self) -> str:  # never show the secrets themselves
         return f"Redactor({len(self._secrets)} secret forms)"
 
-    @property
-    def has_secrets(self) -> bool:
-        return bool(self._secrets)
-
     @classmethod
     def from_endpoints(cls, endpoints: Mapping[str, Any] | Iterable[Any] | None,
                        environ: Mapping[str, str] | None = None, extra: Iterable[str] = ()) -> "Redactor":
@@ -269,7 +265,3 @@ def redact_text(s: str) -> str:
     """The pattern-only redaction of a string."""
     return DEFAULT.text(s)
 
-
-def redact_obj(o: Any) -> Any:
-    """The pattern-only redaction of nested data."""
-    return DEFAULT.obj(o)

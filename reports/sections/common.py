@@ -135,10 +135,6 @@ def values_table(df: pd.DataFrame, cols: list[Col], name: str, caption: str = ""
     return Table([c.header for c in cols], rows, caption, name, row_classes or [])
 
 
-def fmt_bytes(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    return f"{fmt_num(v / 2**20)} MiB"
 
 
 def workload_rows(rows: pd.DataFrame, workload: str | None, *need: str, ok_only: bool = True) -> pd.DataFrame:
