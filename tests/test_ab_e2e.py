@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.slow,
                                  reason="infer-bench-ab checks commits out of a git repository; this is not one")]
 
 CONFIG = ["engines=[reference]", "model=local", "dtype=float32", "workload.batch_sizes=[8]",
-          "workload.prompt_lens=[128]", "workload.output_len=32", "workload.min_repeats=8",
-          "workload.min_duration_s=1", "engine_options.reference.num_threads=1"]
+          "workload.prompt_lens=[128]", "workload.output_len=32", "workload.min_repeats=6",
+          "workload.min_duration_s=0.5", "engine_options.reference.num_threads=1"]
 
 
 def ab(out, ckpt, *extra):
