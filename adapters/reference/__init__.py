@@ -1,6 +1,6 @@
 """Our own paged-KV inference engine, small enough to read top to bottom.
 
-Read it in this order:
+Read it in this order (the plain-PyTorch path, which holds the reference semantics):
 
     config.py         the options (engine_options.reference.<name>) and their checks
     model.py          a LLaMA-family decoder over a flat batch of tokens
@@ -9,5 +9,16 @@ Read it in this order:
     scheduler.py      continuous batching: chunks per step, token budget, preemption
     attention.py      attention through the block table (prefill, cached prefix, decode)
     runner.py         one step: inputs in, greedy tokens out
-    engine.py         the harness's Engine interface on top of it all
+    engine.py         the harness's Engine interface on top of it all (and the online API)
+
+then, if you want the fast paths (each tested against the plain one):
+
+    kernels.py                 which kernels run on this device, chosen and recorded at load
+    kernels_cpu.py             oneDNN-packed matrix products (torch's private mkldnn ops, contained)
+    cpu_decode.py              fused paged decode attention for CPUs (a C kernel built at load)
+    kernels_cuda.py            SDPA prefill and paged decode on CUDA
+    triton_paged_attention.py  the Triton paged decode kernel (imported only when used)
+    cuda_graphs.py             decode steps replayed from CUDA graphs, one per batch bucket
+
+docs/reference-engine.md describes all of it, with measured figures.
 """
