@@ -225,27 +225,36 @@ def unquantised(spec):
     return prompts, pre, dec
 
 
-@pytest.mark.parametrize("kv_dtype,max_err", [("int8", 0.03), ("fp8", 0.15)])
-def test_quantised_cache_error_and_agreement(spec, unquantised, kv_dtype, max_err, capsys):
-    """Two figures: the relative error of the final logits over the *same* tokens (the unquantised
-    run's prompt + 64 outputs, fed in chunks of 16 so that every chunk after the first reads its
-    context back from the quantised pool), and the greedy agreement of free-running generation."""
+@pytest.mark.parametrize("kv_dtype,max_err,min_top1", [("int8", 0.03, 0.9), ("fp8", 0.15, 0.7)])
+def test_quantised_cache_error_and_agreement(spec, unquantised, kv_dtype, max_err, min_top1, capsys):
+    """Over the *same* tokens (the unquantised run's prompt + 64 outputs, fed in chunks of 16 so
+    that every chunk after the first reads its context back from the quantised pool): the
+    relative error of the final logits, and the teacher-forced top-1 agreement of every output
+    position with the unquantised cache (score()). Free-running greedy agreement is printed, not
+    asserted: with the presets' sharp attention (checkpoint format 2) one early flip makes the
+    rest of a sequence differ, so it measures divergence points more than cache quality."""
     prompts, pre0, dec0 = unquantised
     outputs = [list(t) for t in zip(*([pre0.first_tokens] + dec0.tokens))]
     forced = [p + o[:64] for p, o in zip(prompts, outputs)]
+    start = [len(p) + 1 for p in prompts]
+    top1 = {}
     for dtype, bound in (("auto", TOL), (kv_dtype, max_err)):
         engine = ref_engine(spec, kv_dtype=dtype, max_num_batched_tokens=16)
         final_err = rel_err(engine.prefill(forced, return_logits=True).logits, dec0.logits[-1])
+        top1[dtype] = [ids[0] for s in engine.score(forced, start, 1) for ids in s.top_ids]
         engine.close()
         assert final_err <= bound, (dtype, final_err)
+    assert top1["auto"] == [t for o in outputs for t in o[1:64]]  # the unquantised cache reproduces greedy
+    agree_tf = sum(a == b for a, b in zip(top1[kv_dtype], top1["auto"])) / len(top1["auto"])
     engine = ref_engine(spec, kv_dtype=kv_dtype)
     pre, dec = engine.prefill(prompts), engine.decode(64)
     agree = [a == b for s, s0 in zip(zip(*([pre.first_tokens] + dec.tokens)), outputs) for a, b in zip(s, s0)]
     with capsys.disabled():
-        print(f"\n[kv_dtype={kv_dtype}] final-logit relative error {final_err:.4f}; greedy agreement "
-              f"{sum(agree)}/{len(agree)} tokens ({sum(agree) / len(agree):.1%})")
+        print(f"\n[kv_dtype={kv_dtype}] final-logit relative error {final_err:.4f}; teacher-forced top-1 "
+              f"agreement {agree_tf:.1%}; free-running greedy agreement {sum(agree)}/{len(agree)} tokens "
+              f"({sum(agree) / len(agree):.1%})")
     assert engine.kv_cache_info().bytes_per_token == bytes_per_token(load_preset("tiny"), kv_dtype)
-    assert sum(agree) / len(agree) >= 0.5
+    assert agree_tf >= min_top1
     engine.close()
 
 

@@ -11,8 +11,9 @@ context). A program loads the G query heads that share its KV head as G rows (pa
 tl.dot), walks its part of the context a tile of TILE tokens at a time (each token's block from
 the table, its offset within the block), and keeps an online softmax in float32: running max m,
 running sum l, and the weighted sum of values acc. The splits' (m, l, acc) are combined after
-the kernel: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, with M = max_s m_s.
-Splitting keeps the GPU busy at batch 1 (one sequence, a few KV heads) with long contexts.
+a second kernel: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, with M = max_s m_s.
+Splitting keeps the GPU busy at batch 1 (one sequence, a few KV heads) with long contexts; two
+kernels per layer (not a dozen small PyTorch ops) keep a CUDA-graphed decode step short.
 
 Pool layout (kv_cache.py): k[layer] is [kv_heads, total_blocks, block_size, head_dim]: the row
 of token (block b, offset o) for head h is (h * total_blocks + b) * block_size + o.
@@ -90,6 +91,33 @@ def _paged_decode_kernel(
     tl.store(ACC + out[:, None] * D_PAD + offs_d[None, :], acc)
 
 
+@triton.jit
+def _combine_kernel(ACC, M, L, OUT, splits,
+                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Merge the splits of one (sequence, KV head): the same online-softmax step, split by split."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads_kv = tl.num_programs(1)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    top = tl.full([G_PAD], float("-inf"), tl.float32)
+    den = tl.zeros([G_PAD], tl.float32)
+    num = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for s in range(0, splits):  # split 0 always holds context, so `top` is finite after it
+        row = ((b * num_heads_kv + h) * splits + s) * G_PAD + offs_g
+        m_s = tl.load(M + row)
+        new = tl.maximum(top, m_s)
+        old_w = tl.exp(top - new)
+        w = tl.exp(m_s - new)
+        den = den * old_w + tl.load(L + row) * w
+        num = num * old_w[:, None] + tl.load(ACC + row[:, None] * D_PAD + offs_d[None, :]) * w[:, None]
+        top = new
+    out = num / den[:, None]
+    heads = num_heads_kv * G
+    dest = OUT + (b * heads + h * G + offs_g)[:, None] * D + offs_d[None, :]
+    tl.store(dest, out.to(OUT.dtype.element_ty), mask=(offs_g[:, None] < G) & (offs_d[None, :] < D))
+
+
 def _pow2(n: int, low: int = 1) -> int:
     return max(low, 1 << (max(n, 1) - 1).bit_length())
 
@@ -124,10 +152,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, BS=bs, TILE=tile, KV_MODE=kv_mode,
         IEEE=q.dtype == torch.float32,
     )
-    # combine the splits (a split with no context has m = -inf and weighs nothing)
-    top = m.amax(dim=2, keepdim=True)
-    w = torch.exp(m - top)  # [B, KV, SPLITS, G_PAD]
-    num = (acc * w[..., None]).sum(dim=2)  # [B, KV, G_PAD, D_PAD]
-    den = (s * w).sum(dim=2)[..., None]
-    o = (num / den)[:, :, :g, :d]  # [B, KV, G, D]
-    return o.reshape(b, heads * d).to(q.dtype)
+    out = torch.empty(b, heads * d, dtype=q.dtype, device=q.device)
+    _combine_kernel[(b, kv_heads)](acc, m, s, out, splits, G=g, G_PAD=g_pad, D=d, D_PAD=d_pad)
+    return out
