@@ -278,7 +278,7 @@ TRITON_CHECK = textwrap.dedent("""
                    torch.randn(n, kv_heads, d, generator=g).to(dtype))
         tables = torch.stack([torch.randperm(9, generator=g)[:6] for _ in range(3)])
         lens = torch.tensor([6 * bs, 1, 2 * bs + 3])
-        q = torch.randn(3, heads, d, generator=g).to(dtype)
+        q = torch.randn(3, heads + 2 * kv_heads, d, generator=g).to(dtype)[:, :heads]  # strided, as in the model
         want = paged_decode_torch(q, pool, 0, tables, lens).float()
         for splits in (1, 3):
             got = paged_decode_triton(q, pool, 0, tables.to(torch.int32), lens.to(torch.int32), splits=splits).float()

@@ -31,7 +31,7 @@ import triton.language as tl
 @triton.jit
 def _paged_decode_kernel(
     Q, K, V, KS, VS, TABLES, LENS, ACC, M, L,
-    total_blocks, stride_table, scale,
+    stride_qb, stride_qh, total_blocks, stride_table, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, KV_MODE: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -49,8 +49,8 @@ def _paged_decode_kernel(
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q_rows = b * (num_heads_kv * G) + h * G + offs_g  # rows of Q viewed as [B * heads, D]
-    q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=(offs_g[:, None] < G) & d_ok[None, :], other=0.0)
+    q_ptr = Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]  # a strided view is fine
+    q = tl.load(q_ptr, mask=(offs_g[:, None] < G) & d_ok[None, :], other=0.0)
 
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     s_sum = tl.zeros([G_PAD], tl.float32)
@@ -146,9 +146,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     s = torch.empty_like(m)
     ks = k_scale if k_scale is not None else m  # unused unless int8
     vs = v_scale if v_scale is not None else m
+    if q.stride(2) != 1:
+        q = q.contiguous()
     _paged_decode_kernel[(b, kv_heads, splits)](
-        q.contiguous(), k_cache, v_cache, ks, vs, tables, lens, acc, m, s,
-        total_blocks, tables.stride(0), d ** -0.5,
+        q, k_cache, v_cache, ks, vs, tables, lens, acc, m, s,
+        q.stride(0), q.stride(1), total_blocks, tables.stride(0), d ** -0.5,
         G=g, G_PAD=g_pad, D=d, D_PAD=d_pad, BS=bs, TILE=tile, KV_MODE=kv_mode,
         IEEE=q.dtype == torch.float32,
     )
