@@ -90,7 +90,7 @@ def main() -> int:
     with profile(activities=acts) as p_decode:
         engine.decode(args.steps)
     engine.release()
-    sort = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    sort = "self_device_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
     for label, p, n in (("prefill", p_prefill, 1), (f"decode ({args.steps} steps)", p_decode, args.steps)):
         events = p.key_averages()
         print(f"\n== {label}: {sum(e.count for e in events) / n:.0f} operator calls per step")
