@@ -215,7 +215,7 @@ class ReferenceEngine(Engine):
     def close(self) -> None:
         if self.model is not None:
             self.release()
-        self.model = self.pool = self.blocks = self.graphs = None
+        self.model = self.pool = self.blocks = self.graphs = self.runner = None  # frees device memory
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
