@@ -493,3 +493,25 @@ def test_cuda_engine_matches_transformers_in_fp32(tiny_ckpt):
                 (hf, want[1].__class__(want[1].first_tokens, 0, 0, want[1].logits.cpu()),
                  want[2].__class__(want[2].tokens, want[2].steps, [x.cpu() for x in want[2].logits])))
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device here")
+@pytest.mark.parametrize("kv_dtype,dtype", [("auto", torch.bfloat16), ("auto", torch.float32), ("int8", torch.bfloat16)])
+def test_triton_decode_on_the_gpu(kv_dtype, dtype):
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    from adapters.reference.kernels_cuda import paged_decode_triton
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    pool = KVPool(1, 40, 16, 8, 128, kv_dtype, dtype, dev, scratch_blocks=1)
+    rows = pool.rows(torch.arange(40, device=dev).repeat_interleave(16), torch.arange(16, device=dev).repeat(40))
+    pool.write(0, rows, torch.randn(640, 8, 128, generator=g, device=dev, dtype=dtype),
+               torch.randn(640, 8, 128, generator=g, device=dev, dtype=dtype))
+    tables = torch.stack([torch.randperm(40, device=dev)[:20] for _ in range(4)])
+    lens = torch.tensor([320, 1, 33, 200], device=dev)
+    q = torch.randn(4, 48, 128, generator=g, device=dev, dtype=dtype)[:, :32]
+    want = paged_decode_torch(q, pool, 0, tables, lens)
+    for splits in (1, 5):
+        got = paged_decode_triton(q, pool, 0, tables, lens, splits=splits)
+        assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
