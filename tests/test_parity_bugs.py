@@ -110,3 +110,36 @@ def test_a_missing_bias_fails(tiny_with_bias, tmp_path, dtype):
     _, bad = parity(HFEngine, broken, dtype, prompts, teacher=greedy)
     fields, why = check(base, bad, dtype)
     assert why is not None and fields["parity_top1_agreement"] < 0.5, fields
+
+
+class ShiftedBlockReads(ReferenceEngine):
+    """A broken engine (a fault put in on purpose): the reference engine whose KV pool, when it
+    reads a sequence's cached context back, takes every block after the first from the slot of the
+    block before it - a KV block read from the wrong offset. Writes are untouched."""
+
+    def load(self, model, options):
+        info = super().load(model, options)
+        pool, gather = self.pool, self.pool.gather
+
+        def shifted(layer, block_tables, length, *args, **kwargs):
+            wrong = block_tables.clone()
+            wrong[:, 1:] = block_tables[:, :-1]
+            return gather(layer, wrong, length)
+        pool.gather = shifted
+        return info
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_kv_block_read_from_the_wrong_offset_fails(small, dtype, monkeypatch):
+    prompts = prompts_for(load_preset("small").vocab_size)
+    chunked = {"max_num_batched_tokens": 64}  # later chunks read their context back from the pool
+    greedy, base = parity(ReferenceEngine, small, dtype, prompts)
+    honest_engine = type("ChunkedReference", (ReferenceEngine,), {"load": lambda self, m, o: ReferenceEngine.load(
+        self, m, {**o, **chunked})})
+    _, honest = parity(honest_engine, small, dtype, prompts, teacher=greedy)
+    assert check(base, honest, dtype)[1] is None  # chunked and whole prefill agree
+    broken_engine = type("ChunkedShifted", (ShiftedBlockReads,), {"load": lambda self, m, o: ShiftedBlockReads.load(
+        self, m, {**o, **chunked})})
+    _, bad = parity(broken_engine, small, dtype, prompts, teacher=greedy)
+    fields, why = check(base, bad, dtype)
+    assert why is not None, fields

@@ -194,3 +194,23 @@ def test_harness_runs_reference_engine_end_to_end(tmp_path):
         info = r["kv_info"]
         assert info["block_size"] == 8 and info["bytes_per_token"] == r["kv_est_bytes_per_token"]
         assert info["tokens_stored"] == r["batch_size"] * (16 + 4 - 1)
+
+
+def test_the_calibration_handicap_sleeps_its_fraction_of_every_step(tiny_ckpt, monkeypatch):
+    """step_delay_frac makes every step sleep that share of its own time (time.sleep recorded, not
+    timed: the ratio of what each step asked for to what the step took before it)."""
+    from adapters.base import ModelSpec
+    from adapters.reference import engine as engine_mod
+    asked: list[float] = []
+    clock = iter(range(10**6))
+    monkeypatch.setattr(engine_mod.time, "sleep", asked.append)
+    monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: float(next(clock)))  # every read: +1 s
+    e = engine_mod.ReferenceEngine()
+    e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", max_model_len=128, threads=1), {"step_delay_frac": 0.5})
+    asked.clear()
+    e.prefill([[5, 6, 7, 8] * 8] * 4)
+    e.decode(3)
+    e.close()
+    assert len(asked) == 4 and all(a == 0.5 for a in asked)  # one per step: 0.5 x the 1 s the fake clock saw
+    _, problems = parse_options({"step_delay_frac": -1})
+    assert problems and "step_delay_frac" in problems[0]

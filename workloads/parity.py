@@ -60,14 +60,16 @@ class Parity(Workload):
         return [Point(self.name, {"prompt_lens": list(cfg.prompt_lens), "tokens": cfg.tokens, "top_k": cfg.top_k})]
 
     def max_model_len(self, cfg: ParityConfig) -> int:
-        return max(cfg.prompt_lens) + cfg.tokens
+        # the scored sequence is prompt + tokens, and an engine that scores through generation
+        # (vLLM's prompt log-probabilities) needs room for one more
+        return max(cfg.prompt_lens) + cfg.tokens + 1
 
     def max_prefill_batch(self, cfg: ParityConfig) -> tuple[int, int]:
         return len(cfg.prompt_lens), sum(cfg.prompt_lens)
 
     def prompts(self, point: Point, ctx: RunContext) -> list[list[int]]:
         n = point.params["tokens"]
-        lens = [min(s, max(1, ctx.max_model_len - n)) for s in point.params["prompt_lens"]]
+        lens = [min(s, max(1, ctx.max_model_len - n - 1)) for s in point.params["prompt_lens"]]
         return [ctx.prompts(1, s, f"parity/{i}")[0] for i, s in enumerate(lens)]
 
     def point_inputs(self, point: Point, rows: list[dict[str, Any]]) -> dict[str, Any] | None:

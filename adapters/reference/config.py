@@ -31,6 +31,8 @@ class EngineConfig:
     kernels: str = "auto"  # auto: the device's fast paths (kernels_cpu.py / kernels_cuda.py); plain: the
     #   plain-PyTorch reference path only (attention.py, model.py)
     cuda_graphs: bool = True  # CUDA, kernels=auto: replay decode steps from CUDA graphs (one per batch bucket)
+    step_delay_frac: float = 0.0  # a deliberate handicap, for calibrating regression gates: after every
+    #   step, sleep this fraction of the step's own time (0.25: every step takes 25 % longer). 0: off
 
     @property
     def use_cache(self) -> bool:
@@ -99,6 +101,12 @@ def parse_options(options: dict[str, Any] | None) -> tuple[EngineConfig, list[st
             bad("kv_cache_bytes", "must be a positive number of bytes (e.g. 2147483648 for 2 GiB), or null.")
         else:
             cfg.kv_cache_bytes = v
+    if "step_delay_frac" in given:
+        v = given["step_delay_frac"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 10:
+            bad("step_delay_frac", "must be a fraction between 0 and 10 (0.25: every step 25 % slower), or 0.")
+        else:
+            cfg.step_delay_frac = float(v)
     if "gpu_memory_utilization" in given:
         v = given["gpu_memory_utilization"]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:

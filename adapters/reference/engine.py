@@ -35,7 +35,7 @@ import torch
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    StepTiming, TokenEvent, TokenScores, now_ns, wait_until,
+    RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns, wait_until,
 )
 from adapters.reference import kernels
 from adapters.reference.block_manager import BlockManager
@@ -232,8 +232,12 @@ class ReferenceEngine(Engine):
 
     def _step(self, keep_logits: bool = False) -> StepOutput:
         """Schedule and run one step; record what it computed and sampled."""
+        t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         out = self.runner.run(chunks, keep_logits)
+        if self.cfg.step_delay_frac:  # the calibration handicap (config.py): a real, proportional slowdown
+            self._sync()
+            time.sleep(self.cfg.step_delay_frac * (time.perf_counter() - t0))
         for c in chunks:
             c.seq.num_computed = c.end if self.pool is not None else 0
         for s in out.sampled:
@@ -330,21 +334,23 @@ class ReferenceEngine(Engine):
             self.scheduler.finish(seq)
 
     # ---- serving: continuous batching ----------------------------------------------------
-    def serve(self, requests: list[Request], start_ns: int) -> Iterator[TokenEvent]:
-        """Requests join at their scheduled arrival (start_ns + arrival_s): add_request() and
-        step() in a loop, sleeping while nothing has arrived and nothing runs."""
+    def serve(self, requests: list[Request] | RequestSource, start_ns: int) -> Iterator[TokenEvent]:
+        """Requests join when they become due (a list: at their scheduled arrival, start_ns +
+        arrival_s; a closed loop: as slots free): add_request() and step() in a loop, sleeping
+        while nothing is due and nothing runs."""
         self.release()
-        for r in requests:
-            if r.max_new_tokens < 1:
-                raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-        pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+        source = as_source(requests, start_ns)
         try:
-            while pending or self.has_work():
-                now = now_ns()
-                while pending and start_ns + int(pending[0].arrival_s * 1e9) <= now:
-                    self.add_request(pending.popleft())
+            while not source.exhausted() or self.has_work():
+                for r in source.due(now_ns()):
+                    if r.max_new_tokens < 1:
+                        raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
+                    self.add_request(r)
                 if not self.has_work():
-                    wait_until(start_ns + int(pending[0].arrival_s * 1e9))
+                    nxt = source.next_due_ns()
+                    if nxt is None:  # nothing runs and nothing can become due
+                        return
+                    wait_until(nxt)
                     continue
                 yield from self.step()
         finally:  # a consumer that stops early must not leave blocks behind
