@@ -17,7 +17,6 @@ prefills (`rows`: CPU caches; none on a GPU).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from harness.core.errors import UserError
+from harness.core.presets import shape_from_hf_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ROWS = 1024  # CPU: tokens per slice of the token-wise parts of a layer (see in_slices)
@@ -60,40 +62,37 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read config.json; a ValueError names what this engine cannot run."""
-        cfg_file = Path(path) / "config.json"
-        if not cfg_file.is_file():
-            raise ValueError(f"{path}: no config.json; give a Hugging Face checkpoint directory.")
-        cfg = json.loads(cfg_file.read_text())
-        arch = (cfg.get("architectures") or ["unknown"])[0]
+        """The checkpoint's config (read by harness.core.presets, the project's one config.json
+        reader); a ValueError names what this engine cannot run."""
+        try:
+            shape = shape_from_hf_config(path)
+        except UserError as e:
+            raise ValueError(e.problems[0]) from None
+        arch = shape.hf_architecture or "unknown"
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch} is not supported by the reference engine "
                              f"(it runs {', '.join(SUPPORTED_ARCHITECTURES)}). Use engine hf for this model.")
-        window = cfg.get("sliding_window")
-        if window and (arch == "MistralForCausalLM" or cfg.get("use_sliding_window")):
-            raise ValueError(f"{arch} with sliding_window={window} is not supported by the reference "
+        if shape.sliding_window:
+            raise ValueError(f"{arch} with sliding_window={shape.sliding_window} is not supported by the reference "
                              "engine (full attention only).")
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope_type {rope_type} is not supported by the reference engine "
+        rope = shape.rope_scaling
+        if rope and rope["rope_type"] not in ("linear", "llama3"):
+            raise ValueError(f"rope_type {rope['rope_type']} is not supported by the reference engine "
                              "(default, linear and llama3 are).")
-        heads = int(cfg["num_attention_heads"])
         return cls(
             architecture=arch,
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=int(cfg["hidden_size"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else rope | {"rope_type": rope_type},
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_layers=shape.num_hidden_layers,
+            hidden_size=shape.hidden_size,
+            num_heads=shape.num_attention_heads,
+            num_kv_heads=shape.num_key_value_heads,
+            head_dim=shape.head_dim,
+            intermediate_size=shape.intermediate_size,
+            vocab_size=shape.vocab_size,
+            rms_norm_eps=shape.rms_norm_eps,
+            rope_theta=shape.rope_theta,
+            rope_scaling=rope,
+            max_position_embeddings=shape.max_position_embeddings,
+            tie_word_embeddings=shape.tie_word_embeddings,
         )
 
 

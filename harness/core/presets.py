@@ -8,7 +8,7 @@ materialised as a random-weight checkpoint (see `harness.checkpoint`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,10 @@ class ModelShape:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # what a checkpoint's config says beyond the sizes (None for presets: plain RoPE, full attention)
+    hf_architecture: str | None = None  # e.g. LlamaForCausalLM
+    rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": linear | llama3 | ..., params}
+    sliding_window: int | None = None  # the attention window, when the model uses one
 
     # ---- derived sizes -------------------------------------------------------------------
     def num_parameters(self) -> int:
@@ -154,7 +158,12 @@ def shape_from_hf_config(path: str | Path, field: str = "model.path") -> ModelSh
     heads = int(cfg.num_attention_heads)
     head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
     dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
-    rope = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    rope_params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    rope = getattr(cfg, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
+    rope_type = rope_params.get("rope_type") or rope_params.get("type") or "default"
+    window = getattr(cfg, "sliding_window", None)
+    mistral = model_type == "mistral" or any(str(a).startswith("Mistral") for a in archs)
+    uses_window = bool(window) and (mistral or bool(getattr(cfg, "use_sliding_window", False)))
     return ModelShape(
         name=directory.name,
         architecture=model_type if model_type in ARCHITECTURES else model_type or "unknown",
@@ -174,6 +183,9 @@ def shape_from_hf_config(path: str | Path, field: str = "model.path") -> ModelSh
         bos_token_id=_first_id(getattr(cfg, "bos_token_id", None)),
         eos_token_id=_first_id(getattr(cfg, "eos_token_id", None)),
         pad_token_id=_first_id(getattr(cfg, "pad_token_id", None)),
+        hf_architecture=str(archs[0]),
+        rope_scaling=None if rope_type == "default" else {**rope_params, "rope_type": rope_type},
+        sliding_window=int(window) if uses_window else None,
     )
 
 
