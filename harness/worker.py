@@ -71,7 +71,10 @@ def main() -> None:
     job = hello.job
     cpus = job["model_spec"].get("cpus")
     if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cpus)
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:  # e.g. a container whose cores differ: the rows record the real affinity
+            print(f"[infer-bench worker] could not pin to cores {cpus}: {e}", flush=True)
     print(f"[infer-bench worker] engine={job['engine']} pid={os.getpid()} python={sys.executable}", flush=True)
     versions = {"python": sys.version.split()[0], "torch": _package_version("torch")}
     try:  # the engine side: adapters, workloads, numpy, psutil ... from the engine's environment
