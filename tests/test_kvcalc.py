@@ -84,3 +84,9 @@ def test_cli_bad_input_exit_code():
     r = subprocess.run([sys.executable, "-m", "harness.kv_cli", "model=tiny", "seq_len=x"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "seq_len" in r.stderr
+
+
+def test_kv_dtype_of_takes_what_the_engine_reported_unless_it_said_auto():
+    from harness.core.kvcalc import kv_dtype_of
+    assert kv_dtype_of("bfloat16") == "bf16" and kv_dtype_of("float32", "auto") == "fp32"
+    assert kv_dtype_of("bfloat16", "fp8_e4m3") == "fp8" and kv_dtype_of("float16", "int8") == "int8"

@@ -104,7 +104,7 @@ class KVMemory(Workload):
         info = engine.kv_cache_info()
         engine.release()
         stored_expected = sum(lens) + len(lens) * (cfg.output_len - 1)
-        kv_dtype = info.kv_dtype or kv_dtype_of(ctx.dtype)
+        kv_dtype = kv_dtype_of(ctx.dtype, info.kv_dtype)
         waste = None
         if info.slots_allocated:
             waste = 1 - (info.tokens_stored or 0) / info.slots_allocated

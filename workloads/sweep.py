@@ -83,7 +83,7 @@ def offline_metrics(its: list[Iteration], batch: int, prompt_len: int, output_le
 def kv_fields(kv: Any, shape: Any, dtype: str, batch: int, stored_tokens: int) -> dict[str, Any]:
     """The engine's own KV report (reserved pool apart from what the batch uses) beside the
     estimator's figure for what the batch stores."""
-    kv_dtype = kv.kv_dtype or kv_dtype_of(dtype)
+    kv_dtype = kv_dtype_of(dtype, kv.kv_dtype)
     est = estimate(shape, stored_tokens, batch, kv_dtype)
     return {**kv_memory_fields(kv), "kv_est_bytes": est.total_bytes, "kv_est_bytes_per_token": est.bytes_per_token,
             "kv_info": kv.to_dict()}
@@ -128,8 +128,7 @@ class Sweep(Workload):
     def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Output throughput's interval from end-to-end latency's (its reciprocal, scaled)."""
         ci, b, o = row.get("e2e_latency_s_ci"), row.get("batch_size"), row.get("output_len")
-        if ci and b and o and row.get("output_tok_s_ci") is None:
-            row["output_tok_s_ci"] = [b * o / ci[1], b * o / ci[0]]
+        row["output_tok_s_ci"] = [b * o / ci[1], b * o / ci[0]] if ci and b and o else None
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
         cfg: SweepConfig = ctx.extra["workload_cfg"]

@@ -74,7 +74,10 @@ def add_intervals(row: dict, confidence: float = CONFIDENCE) -> dict:
     for key in [k for k in row if k.endswith(SAMPLES_SUFFIX)]:
         ci_key = key[: -len(SAMPLES_SUFFIX)] + "_ci"
         samples = row[key]
-        if row.get(ci_key) is None and isinstance(samples, list) and len(samples) >= 2 and \
+        if row.get(ci_key) is not None or not isinstance(samples, list):  # (memory_samples is a count)
+            continue
+        row[ci_key] = None  # fewer than two samples: no interval, said so
+        if isinstance(samples, list) and len(samples) >= 2 and \
                 all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in samples):
             ci = median_ci(samples, confidence)
             row[ci_key] = list(ci) if ci else None

@@ -29,10 +29,11 @@ INT8_SCALE_BYTES = 4
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
 
 
-def kv_dtype_of(dtype: str) -> str:
-    """The KV-cache dtype name of a model dtype (float32 -> fp32, bfloat16 -> bf16, float16 -> fp16):
-    what a cache stores when it keeps the model's own dtype."""
-    return canonical_kv_dtype(dtype)
+def kv_dtype_of(dtype: str, reported: str | None = None) -> str:
+    """The KV-cache dtype an engine stores: what it reported (`reported`), or - when it did not
+    say, or said "auto" (the model's own) - the model dtype's KV name (float32 -> fp32, bfloat16 ->
+    bf16, float16 -> fp16)."""
+    return canonical_kv_dtype(reported if reported not in (None, "", "auto") else dtype)
 
 
 def canonical_kv_dtype(kv_dtype: str) -> str:

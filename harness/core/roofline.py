@@ -121,7 +121,7 @@ def annotate(row: dict[str, Any], shape: ModelShape, ceil: Ceilings) -> dict[str
     b, s, o, dtype = row.get("batch_size"), row.get("prompt_len"), row.get("output_len"), row.get("dtype")
     if not (b and s and o) or dtype not in _ELEM:
         return {}
-    kv_dtype = (row.get("kv_info") or {}).get("kv_dtype") or kv_dtype_of(dtype)
+    kv_dtype = kv_dtype_of(dtype, (row.get("kv_info") or {}).get("kv_dtype"))
     out: dict[str, Any] = {"roofline_mem_bw_bytes_s": ceil.mem_bw_bytes_s, "roofline_matmul_flops": ceil.matmul_flops}
     if row.get("prefill_latency_s"):
         f = prefill_flops(shape, b, s)
