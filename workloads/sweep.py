@@ -85,7 +85,9 @@ def kv_fields(kv: Any, shape: Any, dtype: str, batch: int, stored_tokens: int) -
     estimator's figure for what the batch stores."""
     kv_dtype = kv_dtype_of(dtype, kv.kv_dtype)
     est = estimate(shape, stored_tokens, batch, kv_dtype)
-    return {**kv_memory_fields(kv), "kv_est_bytes": est.total_bytes, "kv_est_bytes_per_token": est.bytes_per_token,
+    # the most KV the batch held (an engine whose sequences end with their last token, as vLLM's
+    # do when asked for exactly that many, holds none once decode is over)
+    return {**kv_memory_fields(kv, peak=True), "kv_est_bytes": est.total_bytes, "kv_est_bytes_per_token": est.bytes_per_token,
             "kv_info": kv.to_dict()}
 
 
