@@ -264,7 +264,9 @@ def run(argv: list[str]) -> int:
     metrics = args.metric or list(DEFAULT_METRICS)
     base_commit = resolve_commit(args.baseline_ref)
     cand_commit = resolve_commit(args.candidate_ref) if args.candidate_ref else None
-    out = Path(args.out or REPO_ROOT / "runs" / "ab" / f"{base_commit[:10]}-vs-{(cand_commit or 'worktree')[:10]}")
+    # absolute: each side runs with its own tree as the working directory, and a relative
+    # hydra.run.dir would land inside the temporary worktree
+    out = Path(args.out or REPO_ROOT / "runs" / "ab" / f"{base_commit[:10]}-vs-{(cand_commit or 'worktree')[:10]}").resolve()
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

@@ -6,6 +6,7 @@ infer-bench-compare's same-machine path on real runs."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,16 +24,19 @@ CONFIG = ["engines=[reference]", "model=local", "dtype=float32", "workload.batch
           "workload.min_duration_s=0.5", "engine_options.reference.num_threads=1"]
 
 
-def ab(out, ckpt, *extra):
+def ab(out, ckpt, *extra, cwd=None):
     r = subprocess.run([sys.executable, "-m", "harness.ab", "--baseline-ref", "HEAD", "--candidate-ref", "HEAD",
                         "--rounds", "4", "--threshold", "10%", "--out", str(out), *extra, "--", *CONFIG,
-                        f"model.path={ckpt}"], capture_output=True, text=True, timeout=1200)
+                        f"model.path={ckpt}"], capture_output=True, text=True, timeout=1200, cwd=cwd,
+                       env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert r.returncode in (0, 1), r.stderr[-3000:]
-    return r.returncode, json.loads((out / "ab.json").read_text()), r.stdout
+    return r.returncode, json.loads(((cwd or REPO_ROOT) / out / "ab.json").read_text()), r.stdout
 
 
 def test_same_code_twice_is_unchanged(tmp_path, tiny_ckpt):
-    code, doc, out = ab(tmp_path / "aa", tiny_ckpt)
+    # a relative --out, as ci/regression_gate.sh passes it: each side runs inside its own worktree,
+    # and the runs must still land under the caller's directory
+    code, doc, out = ab("aa", tiny_ckpt, cwd=tmp_path)
     assert code == 0, out
     assert doc["verdict"] == "unchanged" and {r["verdict"] for r in doc["results"]} == {"unchanged"}
     assert {r["metric"] for r in doc["results"]} == {"decode_step_latency_s", "prefill_latency_s", "output_tok_s"}
