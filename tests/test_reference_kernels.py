@@ -177,6 +177,24 @@ def test_fused_cpu_decode_matches_paged_torch(dtype, tol, bs, heads, kv_heads, d
     assert rel_err(got, want) < tol
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler here")
+def test_loading_the_fused_kernel_keeps_denormals(tmp_path):
+    """The kernel is built with -ffast-math; linking it so would set flush-to-zero for the whole
+    process at load (gcc's crtfastmath), changing every float op of torch and numpy after it."""
+    code = textwrap.dedent("""
+        import torch
+        from adapters.reference import cpu_decode
+        tiny = torch.tensor([1e-40], dtype=torch.float32)
+        assert (tiny * 1.0).item() != 0.0
+        cpu_decode.build()
+        print((tiny * 1.0).item())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ, INFER_BENCH_CACHE=str(tmp_path)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.strip()) != 0.0, "loading the kernel flushed denormals to zero"
+
+
 def test_fused_cpu_decode_falls_back_when_it_cannot_build(spec, plain, monkeypatch):
     def no_compiler():
         raise RuntimeError("no C compiler (cc/gcc) on PATH")

@@ -147,7 +147,11 @@ int paged_decode(int bf16, const void *q, int64_t q_sb, int64_t q_sh, const void
 # -ffast-math lets the compiler vectorise the dot products and call the vector expf of libmvec;
 # the kernel never produces an infinity or a NaN from finite inputs (the running max starts at
 # -1e30, not -inf), which is what -ffinite-math-only assumes.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
+# It is compiled and linked in two steps: linking a shared library with -ffast-math makes gcc (12
+# and older) add crtfastmath.o, whose constructor sets flush-to-zero and denormals-are-zero for
+# the whole process at load: every float op of torch and numpy afterwards would differ.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 
@@ -176,16 +180,17 @@ def build() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"{cc} does not run ({e})") from e
-    key = hashlib.sha256("\0".join([C_SOURCE, " ".join(FLAGS), version, _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([C_SOURCE, " ".join(FLAGS + LINK_FLAGS), version, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
+            src, obj, lib = (Path(tmp) / f"paged_decode.{ext}" for ext in ("c", "o", "so"))
             src.write_text(C_SOURCE)
-            r = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}")
+            for cmd in ([cc, *FLAGS, "-c", str(src), "-o", str(obj)], [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}")
             os.replace(lib, target)  # atomic: a concurrent build just wins or loses the race
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode
