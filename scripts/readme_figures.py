@@ -1,6 +1,6 @@
 """The README's performance figures, from one script anyone can re-run (issue 15).
 
-    .venv/bin/python scripts/readme_figures.py [--out runs/readme-figures] [--only engines,http,capacity,...]
+    .venv/bin/python scripts/readme_figures.py [--out runs/readme-figures] [--only engines,http,capacity,...] [--reuse]
 
 Each figure is one `infer-bench` run (engines compared in ONE run, on equal resources: every
 engine gets the same cores and compute threads, the run's default), or the sampler script. The
@@ -30,7 +30,13 @@ from harness.core.env import cpu_model  # noqa: E402
 from harness.core.results import read_rows  # noqa: E402
 
 
+REUSE = False  # --reuse: a figure whose run finished before (results + report there) is read, not re-run
+
+
 def infer_bench(out: Path, *args: str) -> list[dict]:
+    if REUSE and (out / "results.jsonl").exists() and (out / "report.html").exists():
+        print(f"$ infer-bench {' '.join(args)}   (reused: {out})", flush=True)
+        return read_rows(out / "results.jsonl")
     cmd = [sys.executable, "-m", "harness.cli", *args, "quiet=true", f"hydra.run.dir={out}"]
     print("$ infer-bench " + " ".join(args), flush=True)
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -196,7 +202,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "runs" / "readme-figures"))
     ap.add_argument("--only", default="engines,http,capacity,kv_ablation,kv_memory,prefix,sampler")
+    ap.add_argument("--reuse", action="store_true",
+                    help="read a figure's earlier complete run under OUT instead of running it again")
     args = ap.parse_args()
+    global REUSE
+    REUSE = args.reuse
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     vllm = vllm_environment()
