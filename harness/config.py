@@ -159,8 +159,14 @@ def _own_python() -> str:
     return sys.executable
 
 
+def _gpu_driver_present() -> bool:
+    """An NVIDIA (or ROCm) driver is loaded: without one torch.cuda cannot be available, and the
+    seconds importing torch in the harness process are saved."""
+    return any(Path(p).exists() for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd"))
+
+
 def _cuda_available() -> bool:
-    if importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("torch") is None or not _gpu_driver_present():
         return False
     import torch
     return torch.cuda.is_available()

@@ -84,3 +84,35 @@ def test_model_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "harness.model_cli", "--preset", "huge", "--out", str(tmp_path / "x")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--preset huge" in r.stderr and "Traceback" not in r.stderr
+
+
+READ_SHAPE = """
+import json, sys
+from dataclasses import asdict
+from harness.core.presets import shape_from_hf_config
+shape = shape_from_hf_config(sys.argv[1])
+print(json.dumps({"shape": asdict(shape), "transformers": "transformers" in sys.modules}))
+"""
+
+
+def test_a_config_is_read_once_and_again_when_it_changes(tmp_path):
+    """The shape of a checkpoint is kept after the first read (no transformers import on the next
+    command); a changed config.json is read again."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cfg = load_preset("tiny").hf_config_dict()
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    env = {**__import__("os").environ, "INFER_BENCH_CACHE": str(tmp_path / "cache")}
+
+    def read():
+        r = subprocess.run([sys.executable, "-c", READ_SHAPE, str(ckpt)], capture_output=True, text=True,
+                           env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first, second = read(), read()
+    assert first["transformers"] and not second["transformers"]
+    assert first["shape"] == second["shape"] and second["shape"]["num_hidden_layers"] == cfg["num_hidden_layers"]
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1}))
+    third = read()
+    assert third["transformers"] and third["shape"]["num_hidden_layers"] == cfg["num_hidden_layers"] + 1

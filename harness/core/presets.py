@@ -7,15 +7,19 @@ materialised as a random-weight checkpoint (see `harness.checkpoint`).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from harness.core.errors import UserError
-from harness.core.paths import CONF_DIR
+from harness.core.paths import CONF_DIR, model_cache_dir
 
 # Hugging Face architecture class and model_type for each family a preset may name.
 ARCHITECTURES = {
@@ -141,6 +145,60 @@ def shape_from_hf_config(path: str | Path, field: str = "model.path") -> ModelSh
     if not (directory / "config.json").is_file():
         raise UserError(f"{field}={path}: no config.json there. Give the directory of a Hugging Face "
                         "causal-LM checkpoint (config.json + *.safetensors).")
+    cached = _cached_shape(directory)
+    if cached is not None:
+        return cached
+    shape = _read_hf_config(directory, path, field)
+    _store_shape(directory, shape)
+    return shape
+
+
+# transformers' AutoConfig imports torch and transformers' model registry: seconds on every
+# command that names a checkpoint (the regression gate runs the CLI a dozen times a job). What it
+# made of a config.json is kept, keyed by the file's bytes, transformers' version and this
+# module's own source, so any change to either side reads the config again.
+def _shape_key(directory: Path) -> str | None:
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        version = "none"
+    try:
+        parts = [(directory / "config.json").read_bytes(), version.encode(), Path(__file__).read_bytes()]
+    except OSError:
+        return None
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:32]
+
+
+def _shape_cache_file(key: str) -> Path:
+    return model_cache_dir(None) / ".shapes" / f"{key}.json"
+
+
+def _cached_shape(directory: Path) -> ModelShape | None:
+    key = _shape_key(directory)
+    if key is None:
+        return None
+    try:
+        fields = json.loads(_shape_cache_file(key).read_text())
+        return ModelShape(**{**fields, "name": directory.name})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _store_shape(directory: Path, shape: ModelShape) -> None:
+    key = _shape_key(directory)
+    if key is None:
+        return
+    target = _shape_cache_file(key)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as f:
+            json.dump(asdict(shape), f)
+        os.replace(f.name, target)
+    except OSError:
+        pass  # a read-only cache only costs the next command the same seconds
+
+
+def _read_hf_config(directory: Path, path: str | Path, field: str) -> ModelShape:
     # transformers is heavy and only needed for users' own checkpoints: imported here
     from transformers import AutoConfig
     try:
