@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 OUT=${1:-runs/ci-gate}
-ROUNDS=${ROUNDS:-6}
+ROUNDS=${ROUNDS:-8}
 THRESHOLD=${THRESHOLD:-10%}
 REF=$(tr -d '[:space:]' < ci/baseline-ref)
 if ! git rev-parse --verify --quiet "$REF^{commit}" >/dev/null; then

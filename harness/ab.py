@@ -11,7 +11,8 @@ job: A, B, B, A, A, B, ... (the order alternates every round, so a steady drift 
 cancels), each run a complete `infer-bench` invocation of the same config on the same
 checkpoint. Per round and per (engine, point, metric), the log of the ratio candidate /
 baseline of the run medians is taken; the estimate is the geometric mean of those ratios, with a
-percentile-bootstrap interval of their mean (`harness.core.bootstrap.mean_ci`). A metric is
+Student-t interval of their mean (`harness.core.bootstrap.mean_t_ci`: with a handful of rounds a
+bootstrap interval is far too narrow). A metric is
 **regressed** when the whole interval lies beyond the threshold on the bad side, **improved**
 when it lies beyond it on the good side, **unchanged** otherwise; a point that failed on the
 candidate side while the baseline's ran is regressed too.
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from harness.checkpoint import ensure_checkpoint
-from harness.core.bootstrap import CONFIDENCE, RESAMPLES, mean_ci
+from harness.core.bootstrap import CONFIDENCE, mean_t_ci
 from harness.core.compare import parse_threshold, verdict
 from harness.core.errors import EXIT_BAD_INPUT, UserError
 from harness.core.paths import REPO_ROOT, model_cache_dir
@@ -62,7 +64,7 @@ DEFAULT_METRICS = ("decode_step_latency_s", "prefill_latency_s", "output_tok_s")
 FIXED = ["parity=false", "roofline=false", "quiet=true"]
 METHOD = ("paired A/B: baseline and candidate runs interleaved (the order alternating every round); per round "
           "the log-ratio candidate/baseline of the run medians; the geometric mean of the ratios with a "
-          f"{CONFIDENCE:.0%} percentile-bootstrap interval of the mean log-ratio ({RESAMPLES} resamples)")
+          f"{CONFIDENCE:.0%} Student-t interval of the mean log-ratio (n - 1 degrees of freedom)")
 
 
 @dataclass
@@ -188,7 +190,7 @@ def paired(rounds: list[tuple[dict, dict]], metrics: list[str], threshold: float
     its interval, and the verdict."""
     keys = list(dict.fromkeys(k for a, b in rounds for k in list(a) + list(b)))
     out = []
-    for i, key in enumerate(keys):
+    for key in keys:
         engine, point, metric = key
         better, inverse = METRICS[metric][1], METRICS[metric][2]
         base_vals = [a.get(key) for a, _ in rounds]
@@ -208,7 +210,7 @@ def paired(rounds: list[tuple[dict, dict]], metrics: list[str], threshold: float
         logs = np.log([b[0] / a[0] for a, b in pairs])
         if inverse:  # a throughput: its ratio is the inverse of the latencies' it is computed from
             logs = -logs
-        ci = mean_ci(logs, confidence, seed=i)
+        ci = mean_t_ci(logs, confidence)
         lo, hi = (math.exp(ci[0]), math.exp(ci[1])) if ci else (None, None)
         out.append(PairResult(
             **common, baseline_median=float(np.median([a[1] for a, _ in pairs])),
@@ -303,7 +305,7 @@ def run(argv: list[str]) -> int:
     counts = {v: sum(r.verdict == v for r in results) for v in ("regressed", "failed", "improved", "unchanged", "no-data")}
     overall = "regressed" if counts["regressed"] or counts["failed"] else "unchanged"
     print(f"\nverdict: {overall.upper()}  ({', '.join(f'{n} {v}' for v, n in counts.items() if n)}; threshold "
-          f"{threshold:.1%}, {args.rounds} interleaved rounds, {CONFIDENCE:.0%} bootstrap intervals of the "
+          f"{threshold:.1%}, {args.rounds} interleaved rounds, {CONFIDENCE:.0%} t-intervals of the "
           "mean log-ratio)")
     doc = {"verdict": overall, "counts": counts, "threshold": threshold, "rounds": args.rounds, "method": METHOD,
            "baseline_ref": args.baseline_ref, "baseline_commit": base_commit,
@@ -316,12 +318,20 @@ def run(argv: list[str]) -> int:
     return 1 if overall == "regressed" else 0
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through run(): the current run is killed, the worktrees removed
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = run(sys.argv[1:] if argv is None else argv)
     except UserError as e:
         print(e.render().replace("infer-bench:", "infer-bench-ab:", 1), file=sys.stderr)
         code = EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("infer-bench-ab: interrupted; the finished runs are kept, the worktrees removed", file=sys.stderr)
+        code = 130
     sys.exit(code)
 
 

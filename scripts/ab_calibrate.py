@@ -3,7 +3,7 @@
 reference engine told to sleep 25 % of every forward step, `step_delay_frac=0.25`), at the gate's
 own settings (ci/regression_gate.sh) - the figures the README quotes.
 
-    .venv/bin/python scripts/ab_calibrate.py --aa 30 --detect 10 [--rounds 6] [--threshold 10%]
+    .venv/bin/python scripts/ab_calibrate.py --aa 30 --detect 10 [--rounds 8] [--threshold 10%]
 
 Each job is one `infer-bench-ab` run (baseline and candidate interleaved, paired per round). The
 script prints every job's verdict and worst ratio, then the rates, the CPU and the time a job
@@ -62,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--aa", type=int, default=30, help="A/A jobs (default 30)")
     ap.add_argument("--detect", type=int, default=10, help="jobs with the 25 %% handicap (default 10)")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threshold", default="10%")
     ap.add_argument("--out", default="/tmp/ab-calibrate")
     args = ap.parse_args()

@@ -50,6 +50,15 @@ def test_no_false_alarms_over_many_noisy_a_a_jobs():
     assert flagged == 0
 
 
+def test_a_few_noisy_rounds_are_not_a_regression():
+    # an A/A job on a busy 2-core machine (same commit both sides): per-round ratios 1.50, 1.20,
+    # 1.04, 1.35. A bootstrap of four values gave [1.11, 1.42] and a false REGRESSED; four rounds
+    # this spread cannot exclude 10 %
+    ratios = [1.498, 1.204, 1.043, 1.345]
+    (r,) = paired(rounds_of([1.0] * 4, ratios), [KEY[2]], 0.10)
+    assert r.verdict == "unchanged" and r.ci_low < 1.10 < r.ratio < r.ci_high
+
+
 def test_a_candidate_failure_is_a_regression_and_missing_rounds_are_no_data():
     rounds = [({KEY: (1.0, 1.0)}, {KEY: "failed"}), ({KEY: (1.0, 1.0)}, {KEY: (1.0, 1.0)})]
     assert paired(rounds, [KEY[2]], 0.1)[0].verdict == "failed"

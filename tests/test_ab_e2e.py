@@ -65,3 +65,39 @@ def test_compare_on_one_machine_matches_a_run_with_itself(tmp_path, tiny_ckpt):
     doc = json.loads((tmp_path / "v.json").read_text())
     assert doc["machines"] == "same machine" and doc["verdict"] == "unchanged"
     assert all(c["ratio"] == pytest.approx(1.0) for c in doc["comparisons"] if c["ratio"] is not None)
+
+
+def test_a_terminated_job_leaves_no_worktree_and_no_process(tmp_path, tiny_ckpt):
+    import signal
+    import time
+
+    import psutil
+
+    def worktrees():
+        out = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=REPO_ROOT, capture_output=True,
+                             text=True).stdout
+        return {line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("worktree ")}
+
+    before = worktrees()
+    p = subprocess.Popen([sys.executable, "-m", "harness.ab", "--baseline-ref", "HEAD", "--candidate-ref", "HEAD",
+                          "--rounds", "4", "--out", str(tmp_path / "ab"), "--", *CONFIG, f"model.path={tiny_ckpt}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    deadline = time.monotonic() + 300
+    children: list = []
+    while time.monotonic() < deadline and not children:  # until a side's run is under way
+        time.sleep(0.5)
+        children = [c for c in psutil.Process(p.pid).children(recursive=True) if "harness.cli" in " ".join(c.cmdline())]
+    assert children, "no infer-bench run started"
+    added = worktrees() - before
+    assert added, "the job made no worktree"
+    time.sleep(3)  # the run has its engine worker by now
+    children = psutil.Process(p.pid).children(recursive=True)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    assert worktrees() == before
+    assert not any(w.exists() for w in map(__import__("pathlib").Path, added))
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"left behind: {[(c.pid, c.cmdline()) for c in alive]}"
