@@ -13,7 +13,7 @@ from adapters.base import (
 )
 from harness.core.presets import load_preset
 from workloads.base import RunContext
-from workloads.capacity import Capacity, CapacityConfig
+from workloads.capacity import Capacity, CapacityConfig, slo_violations
 from workloads.serving import ClosedLoopSource, Serving, ServingConfig, arrival_times
 
 S = 0.020  # seconds of service per request: the fake serves exactly 1 / S = 50 requests/s
@@ -119,6 +119,33 @@ def test_an_over_saturated_probe_stops_early_and_is_marked(ctx):
     below = Serving().measure(FakeQueueEngine(), cfg, ctx, {"request_rate": 0.5 / S, "num_requests": 64}, "k")
     assert not below["saturated"] and below["completed"] == 64
     assert below["ttft_s_p99"] == pytest.approx(S / 2, rel=0.01)
+
+
+class FakeFirstTokensOnlyEngine(FakeQueueEngine):
+    """Batches every request (first tokens only, each one S later than the last); the rest of
+    every output would come after them all, so the queue grows and nothing completes before the
+    harness sees it: an engine far beyond its capacity. Virtual clock, as FakeQueueEngine."""
+
+    def serve(self, requests, start_ns):
+        source = as_source(requests, start_ns)
+        now, k = start_ns, 0
+        while not source.exhausted():
+            for r in source.due(now):
+                k += 1
+                yield TokenEvent(r.request_id, 0, 7, start_ns + round(r.arrival_s * 1e9) + k * int(S * 1e9))
+            nxt = source.next_due_ns()
+            if nxt is None:
+                break
+            now = max(now, nxt)
+
+
+def test_a_point_saturated_before_any_request_completes_is_a_row(ctx):
+    cfg = ServingConfig(request_rates=[4 / S], num_requests=64, arrival="constant", input_len=8, output_len=4,
+                        warmup_requests=0)
+    row = Serving().measure(FakeFirstTokensOnlyEngine(), cfg, ctx, {"request_rate": 4 / S, "num_requests": 64}, "k")
+    assert row["saturated"] and row["completed"] == 0 and row["offered_requests"] == 64
+    assert row["ttft_s"] is None and row["output_tok_s"] is None
+    assert "saturated" in " ".join(slo_violations(row, {"ttft_p99_s": 1.0, "tpot_p99_s": None, "e2el_p99_s": None}))
 
 
 def test_closed_loop_keeps_n_in_flight_and_the_concurrency_search(ctx):

@@ -239,8 +239,10 @@ class Serving(Workload):
             traces = [t for t in traces if t.token_times_ns and t.n_out == collector.expected[t.request_id]]
         slo = cfg.goodput_slo()
         row = serving_metrics(traces, slo, collector.expected)
-        if not row["completed"]:
+        if not row["completed"] and not is_saturated:
             raise RuntimeError(f"no request of the point completed: {row['failed_request_reasons']}")
+        # saturated before any request completed: a row all the same (the load is beyond the
+        # engine's capacity here; a capacity search reads it as a miss), its latencies empty
         info = engine.kv_cache_info()
         row.update(load_mode="closed" if closed else "open", request_rate=None if closed else rate,
                    concurrency=params.get("concurrency"), max_concurrency=None if closed else cfg.max_concurrency,

@@ -96,7 +96,7 @@ def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
             reasons[f"{'fewer' if t.n_out < want else 'more'} tokens than asked"] += 1
         else:
             done.append(t)
-    first_arrival = min(t.arrival_ns for t in traces)
+    first_arrival = min((t.arrival_ns for t in traces), default=0)  # no traces: a point stopped before any
     last_done = max((t.token_times_ns[-1] for t in done), default=first_arrival)
     duration = (last_done - first_arrival) / 1e9
     ttft = [t.ttft_s for t in done]
