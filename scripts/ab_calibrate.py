@@ -1,6 +1,6 @@
 """How far to trust the CI regression gate on this machine: its false-alarm rate over A/A jobs
 (the same commit against itself) and its detection rate of a real slowdown of about 25 % (the
-reference engine told to sleep 25 % of every forward step, `step_delay_frac=0.25`), at the gate's
+reference engine told to busy-wait 25 % of every forward step, `step_delay_frac=0.25`), at the gate's
 own settings (ci/regression_gate.sh) - the figures the README quotes.
 
     .venv/bin/python scripts/ab_calibrate.py --aa 30 --detect 10 [--rounds 8] [--threshold 10%]

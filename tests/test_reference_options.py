@@ -196,14 +196,14 @@ def test_harness_runs_reference_engine_end_to_end(tmp_path):
         assert info["tokens_stored"] == r["batch_size"] * (16 + 4 - 1)
 
 
-def test_the_calibration_handicap_sleeps_its_fraction_of_every_step(tiny_ckpt, monkeypatch):
-    """step_delay_frac makes every step sleep that share of its own time (time.sleep recorded, not
-    timed: the ratio of what each step asked for to what the step took before it)."""
+def test_the_calibration_handicap_spins_its_fraction_of_every_step(tiny_ckpt, monkeypatch):
+    """step_delay_frac makes every step busy-wait that share of its own time (the waits recorded,
+    not timed: the ratio of what each step asked for to what the step took before it)."""
     from adapters.base import ModelSpec
     from adapters.reference import engine as engine_mod
     asked: list[float] = []
     clock = iter(range(10**6))
-    monkeypatch.setattr(engine_mod.time, "sleep", asked.append)
+    monkeypatch.setattr(engine_mod, "_spin", asked.append)
     monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: float(next(clock)))  # every read: +1 s
     e = engine_mod.ReferenceEngine()
     e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", max_model_len=128, threads=1), {"step_delay_frac": 0.5})

@@ -32,7 +32,7 @@ class EngineConfig:
     #   plain-PyTorch reference path only (attention.py, model.py)
     cuda_graphs: bool = True  # CUDA, kernels=auto: replay decode steps from CUDA graphs (one per batch bucket)
     step_delay_frac: float = 0.0  # a deliberate handicap, for calibrating regression gates: after every
-    #   step, sleep this fraction of the step's own time (0.25: every step takes 25 % longer). 0: off
+    #   step, busy-wait this fraction of the step's own time (0.25: every step takes 25 % longer). 0: off
 
     @property
     def use_cache(self) -> bool:
