@@ -23,10 +23,18 @@ BASE = ["engines=[hf]", "model=tiny", "quiet=true", "roofline=false", "workload.
         "workload.min_repeats=1", "workload.warmup=1"]
 
 
+def _as_from_a_terminal() -> None:
+    # A shell without job control starts background commands with SIGINT ignored, and children
+    # inherit that (Python then installs no KeyboardInterrupt handler): a suite run from such a
+    # shell (nohup ... &, some CI runners) would test nothing. A terminal's process has it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(args: list[str], env_cache: Path) -> subprocess.Popen:
     env = {**os.environ, "INFER_BENCH_CACHE": str(env_cache)}
     return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal)
 
 
 def rows_of(out: Path) -> list[dict]:
