@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -20,6 +18,7 @@ import yaml
 
 from harness.core.errors import UserError
 from harness.core.paths import CONF_DIR, model_cache_dir
+from harness.core.results import atomic_write_text
 
 # Hugging Face architecture class and model_type for each family a preset may name.
 ARCHITECTURES = {
@@ -145,11 +144,16 @@ def shape_from_hf_config(path: str | Path, field: str = "model.path") -> ModelSh
     if not (directory / "config.json").is_file():
         raise UserError(f"{field}={path}: no config.json there. Give the directory of a Hugging Face "
                         "causal-LM checkpoint (config.json + *.safetensors).")
-    cached = _cached_shape(directory)
+    key = _shape_key(directory)
+    cached = _cached_shape(key, directory) if key else None
     if cached is not None:
         return cached
     shape = _read_hf_config(directory, path, field)
-    _store_shape(directory, shape)
+    if key:
+        try:
+            atomic_write_text(_shape_cache_file(key), json.dumps(asdict(shape)))
+        except OSError:
+            pass  # a read-only cache only costs the next command the same seconds
     return shape
 
 
@@ -173,29 +177,12 @@ def _shape_cache_file(key: str) -> Path:
     return model_cache_dir(None) / ".shapes" / f"{key}.json"
 
 
-def _cached_shape(directory: Path) -> ModelShape | None:
-    key = _shape_key(directory)
-    if key is None:
-        return None
+def _cached_shape(key: str, directory: Path) -> ModelShape | None:
     try:
         fields = json.loads(_shape_cache_file(key).read_text())
         return ModelShape(**{**fields, "name": directory.name})
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _store_shape(directory: Path, shape: ModelShape) -> None:
-    key = _shape_key(directory)
-    if key is None:
-        return
-    target = _shape_cache_file(key)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as f:
-            json.dump(asdict(shape), f)
-        os.replace(f.name, target)
-    except OSError:
-        pass  # a read-only cache only costs the next command the same seconds
 
 
 def _read_hf_config(directory: Path, path: str | Path, field: str) -> ModelShape:
