@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import importlib.util
 import os
 import queue
@@ -37,12 +38,13 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
+import aiohttp
 import httpx
 
 from adapters.base import (
@@ -55,8 +57,10 @@ from adapters.endpoint.launch import ServerError, ServerProcess, free_port, rend
 from adapters.endpoint.options import (
     KV_DTYPES, PREFIX_CACHE_KINDS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems,
 )
-from adapters.endpoint.stream import ITL_CHUNKING, ReqState, http_reason, stream_completion
+from adapters.endpoint.client import ClientProcesses, ClientSpec, ClientStats, Item, Job, run_job, split_job
+from adapters.endpoint.stream import ITL_CHUNKING, ReqState, dumps, http_reason, stream_completion
 from harness.core.kvcalc import bytes_per_token, kv_dtype_of
+from harness.core.metrics import RequestTrace
 from harness.core.presets import shape_from_hf_config
 from harness.core.redact import Redactor
 from harness.core.stats import summarize
@@ -89,6 +93,7 @@ class _Loop:
 
     def __init__(self, name: str):
         self.loop = asyncio.new_event_loop()
+        self.session: aiohttp.ClientSession | None = None  # the streams' client (opened on first use)
         self.thread = threading.Thread(target=self._run, name=f"endpoint-{name}", daemon=True)
         self.thread.start()
 
@@ -102,6 +107,12 @@ class _Loop:
     def run(self, coro: Any, timeout: float | None = None) -> Any:
         return self.submit(coro).result(timeout)
 
+    def streams(self, spec: ClientSpec) -> aiohttp.ClientSession:
+        """The aiohttp session the streams use (in the loop thread)."""
+        if self.session is None or self.session.closed:
+            self.session = spec.session()
+        return self.session
+
     def close(self) -> None:
         if self.loop.is_closed():
             return
@@ -111,6 +122,9 @@ class _Loop:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.session is not None:
+                await self.session.close()
+                self.session = None
 
         try:
             self.submit(_cancel_all()).result(10)
@@ -459,8 +473,19 @@ class EndpointEngine(Engine):
         return reason
 
     async def _one(self, st: ReqState, prompt: Any, on_tokens: Any) -> None:
-        await stream_completion(self._client, self.base + "/completions",  # type: ignore[arg-type]
-                                self._body(prompt, st.expected), st, on_tokens, self.cfg.request_timeout_s)
+        assert self._loop is not None
+        spec = self._client_spec()
+        await stream_completion(self._loop.streams(spec), spec.url, self._body(prompt, st.expected), st, on_tokens,
+                                self.cfg.request_timeout_s)
+
+    def _client_spec(self) -> ClientSpec:
+        """How the load generator reaches the server (headers with the key, TLS, timeouts)."""
+        if getattr(self, "_spec_cache", None) is None or self._spec_cache.url != self.base + "/completions":
+            cfg = self.cfg
+            self._spec_cache = ClientSpec(self.base + "/completions", self._client_kwargs()["headers"],
+                                          bool(cfg.verify_tls), str(cfg.ca_bundle) if cfg.ca_bundle else None,
+                                          cfg.connect_timeout_s, cfg.request_timeout_s)
+        return self._spec_cache
 
     def _max_tokens(self, prompt: list[int], max_new_tokens: int | None) -> int:
         if max_new_tokens is not None:
@@ -624,6 +649,89 @@ class EndpointEngine(Engine):
         finally:
             events.put(("end", st))
 
+    # ---- the load generator: a serving point on the client's own loop(s) -------------------------
+    def serve_load(self, requests: list[Request], *, closed: bool, concurrency: int = 1,
+                   max_concurrency: int | None = None, ramp_up_s: float = 0.0, processes: int = 1,
+                   should_stop: Callable[[list[tuple[int, int]], int], bool] | None = None) -> dict[str, Any]:
+        """Serve one point's requests with the load generator (adapters/endpoint/client.py): open
+        loop at their arrival offsets (`max_concurrency` caps those in flight) or closed loop
+        (`concurrency` in flight), over `processes` client processes. Every stream is read and
+        stamped on its client's event loop; nothing per token crosses a thread. `should_stop(
+        [(scheduled, first token)], start_ns)` is asked every 0.1 s; True stops the point (its
+        streams close). Returns {"start_ns", "traces" (RequestTrace per request sent), "client"
+        (row fields: send lag, loop lag, client CPU, achieved rate)}."""
+        self.release()
+        assert self._loop is not None
+        cap = [c for c in (max_concurrency, self.cfg.max_concurrency) if c]
+        items = []
+        for r in requests:
+            if r.max_new_tokens < 1:
+                raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
+            items.append(Item(r.request_id, dumps(self._body(self._prompt(r.prompt_ids), r.max_new_tokens)),
+                              len(r.prompt_ids), r.max_new_tokens, r.arrival_s))
+        spec = self._client_spec()
+        slots = min([concurrency] + cap) if closed else 1
+        job = Job(spec, items, 0, closed, slots, None if closed else (min(cap) if cap else None), ramp_up_s)
+        states: list[ReqState] = []
+        per_process: list[ClientStats] = []
+        gc.collect()
+        gc.freeze()  # the harness's own objects are not scanned by collections during the point
+        try:
+            if processes <= 1:
+                start = now_ns() + 5_000_000
+                job.start_ns = start
+                stats = ClientStats(pid=os.getpid())
+                finished = threading.Event()
+                loop = self._loop
+
+                async def go() -> None:
+                    try:
+                        await run_job(job, loop.streams(spec), states, stats)
+                    finally:
+                        finished.set()
+
+                fut = loop.submit(go())
+                while not finished.wait(0.1):
+                    if should_stop is not None and should_stop(
+                            [(s.scheduled_ns, s.token_times[0]) for s in list(states) if s.token_times], start):
+                        fut.cancel()
+                        finished.wait(30)
+                        break
+                if not fut.cancelled() and fut.exception() is not None:
+                    raise fut.exception()  # type: ignore[misc]
+                per_process.append(stats)
+            else:
+                pool = ClientProcesses(split_job(job, processes))
+                try:
+                    offsets = pool.measure_clocks()
+                    start = now_ns() + 20_000_000
+                    pool.start(start)
+                    while pool.running():
+                        time.sleep(0.1)
+                        if should_stop is not None and should_stop(pool.first_tokens(), start):
+                            pool.stop()
+                            break
+                    results = pool.wait(self.cfg.request_timeout_s + 60)
+                finally:
+                    pool.close()
+                for (sts, st), (off, err) in zip(results, offsets):
+                    st.clock_offset_ns, st.clock_error_ns = off, err
+                    states += sts
+                    per_process.append(st)
+        finally:
+            gc.unfreeze()
+        self._point += states
+        traces = []
+        for st in states:
+            error = None
+            if st.error is not None:
+                error = self._failure_detail(st)
+            elif st.cancelled:
+                error = "cancelled (the point stopped early)"
+            traces.append(RequestTrace(st.request_id, st.scheduled_ns, st.prompt_len, st.token_times[:st.expected],
+                                       st.token_ids[:st.expected], error))
+        return {"start_ns": start, "traces": traces, "client": client_fields(states, per_process)}
+
     # ---- scores ----------------------------------------------------------------------------------
     def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
         if self.cfg.kind not in SCORE_KINDS:
@@ -769,6 +877,33 @@ def point_fields(states: list[ReqState]) -> dict[str, Any]:
         "itl_chunk_s": g["p50"], "itl_chunk_s_p90": g["p90"], "itl_chunk_s_p99": g["p99"],
         "itl_chunk_s_mean": g["mean"], "itl_chunk_s_count": g["count"],
         "client_send_lag_s_max": max(lags) if lags else None,
+    }
+
+
+def client_fields(states: list[ReqState], per_process: list[ClientStats]) -> dict[str, Any]:
+    """Row fields saying whether the load generator kept up (docs/metrics.md, "Client distortion"):
+    send lag (actual send minus when the request was due: its scheduled time, or the moment a
+    capped slot freed), the loop lag of every client process pooled, each process's CPU over wall
+    time (the highest), the achieved send rate beside the scheduled one, and the clock offsets."""
+    lags = [(s.sent_ns - (s.ready_ns or s.scheduled_ns)) / 1e9 for s in states if s.sent_ns is not None]
+    sent = sorted(s.sent_ns for s in states if s.sent_ns is not None)
+    due = sorted(s.ready_ns or s.scheduled_ns for s in states if s.sent_ns is not None)
+    loop = summarize([x for p in per_process for x in p.loop_lags_s])
+    lag = summarize(lags)
+
+    def rate(ts: list[int]) -> float | None:
+        span = (ts[-1] - ts[0]) / 1e9 if len(ts) > 1 else 0.0
+        return (len(ts) - 1) / span if span > 0 else None
+
+    return {
+        "client_processes": len(per_process),
+        "send_lag_s": lag["p50"], "send_lag_s_p99": lag["p99"], "send_lag_s_max": lag["max"],
+        "loop_lag_s_max": loop["max"], "loop_lag_s_p99": loop["p99"],
+        "client_cpu_frac": max((p.cpu_s / p.wall_s for p in per_process if p.wall_s > 0), default=None),
+        "client_cpu_s": sum(p.cpu_s for p in per_process),
+        "achieved_rate": rate(sent), "scheduled_rate": rate(due),
+        "client_clock_offset_s_max": max(abs(p.clock_offset_ns) for p in per_process) / 1e9 if per_process else None,
+        "client_clock_error_s_max": max(p.clock_error_ns for p in per_process) / 1e9 if per_process else None,
     }
 
 

@@ -8,8 +8,14 @@ Token counting (METRICS.md, "Over HTTP"): tokens, not chunks. Per chunk, in this
      `stream_options.continuous_usage_stats`);
   4. otherwise one token per chunk that carries text (then the final usage decides: a
      difference is flagged as a token-count mismatch, never averaged away).
-Timing: every token of a chunk is stamped with the chunk's arrival (`adapters.base.now_ns()`
-when its `data:` line was read), so tokens that arrive together are 0 s apart.
+Timing: every token of a chunk is stamped where the stream is read, in the reading loop: with
+the time (`adapters.base.now_ns()`) of the socket read that completed its event, so tokens that
+arrive together are 0 s apart. Nothing is handed to another thread per token.
+
+Transport: aiohttp (as `vllm bench serve`), the body read in whatever pieces the socket gives
+(`iter_any`), split into events on blank lines, each event's data parsed with orjson. Measured
+against httpx's line iterator and aiohttp's own line iterator on a known-timing server
+(scripts/loadgen_ceiling.py --profile, docs/metrics.md "Client distortion").
 """
 
 from __future__ import annotations
@@ -20,9 +26,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from adapters.base import now_ns
+
+try:
+    import orjson
+
+    loads: Callable[[bytes], Any] = orjson.loads
+    dumps: Callable[[Any], bytes] = orjson.dumps
+except ImportError:  # pragma: no cover - orjson is a dependency; the standard library is the fallback
+    loads = json.loads
+
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 ITL_CHUNKING = ("per token; the tokens of one SSE chunk all get that chunk's arrival time (ITL 0 between "
                 "them); itl_chunk_s gives the gaps between chunks instead")
@@ -36,6 +53,7 @@ class ReqState:
     prompt_len: int
     expected: int  # tokens asked for (max_tokens)
     scheduled_ns: int = 0
+    ready_ns: int = 0  # when it could be sent: its scheduled time, or later when a concurrency cap held it
     sent_ns: int | None = None
     token_ids: list[int] = field(default_factory=list)
     token_times: list[int] = field(default_factory=list)
@@ -102,12 +120,15 @@ class SSEError(Exception):
     """The stream broke the Server-Sent Events / OpenAI streaming format."""
 
 
-def _event(state: ReqState, payload: str, t: int, on_tokens: Callable[[ReqState, int, int], None]) -> bool:
+OnTokens = Callable[[ReqState, int, int], None] | None
+
+
+def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool:
     """Handle one event's data; True at `[DONE]`."""
-    if payload.strip() == "[DONE]":
+    if payload.strip() == b"[DONE]":
         return True
     try:
-        obj = json.loads(payload)
+        obj = loads(payload)
     except ValueError:
         raise SSEError(f"a data line is not JSON: {payload[:80]!r}") from None
     if not isinstance(obj, dict):
@@ -116,12 +137,14 @@ def _event(state: ReqState, payload: str, t: int, on_tokens: Callable[[ReqState,
         err = obj["error"]
         msg = err.get("message") if isinstance(err, dict) else err
         raise SSEError(f"the server sent an error in the stream: {str(msg)[:300]}")
-    usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        usage = None
     choices = obj.get("choices")
     if choices is not None and not isinstance(choices, list):
         raise SSEError("`choices` is not a list")
-    new = 0
-    for choice in choices or []:
+    new = first = 0
+    for choice in choices or ():
         if not isinstance(choice, dict):
             raise SSEError("a choice is not an object")
         if state.prompt_ids_server is None and isinstance(choice.get("prompt_token_ids"), list):
@@ -144,61 +167,90 @@ def _event(state: ReqState, payload: str, t: int, on_tokens: Callable[[ReqState,
     if new:
         state.chunk_times.append(t)
         state.chunk_sizes.append(new)
-        on_tokens(state, first, new)
+        if on_tokens is not None:
+            on_tokens(state, first, new)
     return False
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any], state: ReqState,
-                            on_tokens: Callable[[ReqState, int, int], None], timeout_s: float) -> None:
-    """POST `body` (stream: true) and read the events into `state`; `on_tokens(state, first, n)`
-    after every chunk that added tokens. Never raises for the server's or the network's faults:
-    they end up in state.error. Cancellation (release) closes the connection."""
+_FIELDS = (b":", b"event:", b"id:", b"retry:")
+
+
+def _data(block: bytes) -> bytes | None:
+    """The data of one event (its `data:` lines joined), or None for an event without data."""
+    if block.startswith(b"data:") and b"\n" not in block:  # the common case: one data line
+        return block[6:] if block[5:6] == b" " else block[5:]
+    data = []
+    for line in block.split(b"\n"):
+        if line.startswith(b"data:"):
+            data.append(line[6:] if line[5:6] == b" " else line[5:])
+        elif line and not line.startswith(_FIELDS):
+            raise SSEError(f"not a Server-Sent Events line: {line[:80]!r}")
+    return b"\n".join(data) if data else None
+
+
+async def read_events(content: aiohttp.StreamReader, state: ReqState, on_tokens: OnTokens) -> bool:
+    """Read the events of a response body into `state` as the socket gives them; True once
+    `[DONE]` came. Every event completed by one read is stamped with that read's time."""
+    buf = b""
+    async for piece in content.iter_any():
+        t = now_ns()
+        buf = buf + piece if buf else piece
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        if b"\n\n" not in buf:
+            continue
+        *blocks, buf = buf.split(b"\n\n")
+        for block in blocks:
+            payload = _data(block)
+            if payload is not None and _event(state, payload, t, on_tokens):
+                return True
+    payload = _data(buf.strip(b"\n")) if buf.strip() else None  # a last event without its blank line
+    return payload is not None and _event(state, payload, now_ns(), on_tokens)
+
+
+async def _drain(content: aiohttp.StreamReader) -> None:
+    """Read what follows `[DONE]` (the body's end), so the connection is kept for the next request."""
+    try:
+        async with asyncio.timeout(2):
+            async for _ in content.iter_any():
+                pass
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict[str, Any] | bytes,
+                            state: ReqState, on_tokens: OnTokens, timeout_s: float) -> None:
+    """POST `body` (stream: true; a dict, or JSON already encoded) and read the events into
+    `state`; `on_tokens(state, first, n)` after every chunk that added tokens (None: no call).
+    Never raises for the server's or the network's faults: they end up in state.error.
+    Cancellation (release) closes the connection."""
+    data = body if isinstance(body, bytes) else dumps(body)
+    n_of = lambda: f"{len(state.token_ids)} of {state.expected} tokens"  # noqa: E731
     state.sent_ns = now_ns()
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=body) as resp:
-                if resp.status_code >= 400:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    state.fail(*http_reason(resp.status_code, resp.reason_phrase, text))
+            async with session.post(url, data=data, headers=_JSON_HEADERS) as resp:
+                if resp.status >= 400:
+                    text = (await resp.read()).decode("utf-8", "replace")
+                    state.fail(*http_reason(resp.status, resp.reason or "", text))
                     return
-                done, data = False, []
-                t_first: int | None = None
-                async for line in resp.aiter_lines():
-                    t = now_ns()
-                    if line.startswith("data:"):
-                        data.append(line[5:].removeprefix(" "))
-                        t_first = t if t_first is None else t_first
-                        # servers end each event with a blank line; handle a lone data line at once
-                        continue
-                    if line == "" and data:
-                        done = _event(state, "\n".join(data), t_first or t, on_tokens)
-                        data, t_first = [], None
-                        if done:
-                            break
-                    elif line.startswith((":", "event:", "id:", "retry:")) or line == "":
-                        continue
-                    else:
-                        raise SSEError(f"not a Server-Sent Events line: {line[:80]!r}")
-                if data and not done:  # a last event without its blank line
-                    done = _event(state, "\n".join(data), t_first or now_ns(), on_tokens)
-                if not done:
+                if not await read_events(resp.content, state, on_tokens):
                     state.fail("stream ended early (no [DONE])",
-                               f"the stream ended after {len(state.token_ids)} of {state.expected} tokens "
-                               "without [DONE]")
+                               f"the stream ended after {n_of()} without [DONE]")
+                else:
+                    await _drain(resp.content)
     except SSEError as e:
-        state.fail("malformed SSE", f"malformed SSE after {len(state.token_ids)} of {state.expected} tokens: {e}")
+        state.fail("malformed SSE", f"malformed SSE after {n_of()}: {e}")
+    except aiohttp.ClientConnectorError as e:
+        state.fail("connection failed", f"cannot connect to {url}: {e.os_error or e}")
+    except aiohttp.ServerTimeoutError as e:
+        state.fail("timeout", f"{type(e).__name__} after {n_of()}")
     except TimeoutError:
-        state.fail("timeout", f"no complete answer within {timeout_s:g} s (request_timeout_s) after "
-                              f"{len(state.token_ids)} of {state.expected} tokens")
-    except httpx.ConnectError as e:
-        state.fail("connection failed", f"cannot connect to {url}: {e or type(e).__name__}")
-    except httpx.TimeoutException as e:
-        state.fail("timeout", f"{type(e).__name__} after {len(state.token_ids)} of {state.expected} tokens")
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+        state.fail("timeout", f"no complete answer within {timeout_s:g} s (request_timeout_s) after {n_of()}")
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
         state.fail("connection closed by the server",
-                   f"the server closed the connection after {len(state.token_ids)} of {state.expected} "
-                   f"tokens ({type(e).__name__}: {e})")
-    except httpx.HTTPError as e:
+                   f"the server closed the connection after {n_of()} ({type(e).__name__}: {e})")
+    except aiohttp.ClientError as e:
         state.fail(type(e).__name__, f"{type(e).__name__}: {e}")
     except asyncio.CancelledError:
         state.cancelled = True
@@ -215,3 +267,6 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
                 state.fail("more tokens than asked",
                            f"the server sent {n} tokens, more than the {state.expected} asked for "
                            "(max_tokens ignored?)")
+
+
+_JSON_HEADERS = {"Content-Type": "application/json"}

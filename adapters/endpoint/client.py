@@ -1,0 +1,402 @@
+"""The load generator: the requests of one serving point sent to an OpenAI-compatible server, on
+one asyncio loop per client process, every stream read and stamped in that loop.
+
+A point's requests are a `Job` per client process:
+- open loop: each request is sent at its scheduled time (start + arrival), in arrival order;
+  with a concurrency cap the next waits for a free slot (first in, first out);
+- closed loop: `slots` requests in flight; when one ends, the next is sent at once and its
+  clock starts then (the end of the one before: its last token, or its failure).
+
+With several client processes (`workload.client_processes=N`) the open-loop schedule is dealt
+round robin (request i to process i mod N, in arrival order), the concurrency cap and the
+closed-loop slots are split as evenly as they go (the first processes take the remainder), and
+each process's requests follow the same rule. Every process stamps with `time.perf_counter_ns()`,
+which on Linux is CLOCK_MONOTONIC: one clock for every process of the machine, so the records
+merge without conversion. Each process still reports its offset from the harness's clock,
+measured by a ping at start (offset = its reading minus the midpoint of the harness's send and
+receive; error at most half the round trip), so a clock that is not shared would show.
+
+What each process also measures about itself (`ClientStats`): its CPU time over the wall time
+of the point, and loop lag - how late a 2 ms timer fires on its event loop while streams are
+active (a loop that is busy, or stopped by garbage collection, fires late and reads late).
+
+    python -m adapters.endpoint.client     a client process: a pickled Job on stdin, then
+                                           "ping" / "stop" lines; pickled messages on stdout
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import os
+import pickle
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+
+from adapters.base import now_ns
+from adapters.endpoint.stream import ReqState, stream_completion
+
+TICK_S = 0.002  # the loop-lag timer's period
+PROGRESS_S = 0.1  # how often a client process reports first tokens (for the saturation check)
+
+
+@dataclass
+class ClientSpec:
+    """How to reach the server: what a client process needs (picklable)."""
+
+    url: str  # the completions URL
+    headers: dict[str, str] = field(default_factory=dict)
+    verify_tls: bool = True
+    ca_bundle: str | None = None
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 600.0
+
+    def session(self) -> aiohttp.ClientSession:
+        """An aiohttp session (call inside the running loop): no connection limit, keep-alive."""
+        ctx: Any = None
+        if not self.verify_tls:
+            ctx = False
+        elif self.ca_bundle:
+            ctx = ssl.create_default_context()
+            ctx.load_verify_locations(cafile=str(Path(self.ca_bundle).expanduser()))
+        conn = aiohttp.TCPConnector(limit=0, ssl=ctx if ctx is not None else True, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
+        return aiohttp.ClientSession(connector=conn, headers=self.headers, timeout=timeout, trust_env=False)
+
+
+@dataclass
+class Item:
+    """One request as the client sends it."""
+
+    request_id: str
+    body: bytes  # the JSON body, encoded once before the point starts
+    prompt_len: int
+    expected: int  # max_tokens
+    arrival_s: float = 0.0  # open loop: seconds after the start
+
+
+@dataclass
+class Job:
+    """One client process's share of a point."""
+
+    spec: ClientSpec
+    items: list[Item]
+    start_ns: int
+    closed: bool = False
+    slots: int = 1  # closed loop: requests kept in flight
+    max_concurrency: int | None = None  # open loop: the cap (None: none)
+    ramp_up_s: float = 0.0  # closed loop: slots start one after another over this
+
+
+@dataclass
+class ClientStats:
+    """What one client process measured about itself during a point."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    loop_lags_s: list[float] = field(default_factory=list)  # lateness of each timer tick with streams active
+    clock_offset_ns: int = 0  # its clock minus the harness's (0 in the harness's own process)
+    clock_error_ns: int = 0  # the bound on that offset: half the ping's round trip
+    pid: int = 0
+
+
+async def run_job(job: Job, session: aiohttp.ClientSession, states: list[ReqState],
+                  stats: ClientStats) -> None:
+    """Send the job's requests and read their streams; every request's record is appended to
+    `states` as it is sent. Cancelling the task stops the point: streams close, records stay."""
+    active = [0]
+    url, timeout = job.spec.url, job.spec.request_timeout_s
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+
+    async def send(it: Item, st: ReqState) -> None:
+        active[0] += 1
+        try:
+            await stream_completion(session, url, it.body, st, None, timeout)
+        finally:
+            active[0] -= 1
+
+    async def ticker() -> None:
+        period = int(TICK_S * 1e9)
+        lags = stats.loop_lags_s
+        while True:
+            t0 = time.perf_counter_ns()
+            await asyncio.sleep(TICK_S)
+            if active[0]:
+                lags.append(max(0, time.perf_counter_ns() - t0 - period) / 1e9)
+
+    async def sleep_until(t_ns: int) -> None:
+        delay = (t_ns - time.perf_counter_ns()) / 1e9
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def state(it: Item, scheduled: int) -> ReqState:
+        st = ReqState(it.request_id, it.prompt_len, it.expected, scheduled_ns=scheduled, ready_ns=scheduled)
+        states.append(st)
+        return st
+
+    async def open_loop() -> None:
+        sem = asyncio.Semaphore(job.max_concurrency) if job.max_concurrency else None
+        tasks = []
+
+        async def capped(it: Item, st: ReqState) -> None:
+            try:
+                await send(it, st)
+            finally:
+                sem.release()  # type: ignore[union-attr]
+
+        try:
+            for it in sorted(job.items, key=lambda i: i.arrival_s):
+                at = job.start_ns + round(it.arrival_s * 1e9)
+                await sleep_until(at)
+                st = state(it, at)
+                if sem is not None:
+                    await sem.acquire()
+                    st.ready_ns = max(at, time.perf_counter_ns())
+                    tasks.append(asyncio.ensure_future(capped(it, st)))
+                else:
+                    tasks.append(asyncio.ensure_future(send(it, st)))
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def closed_loop() -> None:
+        pending = collections.deque(job.items)
+
+        async def slot(i: int) -> None:
+            at = job.start_ns + int(job.ramp_up_s * 1e9 * i / max(job.slots, 1))
+            await sleep_until(at)
+            while pending:
+                it = pending.popleft()
+                st = state(it, at)
+                await send(it, st)
+                at = st.token_times[-1] if st.token_times and st.error is None else time.perf_counter_ns()
+
+        await asyncio.gather(*(slot(i) for i in range(min(job.slots, len(job.items)))))
+
+    tick = asyncio.ensure_future(ticker())
+    try:
+        await (closed_loop() if job.closed else open_loop())
+    finally:
+        tick.cancel()
+        stats.wall_s = time.perf_counter() - wall0
+        stats.cpu_s = time.thread_time() - cpu0
+        stats.pid = os.getpid()
+
+
+def split_job(job: Job, n: int) -> list[Job]:
+    """The job dealt over n client processes (the module's docstring says how)."""
+    if n <= 1:
+        return [job]
+    if job.closed:
+        n = max(1, min(n, job.slots))
+        slots = [job.slots // n + (1 if p < job.slots % n else 0) for p in range(n)]
+        # requests in proportion to the slots, dealt in order so each process starts with its first
+        shares: list[list[Item]] = [[] for _ in range(n)]
+        weights = [s / job.slots for s in slots]
+        for i, it in enumerate(job.items):
+            p = min(range(n), key=lambda q: (len(shares[q]) + 1) / weights[q])
+            shares[p].append(it)
+        return [Job(job.spec, shares[p], job.start_ns, True, slots[p], None, job.ramp_up_s) for p in range(n)]
+    ordered = sorted(job.items, key=lambda i: i.arrival_s)
+    caps: list[int | None] = [None] * n
+    if job.max_concurrency:
+        n = max(1, min(n, job.max_concurrency))
+        caps = [job.max_concurrency // n + (1 if p < job.max_concurrency % n else 0) for p in range(n)]
+    return [Job(job.spec, ordered[p::n], job.start_ns, False, 1, caps[p], job.ramp_up_s) for p in range(n)]
+
+
+# ---- several client processes ------------------------------------------------------------------
+
+class ClientProcesses:
+    """N client processes (`python -m adapters.endpoint.client`) running one point's jobs.
+    `first_tokens()` gives the (scheduled, first token) times they reported so far; `stop()`
+    ends the point early; `wait()` returns every process's records and stats."""
+
+    def __init__(self, jobs: list[Job], pin: set[int] | None = None):
+        self.procs: list[subprocess.Popen] = []
+        self.results: list[tuple[list[ReqState], ClientStats] | None] = [None] * len(jobs)
+        self.errors: list[str] = []
+        self._first: list[tuple[int, int]] = []
+        self._pong: list[tuple[int, int] | None] = [None] * len(jobs)
+        self._readers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        for i, job in enumerate(jobs):
+            p = subprocess.Popen([sys.executable, "-m", "adapters.endpoint.client"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, env=env, cwd=root)
+            self.procs.append(p)
+            assert p.stdin is not None
+            pickle.dump(job, p.stdin)
+            p.stdin.flush()
+            t = threading.Thread(target=self._read, args=(i, p), daemon=True, name=f"loadgen-client-{i}")
+            t.start()
+            self._readers.append(t)
+
+    def _read(self, i: int, p: subprocess.Popen) -> None:
+        assert p.stdout is not None
+        try:
+            while True:
+                kind, payload = pickle.load(p.stdout)
+                if kind == "first":
+                    with self._lock:
+                        self._first += payload
+                elif kind == "pong":
+                    self._pong[i] = (payload, now_ns())
+                elif kind == "done":
+                    self.results[i] = payload
+                elif kind == "error":
+                    self.errors.append(f"client process {i}: {payload}")
+        except (EOFError, pickle.UnpicklingError, OSError):
+            return
+
+    def _send(self, i: int, line: bytes) -> None:
+        try:
+            self.procs[i].stdin.write(line)  # type: ignore[union-attr]
+            self.procs[i].stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def measure_clocks(self) -> list[tuple[int, int]]:
+        """(offset, error bound) in ns of each process's clock against this one (a ping each)."""
+        out = []
+        for i in range(len(self.procs)):
+            self._pong[i] = None
+            t0 = now_ns()
+            self._send(i, b"ping\n")
+            deadline = time.monotonic() + 30
+            while self._pong[i] is None and time.monotonic() < deadline and self.procs[i].poll() is None:
+                time.sleep(0.0005)
+            pong = self._pong[i]
+            if pong is None:
+                raise RuntimeError(f"client process {i} did not answer ({self.procs[i].poll()=})")
+            theirs, t1 = pong
+            out.append((theirs - (t0 + t1) // 2, (t1 - t0) // 2))
+        return out
+
+    def start(self, start_ns: int) -> None:
+        for i in range(len(self.procs)):
+            self._send(i, b"start %d\n" % start_ns)
+
+    def first_tokens(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return list(self._first)
+
+    def stop(self) -> None:
+        for i in range(len(self.procs)):
+            self._send(i, b"stop\n")
+
+    def running(self) -> bool:
+        return any(r is None and p.poll() is None for r, p in zip(self.results, self.procs))
+
+    def wait(self, timeout_s: float) -> list[tuple[list[ReqState], ClientStats]]:
+        for t in self._readers:
+            t.join(timeout_s)
+        self.close()
+        missing = [i for i, r in enumerate(self.results) if r is None]
+        if missing:
+            raise RuntimeError(f"client processes {missing} ended without their records"
+                               + (f": {'; '.join(self.errors)}" if self.errors else ""))
+        return self.results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _child() -> None:
+    """A client process: run one Job, reporting first tokens as they come."""
+    out = sys.stdout.buffer
+    lock = threading.Lock()
+
+    def send(kind: str, payload: Any) -> None:
+        with lock:
+            pickle.dump((kind, payload), out)
+            out.flush()
+
+    job: Job = pickle.load(sys.stdin.buffer)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    started = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def control() -> None:  # the harness's lines: ping, start <ns>, stop (or EOF)
+        for line in sys.stdin.buffer:
+            word = line.split()
+            if not word:
+                continue
+            if word[0] == b"ping":
+                send("pong", now_ns())
+            elif word[0] == b"start":
+                job.start_ns = int(word[1])
+                loop.call_soon_threadsafe(started.set)
+            elif word[0] == b"stop":
+                break
+        task = holder.get("task")
+        loop.call_soon_threadsafe(lambda: task.cancel() if task is not None else holder.update(stop=True))
+        started.set()
+
+    threading.Thread(target=control, daemon=True).start()
+    states: list[ReqState] = []
+    stats = ClientStats()
+
+    async def main() -> None:
+        session = job.spec.session()
+        try:
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            if holder.get("stop"):
+                return
+            holder["task"] = asyncio.current_task()
+
+            async def progress() -> None:
+                seen, reported = 0, set()
+                while True:
+                    await asyncio.sleep(PROGRESS_S)
+                    new = [(i, s) for i, s in enumerate(states[seen:], seen) if s.token_times and i not in reported]
+                    if new:
+                        reported.update(i for i, _ in new)
+                        send("first", [(s.scheduled_ns, s.token_times[0]) for _, s in new])
+                    while seen < len(states) and seen in reported:
+                        seen += 1
+
+            prog = asyncio.ensure_future(progress())
+            try:
+                await run_job(job, session, states, stats)
+            except asyncio.CancelledError:
+                pass
+            finally:
+                prog.cancel()
+        finally:
+            await session.close()
+
+    gc.freeze()
+    try:
+        loop.run_until_complete(main())
+        send("done", (states, stats))
+    except Exception as e:  # reported to the harness, which names the process
+        send("error", f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    _child()

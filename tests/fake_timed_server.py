@@ -1,0 +1,162 @@
+"""A fake OpenAI-compatible server whose timing is known exactly: the truth for the load
+generator's tests and for scripts/loadgen_ceiling.py.
+
+It is a protocol fake, named as such: raw asyncio (no web framework), HTTP/1.1 with keep-alive,
+answering `POST /v1/completions` (stream: true) with one SSE chunk every `--gap-ms` after a
+first-token delay of `--first-ms`, `--tokens-per-chunk` tokens per chunk (token k of a request
+is `1000 + k`, sent as `token_ids`), then a usage chunk and `data: [DONE]`. Chunk j of a request
+received at t0 is written at t0 + first + j * gap on an absolute schedule (no drift); gap 0 writes
+as fast as the socket takes them. `GET /v1/models`, `/version` and `/health` answer; `/metrics`
+is 404 (no telemetry).
+
+    python tests/fake_timed_server.py --port 0 --gap-ms 20 --first-ms 50 [--cpu 0]
+
+prints `READY <port>` on stdout once it listens. `--cpu N` pins it to core N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+         b"transfer-encoding: chunked\r\n\r\n")
+
+
+def _json_response(status: str, obj: object) -> bytes:
+    body = json.dumps(obj).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            .encode() + body)
+
+
+def _frame(data: bytes) -> bytes:
+    """One HTTP chunk (transfer-encoding: chunked) holding `data`."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _event(tokens: range, finish: str | None) -> bytes:
+    ids = ",".join(str(1000 + k) for k in tokens)
+    text = " ".join(f"w{1000 + k}" for k in tokens)
+    fin = "null" if finish is None else f'"{finish}"'
+    return (b'data: {"id":"fake","object":"text_completion","model":"fake-model","choices":[{"index":0,'
+            b'"text":"%s","token_ids":[%s],"logprobs":null,"finish_reason":%s}],"usage":null}\n\n'
+            % (text.encode(), ids.encode(), fin.encode()))
+
+
+class TimedServer:
+    def __init__(self, gap_s: float, first_s: float, tokens_per_chunk: int):
+        self.gap_s, self.first_s, self.per_chunk = gap_s, first_s, max(1, tokens_per_chunk)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path = lines[0].split(" ")[:2]
+                length = 0
+                for h in lines[1:]:
+                    if h.lower().startswith("content-length:"):
+                        length = int(h.split(":", 1)[1])
+                body = await reader.readexactly(length) if length else b""
+                if method == "POST" and path.endswith("/completions"):
+                    await self.stream(json.loads(body), writer)
+                elif path.endswith("/models"):
+                    writer.write(_json_response("200 OK", {"object": "list", "data": [{"id": "fake-model"}]}))
+                elif path in ("/version", "/health"):
+                    writer.write(_json_response("200 OK", {"version": "fake-timed-1.0"}))
+                else:
+                    writer.write(_json_response("404 Not Found", {"error": {"message": "not here"}}))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    async def stream(self, req: dict, writer: asyncio.StreamWriter) -> None:
+        t0 = time.perf_counter()
+        n = int(req.get("max_tokens") or 16)
+        prompt = req.get("prompt")
+        prompt_len = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+        writer.write(_HEAD)
+        sent, j = 0, 0
+        while sent < n:
+            k = min(self.per_chunk, n - sent)
+            wait = t0 + self.first_s + j * self.gap_s - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            finish = "length" if sent + k == n else None
+            writer.write(_frame(_event(range(sent, sent + k), finish)))
+            sent += k
+            j += 1
+            if self.gap_s == 0 and j % 16 == 0:
+                await writer.drain()
+                await asyncio.sleep(0)  # let the other streams write too, every 16 chunks
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+        tail = b'data: {"id":"fake","object":"text_completion","choices":[],"usage":%s}\n\ndata: [DONE]\n\n' \
+            % json.dumps(usage).encode()
+        writer.write(_frame(tail) + b"0\r\n\r\n")
+        await writer.drain()
+
+
+@contextlib.contextmanager
+def running(gap_ms: float = 20.0, first_ms: float = 0.0, tokens_per_chunk: int = 1,
+            cpu: int | None = None) -> Iterator[str]:
+    """Start the server in its own process; yields its API base URL (`http://127.0.0.1:P/v1`)."""
+    cmd = [sys.executable, __file__, "--gap-ms", str(gap_ms), "--first-ms", str(first_ms),
+           "--tokens-per-chunk", str(tokens_per_chunk)] + ([] if cpu is None else ["--cpu", str(cpu)])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("READY "):
+            raise RuntimeError(f"the timed fake server did not start: {line!r}")
+        yield f"http://127.0.0.1:{int(line.split()[1])}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _main(args: argparse.Namespace) -> None:
+    srv = TimedServer(args.gap_ms / 1000, args.first_ms / 1000, args.tokens_per_chunk)
+    server = await asyncio.start_server(srv.handle, args.host, args.port, backlog=4096)
+    port = server.sockets[0].getsockname()[1]
+    print(f"READY {port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--gap-ms", type=float, default=20.0)
+    ap.add_argument("--first-ms", type=float, default=0.0)
+    ap.add_argument("--tokens-per-chunk", type=int, default=1)
+    ap.add_argument("--cpu", type=int, default=None, help="pin the server to this core")
+    args = ap.parse_args()
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    try:
+        asyncio.run(_main(args))
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
