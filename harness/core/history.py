@@ -511,7 +511,8 @@ def load_series(store: str | Path, metrics: list[str] | None = None, engine: str
                             f"{', '.join(engines) or '(none)'}.")
         if not metrics:
             metrics = [m for m in DEFAULT_METRICS if m in known]
-        where, args = ["r.status = 'ok'", "m.value IS NOT NULL"], []
+        # a run of a tree with uncommitted changes measured no commit: kept in the store, not in a series
+        where, args = ["r.status = 'ok'", "m.value IS NOT NULL", "ru.dirty IS NOT TRUE"], []
         if metrics:
             where.append(f"m.metric IN ({', '.join('?' * len(metrics))})")
             args += metrics
