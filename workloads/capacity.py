@@ -15,7 +15,10 @@ at that rate, open loop, or kept in flight, closed loop) and keeps every probe a
 
 A probe meets the SLOs when every SLO given holds at p99 over its completed requests (TTFT,
 TPOT, E2EL) and none of its requests failed. An over-saturated open-loop probe stops early
-(workloads.serving) and counts as not meeting them.
+(workloads.serving) and counts as not meeting them. So does a client-limited probe (the load
+generator did not keep up: workloads.serving, docs/metrics.md "Client distortion"): its latencies
+are partly the client's, so it is never the engine's capacity, and the conclusion says to raise
+`client_processes`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from adapters.base import Engine
 from harness.core.metrics import SLO
 from harness.core.schema import spec
 from workloads.base import Point, RunContext
-from workloads.serving import LoadShape, Serving
+from workloads.serving import LoadShape, Serving, client_limited_note
 
 WORKLOAD = "capacity"
 SEARCHES = ("rate", "concurrency")
@@ -64,6 +67,9 @@ def slo_violations(row: dict[str, Any], slos: dict[str, float | None]) -> list[s
         out.append(f"{row['failed_requests']} requests failed")
     if row.get("saturated"):
         out.append("saturated: the queue grew through the run")
+    if row.get("client_limited"):
+        out.append("client-limited: the load generator did not keep up ("
+                   + "; ".join(row.get("client_limited_reasons") or []) + "); raise workload.client_processes")
     return out
 
 
@@ -115,7 +121,7 @@ class Capacity(Serving):
         ("capacity_search", "search", "s"), ("value", "probe", "g"), ("meets_slo", "meets SLO", "s"),
         ("output_tok_s", "out tok/s", ".1f"), ("per_user_tok_s", "tok/s/user", ".1f"),
         ("ttft_s_p99", "TTFT p99 ms", "ms"), ("tpot_s_p99", "TPOT p99 ms", "ms"), ("e2el_s_p99", "E2EL p99 ms", "ms"),
-        ("saturated", "saturated", "s"),
+        ("saturated", "saturated", "s"), ("client_limited", "client lim", "s"),
     ]
 
     def check(self, cfg: CapacityConfig, shape: Any) -> list[str]:
@@ -125,6 +131,9 @@ class Capacity(Serving):
                             "capacity is found under, e.g. workload.slo_ttft_p99_s=0.5.")
         if cfg.start > cfg.max_value:
             problems.append(f"workload.start={cfg.start:g} is above workload.max_value={cfg.max_value:g}.")
+        if cfg.trace:
+            problems.append("workload.trace: a capacity search sets its own rates; replay a trace with "
+                            "workload=serving.")
         if cfg.search == "concurrency" and cfg.start != int(cfg.start):
             problems.append(f"workload.start={cfg.start:g}: a concurrency is a whole number of requests.")
         return problems + super().check(cfg, shape)
@@ -166,10 +175,18 @@ class Capacity(Serving):
         hi = min((v for v, ok, _ in probes if not ok and (lo is None or v > lo)), default=None)
         slo = cfg.slos()
         key = "capacity_rps" if search == "rate" else "capacity_concurrency"
+        limited = sorted(float(r["point"]["value"]) for r in mine if r.get("workload") == WORKLOAD
+                         and r.get("client_limited") and "value" in (r.get("point") or {}))
+        notes = [] if lo is not None else ["no probed load met the SLOs"]
+        if limited:
+            notes.append(f"the load generator did not keep up at {', '.join(f'{v:g}' for v in limited)} (client-limited "
+                         "probes count as misses, never as capacity): the engine's capacity may be higher; raise "
+                         "workload.client_processes")
         return {key: lo, "capacity_search": search, "capacity_bracket": [lo, hi], "capacity_slo": slo,
                 "capacity_probes": [[v, ok, sat] for v, ok, sat in probes],
                 "capacity_resolution": cfg.resolution if search == "rate" else 1,
-                "capacity_note": None if lo is not None else "no probed load met the SLOs"}
+                "capacity_client_limited": limited or None,
+                "capacity_note": "; ".join(notes) or None}
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
         lines = []
@@ -181,5 +198,8 @@ class Capacity(Serving):
                 lo, hi = r.get("capacity_bracket") or [None, None]
                 lines.append(f"capacity  {r['engine']:<9} {('-' if value is None else f'{value:g}')} {unit} within "
                              f"{slo or 'no SLO'} (bracket {lo} .. {hi}; {len(r.get('capacity_probes') or [])} probes)")
-        return "\n".join(lines)
+                if r.get("capacity_client_limited"):
+                    lines.append(f"          {r['engine']:<9} {r['capacity_note']}")
+        note = client_limited_note([r for r in rows if r.get("workload") == self.name])
+        return "\n".join(lines + ([note] if note else []))
 

@@ -8,6 +8,11 @@
   the first human turn is the prompt and the token count of the reply that follows it is the
   output length (as `vllm bench serve` does). Conversations without such a pair are skipped.
 
+- A request trace, Mooncake-style JSONL (as AIPerf, inference-perf and SGLang's bench_serving
+  replay it): one request per line with `timestamp` (milliseconds, any origin), `input_length`,
+  `output_length` and optionally `hash_ids` (one id per block of prompt tokens; requests whose
+  ids start alike share that prompt prefix). Lines are sorted by timestamp.
+
 Every problem names the file and the line (JSONL) or entry (ShareGPT).
 """
 
@@ -129,3 +134,53 @@ def tokenize_entries(entries: list[DatasetEntry], model_path: str, vocab_size: i
                             f"({vocab_size}). Use ids made for this model.")
         out.append((list(ids), n_out))
     return out
+
+
+@dataclass
+class TraceEntry:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int | str]
+
+
+def _pos_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def read_trace(path: str | Path, field: str = "workload.trace") -> list[TraceEntry]:
+    """A Mooncake-style JSONL trace, sorted by timestamp."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{field}={path}: no such file. Give a JSONL trace with timestamp, input_length, "
+                        "output_length (and optionally hash_ids) on every line.")
+    out, problems = [], []
+    for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{field}={p} line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{where}: not valid JSON ({e.msg}). Each line must be one JSON object.")
+            continue
+        if not isinstance(obj, dict):
+            problems.append(f"{where}: not a JSON object.")
+            continue
+        ts, i, o, h = obj.get("timestamp"), obj.get("input_length"), obj.get("output_length"), obj.get("hash_ids", [])
+        if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
+            problems.append(f"{where}: \"timestamp\" must be a non-negative number of milliseconds (got {ts!r}).")
+        elif not _pos_int(i) or not _pos_int(o):
+            problems.append(f"{where}: \"input_length\" and \"output_length\" must be positive integers "
+                            f"(got {i!r}, {o!r}).")
+        elif not (isinstance(h, list) and all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in h)):
+            problems.append(f"{where}: \"hash_ids\" must be a list of integers.")
+        else:
+            out.append(TraceEntry(float(ts), i, o, list(h)))
+        if len(problems) > 20:
+            break
+    if problems:
+        raise UserError(problems)
+    if not out:
+        raise UserError(f"{field}={path}: the file holds no requests.")
+    return sorted(out, key=lambda e: e.timestamp_ms)

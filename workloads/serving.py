@@ -19,6 +19,21 @@ inside the engine (and at the client, under a cap) counts (docs/metrics.md). An 
 whose queue grows through the run - time to first token rising with the arrival time by more
 than `SATURATION_SLOPE` seconds per second - is over capacity: it stops early, its remaining
 requests are cancelled, and the row is marked `saturated`.
+
+Dataset entries are used once each by default, in an order shuffled with the run's seed, cycling
+only when more requests are asked for than the file holds (`dataset_order`: file | shuffle |
+random, the last drawing with replacement); the row says how many distinct entries were sent.
+
+A **trace** (`trace`: Mooncake-style JSONL, workloads/datasets.py) replaces the rates: one point
+whose requests arrive at the trace's recorded offsets (times `trace_time_scale`) with its lengths;
+requests whose `hash_ids` start alike get prompts that start alike (one block of
+`trace_block_size` tokens per hash id), so a prefix cache sees the reuse the trace recorded.
+
+An endpoint engine serves the point with its load generator (`serve_load`, on
+`client_processes` client processes); the row then says whether the client kept up - send lag,
+loop lag, client CPU, achieved vs scheduled rate - and marks the point `client_limited` when it
+did not (docs/metrics.md, "Client distortion"): such a point is the client's measurement, not the
+engine's, like a saturated one.
 """
 
 from __future__ import annotations
@@ -30,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Engine, ListSource, Request, RequestSource, now_ns
-from harness.core.metrics import SLO, serving_metrics
+from harness.core.metrics import SLO, RequestTrace, serving_metrics
 from harness.core.schema import spec
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
 from workloads.lengths import LengthDist, parse_length
@@ -41,6 +56,12 @@ from workloads.prompts import seed_for
 SATURATION_SLOPE = 0.25
 # ... judged once this many requests (and a quarter of the point's) have their first token
 SATURATION_MIN_REQUESTS = 8
+# The client did not keep up when its send lag (p99) or its loop lag (max) exceeds this, or 5 % of
+# the tightest SLO the point is judged on, or a client process ran this busy.
+CLIENT_LAG_LIMIT_S = 0.005
+CLIENT_SLO_FRACTION = 0.05
+CLIENT_CPU_LIMIT = 0.9
+DATASET_ORDERS = ("file", "shuffle", "random")
 
 
 @dataclass
@@ -60,6 +81,20 @@ class LoadShape:
     warmup_requests: int = spec(2, ge=1, help="requests served before measuring each point")
     max_len: int | None = spec(None, ge=2, help="dataset requests longer than this (prompt+output) are dropped")
     stop_when_saturated: bool = spec(True, help="stop an open-loop point early once its queue grows")
+    dataset_order: str = spec("shuffle", choices=DATASET_ORDERS,
+                              help="dataset entries: each once in file order, each once shuffled with the run's "
+                                   "seed (both cycle when more requests are asked), or drawn with replacement")
+    trace: str | None = spec(None, help="Mooncake-style JSONL trace (timestamp ms, input_length, output_length, "
+                                        "hash_ids): one point, requests at the recorded offsets; replaces the rates")
+    trace_time_scale: float = spec(1.0, gt=0, help="multiplies the trace's offsets (0.5 replays it twice as fast)")
+    trace_block_size: int = spec(512, ge=1, help="prompt tokens per hash id of the trace")
+    client_processes: int = spec(1, ge=1, help="endpoint engines: client processes the load is split over, "
+                                               "each with its own event loop")
+    client_lag_limit_s: float = spec(CLIENT_LAG_LIMIT_S, gt=0,
+                                     help="send-lag p99 or loop lag above this (or above 5 per cent of the tightest SLO) "
+                                          "marks the point client_limited")
+    client_cpu_limit: float = spec(CLIENT_CPU_LIMIT, gt=0, le=1,
+                                   help="a client process busy this fraction of a core marks the point client_limited")
 
     def goodput_slo(self) -> SLO:
         return SLO()
@@ -133,6 +168,23 @@ class ClosedLoopSource(RequestSource):
         self._schedule(time_ns)
 
 
+def client_limited(client: dict[str, Any], slo: SLO, lag_limit_s: float = CLIENT_LAG_LIMIT_S,
+                   cpu_limit: float = CLIENT_CPU_LIMIT) -> list[str]:
+    """Why the load generator did not keep up during a point (empty: it did): its send lag p99 or
+    loop lag above the limit (or above 5 % of the tightest SLO), or a client process near a full core."""
+    bounds = [b for b in (slo.ttft_s, slo.tpot_s, slo.e2el_s) if b]
+    limit = min([lag_limit_s] + [CLIENT_SLO_FRACTION * b for b in bounds])
+    why = []
+    for key, what in (("send_lag_s_p99", "send lag p99"), ("loop_lag_s_max", "loop lag")):
+        v = client.get(key)
+        if v is not None and v > limit:
+            why.append(f"{what} {v * 1e3:.1f} ms > {limit * 1e3:.1f} ms")
+    cpu = client.get("client_cpu_frac")
+    if cpu is not None and cpu >= cpu_limit:
+        why.append(f"a client process used {cpu:.0%} of a core")
+    return why
+
+
 def saturated(arrivals_s: list[float], ttfts_s: list[float], total: int) -> bool:
     """The queue grows through the run: TTFT rises with arrival time faster than SATURATION_SLOPE."""
     if len(ttfts_s) < max(SATURATION_MIN_REQUESTS, total // 4) or len(set(arrivals_s)) < 2:
@@ -151,8 +203,11 @@ class Serving(Workload):
         ("per_user_tok_s", "tok/s/user", ".1f"), ("ttft_s", "TTFT p50 ms", "ms"),
         ("ttft_s_p99", "TTFT p99 ms", "ms"), ("tpot_s", "TPOT p50 ms", "ms"), ("itl_s", "ITL p50 ms", "ms"),
         ("e2el_s", "E2EL p50 ms", "ms"), ("goodput_req_s", "goodput/s", ".2f"), ("failed_requests", "failed", "d"),
-        ("saturated", "saturated", "s"),
+        ("saturated", "saturated", "s"), ("client_limited", "client lim", "s"),
     ]
+
+    def post_summary(self, rows: list[dict[str, Any]]) -> str:
+        return client_limited_note(rows)
 
     def _lengths(self, cfg: LoadShape) -> tuple[LengthDist, LengthDist]:
         i, _ = parse_length(cfg.input_len, "workload.input_len")
@@ -171,9 +226,22 @@ class Serving(Workload):
                 read_dataset(cfg.dataset, cfg.dataset_format)
             except UserError as e:
                 problems += e.problems
+        if cfg.trace:
+            from harness.core.errors import UserError
+            from workloads.datasets import read_trace
+            try:
+                read_trace(cfg.trace)
+            except UserError as e:
+                problems += e.problems
         return problems or super().check(cfg, shape)
 
     def max_model_len(self, cfg: LoadShape) -> int:
+        if cfg.trace:
+            from workloads.datasets import read_trace
+            try:
+                return max(e.input_length + e.output_length for e in read_trace(cfg.trace))
+            except Exception:
+                return 0  # check() names the problem
         if cfg.dataset:  # lengths are known only once the dataset is tokenised in the engine's process
             return cfg.max_len or 0
         i, o = self._lengths(cfg)
@@ -182,6 +250,8 @@ class Serving(Workload):
         return i.bounds()[1] + o.bounds()[1]
 
     def plan(self, cfg: ServingConfig) -> list[Point]:
+        if cfg.trace:
+            return [Point(self.name, {"trace": cfg.trace, "trace_time_scale": cfg.trace_time_scale})]
         points = [Point(self.name, {"request_rate": r, "num_requests": cfg.num_requests}) for r in cfg.request_rates]
         points += [Point(self.name, {"concurrency": c, "num_requests": cfg.num_requests}) for c in cfg.concurrency or []]
         return points
@@ -189,6 +259,9 @@ class Serving(Workload):
     def requests(self, cfg: LoadShape, ctx: RunContext, rate: float, key: str,
                  n: int | None = None) -> list[Request]:
         rng = np.random.default_rng(seed_for(ctx.seed, key))
+        self.entry_of: dict[str, int] = {}  # request id -> dataset entry
+        if cfg.trace:
+            return self.trace_requests(cfg, ctx, key, n)
         n = cfg.num_requests if n is None else n
         if cfg.dataset:
             from workloads.datasets import read_dataset, tokenize_entries
@@ -198,8 +271,10 @@ class Serving(Workload):
             pairs = [(p, o) for p, o in pairs if len(p) + o <= limit]
             if not pairs:
                 raise ValueError(f"no dataset request fits in {limit} tokens (workload.max_len)")
-            pick = rng.integers(0, len(pairs), size=n)
+            pick = dataset_picks(len(pairs), n, cfg.dataset_order, rng)
             prompts, outs = [pairs[i][0] for i in pick], [pairs[i][1] for i in pick]
+            self.entry_of = {f"r{i}": int(e) for i, e in enumerate(pick)}
+            self.dataset_entries = len(pairs)
         else:
             idist, odist = self._lengths(cfg)
             in_lens, outs = idist.sample(n, rng), odist.sample(n, rng)
@@ -207,44 +282,103 @@ class Serving(Workload):
         times = arrival_times(n, rate, cfg.arrival, cfg.burstiness, rng, cfg.ramp_up_s)
         return [Request(f"r{i}", prompts[i], outs[i], times[i]) for i in range(n)]
 
+    def trace_requests(self, cfg: LoadShape, ctx: RunContext, key: str, n: int | None = None) -> list[Request]:
+        """The trace's requests (the first n: warm-up, all at once): arrivals at the recorded
+        offsets times trace_time_scale; prompt = one block of trace_block_size tokens per hash id
+        (the same block for the same id), cut to input_length or filled with tokens of its own."""
+        from workloads.datasets import read_trace
+        entries = read_trace(cfg.trace)  # type: ignore[arg-type]
+        t0 = min(e.timestamp_ms for e in entries)
+        blocks: dict[Any, list[int]] = {}
+        out = []
+        for i, e in enumerate(entries[:n] if n is not None else entries):
+            prompt: list[int] = []
+            for h in e.hash_ids:
+                if len(prompt) >= e.input_length:
+                    break
+                if h not in blocks:
+                    blocks[h] = ctx.prompts(1, cfg.trace_block_size, f"trace-block/{h}")[0]
+                prompt += blocks[h]
+            prompt = prompt[:e.input_length]
+            if len(prompt) < e.input_length:
+                prompt += ctx.prompts(1, e.input_length - len(prompt), f"{key}/trace{i}")[0]
+            arrival = 0.0 if n is not None else (e.timestamp_ms - t0) / 1000 * cfg.trace_time_scale
+            out.append(Request(f"r{i}", prompt, e.output_length, arrival))
+        return out
+
     def measure(self, engine: Engine, cfg: LoadShape, ctx: RunContext, params: dict[str, Any],
                 key: str) -> dict[str, Any]:
         """Serve one load point - {"request_rate": r} or {"concurrency": c}, plus num_requests -
         and return its row fields. Used by this workload and by `capacity`'s probes."""
         closed = params.get("concurrency") is not None
-        rate = math.inf if closed else params["request_rate"]
+        trace = params.get("trace") is not None
+        rate = math.inf if closed else params.get("request_rate", math.nan if trace else math.inf)
         warm = self.requests(cfg, ctx, math.inf, f"{key}/warmup", n=cfg.warmup_requests)
         for _ in engine.serve(warm, now_ns()):
             pass
-        reqs = self.requests(cfg, ctx, rate, key, n=params.get("num_requests", cfg.num_requests))
-        sampler = ctx.sampler().start()
-        start = now_ns() + 5_000_000  # the schedule starts 5 ms from now
-        source = (ClosedLoopSource(reqs, start, params["concurrency"], cfg.ramp_up_s) if closed
-                  else ListSource(reqs, start, cfg.max_concurrency))
-        collector = Collector(reqs, start, source)
-        is_saturated = False
-        events = engine.serve(source, start)
-        try:
-            for ev in events:
-                if collector.feed(ev) and not closed and cfg.stop_when_saturated and not math.isinf(rate):
-                    arrivals, ttfts = collector.first_token_delays()
-                    if saturated(arrivals, ttfts, len(reqs)):
-                        is_saturated = True
-                        break
-        finally:
-            events.close()  # an engine's serve() cancels what it still runs
-        mem = sampler.stop()
-        traces = collector.traces()
-        if is_saturated:  # the cancelled requests are not failures of the engine: left out
-            traces = [t for t in traces if t.token_times_ns and t.n_out == collector.expected[t.request_id]]
+        reqs = self.requests(cfg, ctx, rate, key, n=None if trace else params.get("num_requests", cfg.num_requests))
+        expected = {r.request_id: r.max_new_tokens for r in reqs}
+        check_saturation = not closed and cfg.stop_when_saturated and not math.isinf(rate)
         slo = cfg.goodput_slo()
-        row = serving_metrics(traces, slo, collector.expected)
+        sampler = ctx.sampler().start()
+        is_saturated = False
+        serve_load = getattr(engine, "serve_load", None)  # an endpoint: the load generator
+        client: dict[str, Any] = {}
+        if serve_load is not None:
+            def should_stop(firsts: list[tuple[int, int]], start_ns: int) -> bool:
+                nonlocal is_saturated
+                if check_saturation and saturated([(a - start_ns) / 1e9 for a, _ in firsts],
+                                                  [(f - a) / 1e9 for a, f in firsts], len(reqs)):
+                    is_saturated = True
+                return is_saturated
+
+            out = serve_load(reqs, closed=closed, concurrency=params.get("concurrency") or 1,
+                             max_concurrency=None if closed else cfg.max_concurrency, ramp_up_s=cfg.ramp_up_s,
+                             processes=cfg.client_processes, should_stop=should_stop)
+            traces, client, start = out["traces"], out["client"], out["start_ns"]
+            sent = {t.request_id for t in traces}
+            traces += [RequestTrace(r.request_id, start + round(r.arrival_s * 1e9), len(r.prompt_ids),
+                                    error="not sent (the point stopped early)") for r in reqs if r.request_id not in sent]
+        else:
+            start = now_ns() + 5_000_000  # the schedule starts 5 ms from now
+            source = (ClosedLoopSource(reqs, start, params["concurrency"], cfg.ramp_up_s) if closed
+                      else ListSource(reqs, start, cfg.max_concurrency))
+            collector = Collector(reqs, start, source)
+            events = engine.serve(source, start)
+            try:
+                for ev in events:
+                    if collector.feed(ev) and check_saturation:
+                        arrivals, ttfts = collector.first_token_delays()
+                        if saturated(arrivals, ttfts, len(reqs)):
+                            is_saturated = True
+                            break
+            finally:
+                events.close()  # an engine's serve() cancels what it still runs
+            traces = collector.traces()
+            sent = {t.request_id for t in traces if t.token_times_ns or t.error}
+        mem = sampler.stop()
+        if is_saturated:  # the cancelled requests are not failures of the engine: left out
+            traces = [t for t in traces if t.token_times_ns and t.n_out == expected[t.request_id]]
+        row = serving_metrics(traces, slo, expected)
         if not row["completed"] and not is_saturated:
             raise RuntimeError(f"no request of the point completed: {row['failed_request_reasons']}")
         # saturated before any request completed: a row all the same (the load is beyond the
         # engine's capacity here; a capacity search reads it as a miss), its latencies empty
         info = engine.kv_cache_info()
-        row.update(load_mode="closed" if closed else "open", request_rate=None if closed else rate,
+        limited = client_limited(client, slo, cfg.client_lag_limit_s, cfg.client_cpu_limit) if client else []
+        offered = None if closed else rate
+        if trace and len(reqs) > 1:
+            span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
+            offered = (len(reqs) - 1) / span if span > 0 else math.inf
+        row.update(client, client_limited=bool(limited) if client else None, client_limited_reasons=limited or None,
+                   offered_rate=offered)
+        if self.entry_of:
+            row.update(dataset_order=cfg.dataset_order, dataset_entries=self.dataset_entries,
+                       dataset_entries_sent=len({e for rid, e in self.entry_of.items() if rid in sent}))
+        if trace:
+            row.update(trace=params["trace"], trace_time_scale=cfg.trace_time_scale, trace_requests=len(reqs))
+        row.update(load_mode="trace" if trace else "closed" if closed else "open",
+                   request_rate=None if closed or trace else rate,
                    concurrency=params.get("concurrency"), max_concurrency=None if closed else cfg.max_concurrency,
                    ramp_up_s=cfg.ramp_up_s, arrival=None if closed else cfg.arrival,
                    burstiness=None if closed else cfg.burstiness, saturated=is_saturated,
@@ -256,3 +390,24 @@ class Serving(Workload):
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
         return self.measure(engine, ctx.extra["workload_cfg"], ctx, point.params, point.key)
+
+
+def dataset_picks(entries: int, n: int, order: str, rng: np.random.Generator) -> list[int]:
+    """Which dataset entry each of n requests uses: `file` and `shuffle` take every entry once
+    (in file order / in an order shuffled by `rng`) and cycle only past the end; `random` draws
+    with replacement."""
+    if order == "random":
+        return [int(i) for i in rng.integers(0, entries, size=n)]
+    seq = rng.permutation(entries) if order == "shuffle" else np.arange(entries)
+    return [int(seq[i % entries]) for i in range(n)]
+
+
+def client_limited_note(rows: list[dict[str, Any]]) -> str:
+    """A summary line for points the load generator could not keep up with."""
+    hit = [r for r in rows if r.get("client_limited")]
+    if not hit:
+        return ""
+    why = "; ".join(sorted({w for r in hit for w in r.get("client_limited_reasons") or []})[:3])
+    return (f"client-limited: {len(hit)} point(s) where the load generator did not keep up ({why}); their latencies "
+            "include the client's own delays and are not the engine's. Raise workload.client_processes "
+            "(docs/metrics.md, \"Client distortion\").")

@@ -20,8 +20,8 @@ What each process also measures about itself (`ClientStats`): its CPU time over 
 of the point, and loop lag - how late a 2 ms timer fires on its event loop while streams are
 active (a loop that is busy, or stopped by garbage collection, fires late and reads late).
 
-    python -m adapters.endpoint.client     a client process: a pickled Job on stdin, then
-                                           "ping" / "stop" lines; pickled messages on stdout
+A client process (`CHILD`) reads a pickled Job on stdin, then "ping" / "start <ns>" / "stop"
+lines, and writes pickled messages on stdout: pong, first tokens, its records and stats.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import aiohttp
 from adapters.base import now_ns
 from adapters.endpoint.stream import ReqState, stream_completion
 
+CHILD = "from adapters.endpoint.client import child_main; child_main()"  # a client process's command
 TICK_S = 0.002  # the loop-lag timer's period
 PROGRESS_S = 0.1  # how often a client process reports first tokens (for the saturation check)
 
@@ -230,11 +231,12 @@ class ClientProcesses:
         self._first: list[tuple[int, int]] = []
         self._pong: list[tuple[int, int] | None] = [None] * len(jobs)
         self._readers: list[threading.Thread] = []
+        self._ready = [threading.Event() for _ in jobs]
         self._lock = threading.Lock()
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         for i, job in enumerate(jobs):
-            p = subprocess.Popen([sys.executable, "-m", "adapters.endpoint.client"], stdin=subprocess.PIPE,
+            p = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, env=env, cwd=root)
             self.procs.append(p)
             assert p.stdin is not None
@@ -254,6 +256,8 @@ class ClientProcesses:
                         self._first += payload
                 elif kind == "pong":
                     self._pong[i] = (payload, now_ns())
+                elif kind == "ready":
+                    self._ready[i].set()
                 elif kind == "done":
                     self.results[i] = payload
                 elif kind == "error":
@@ -268,21 +272,29 @@ class ClientProcesses:
         except (BrokenPipeError, OSError, ValueError):
             pass
 
-    def measure_clocks(self) -> list[tuple[int, int]]:
-        """(offset, error bound) in ns of each process's clock against this one (a ping each)."""
+    def measure_clocks(self, pings: int = 5) -> list[tuple[int, int]]:
+        """(offset, error bound) in ns of each process's clock against this one, once every
+        process is ready: the ping with the shortest round trip of `pings`."""
         out = []
         for i in range(len(self.procs)):
-            self._pong[i] = None
-            t0 = now_ns()
-            self._send(i, b"ping\n")
-            deadline = time.monotonic() + 30
-            while self._pong[i] is None and time.monotonic() < deadline and self.procs[i].poll() is None:
-                time.sleep(0.0005)
-            pong = self._pong[i]
-            if pong is None:
-                raise RuntimeError(f"client process {i} did not answer ({self.procs[i].poll()=})")
-            theirs, t1 = pong
-            out.append((theirs - (t0 + t1) // 2, (t1 - t0) // 2))
+            if not self._ready[i].wait(60):
+                raise RuntimeError(f"client process {i} did not start within 60 s (exit code "
+                                   f"{self.procs[i].poll()}){': ' + '; '.join(self.errors) if self.errors else ''}")
+            best: tuple[int, int] | None = None
+            for _ in range(pings):
+                self._pong[i] = None
+                t0 = now_ns()
+                self._send(i, b"ping\n")
+                deadline = time.monotonic() + 10
+                while self._pong[i] is None and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+                pong = self._pong[i]
+                if pong is None:
+                    raise RuntimeError(f"client process {i} did not answer a ping (exit code {self.procs[i].poll()})")
+                theirs, t1 = pong
+                if best is None or (t1 - t0) // 2 < best[1]:
+                    best = (theirs - (t0 + t1) // 2, (t1 - t0) // 2)
+            out.append(best)  # type: ignore[arg-type]
         return out
 
     def start(self, start_ns: int) -> None:
@@ -324,7 +336,7 @@ class ClientProcesses:
                 p.wait()
 
 
-def _child() -> None:
+def child_main() -> None:
     """A client process: run one Job, reporting first tokens as they come."""
     out = sys.stdout.buffer
     lock = threading.Lock()
@@ -362,6 +374,7 @@ def _child() -> None:
 
     async def main() -> None:
         session = job.spec.session()
+        send("ready", None)
         try:
             while not started.is_set():
                 await asyncio.sleep(0.001)
@@ -396,7 +409,5 @@ def _child() -> None:
         send("done", (states, stats))
     except Exception as e:  # reported to the harness, which names the process
         send("error", f"{type(e).__name__}: {e}")
+    os._exit(0)  # the control thread may still block on stdin
 
-
-if __name__ == "__main__":
-    _child()

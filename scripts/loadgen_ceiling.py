@@ -1,0 +1,235 @@
+"""How fast and how true the harness's load generator is, against `vllm bench serve`, on a server
+whose timing is known exactly (tests/fake_timed_server.py: one token per SSE chunk, a fixed gap).
+
+    python scripts/loadgen_ceiling.py [--streams 64] [--ceiling-tokens 1024] [--itl-tokens 256]
+        [--runs 2] [--itl-runs 3] [--server-cpu 0] [--client-cpus 1] [--no-vllm] [--profile]
+
+The server runs pinned to --server-cpu, the clients (this process, its client processes, and
+vllm bench in its own environment .venv-vllm) to --client-cpus, one at a time. Measured, in one
+sitting:
+  1. the ceiling: output tokens/s ingested from a server with gap 0 (closed loop, --streams
+     streams of --ceiling-tokens tokens), --runs runs per tool;
+  2. ITL at a true gap of 20 ms (--streams streams of --itl-tokens tokens): p50, p99 and the
+     largest ITL seen, --itl-runs runs of the harness, one of vllm bench;
+  3. the harness with workload.client_processes=2 against 1: on two free client cores where
+     there are, else on the one client core (it should lose less than 10 %);
+and for every harness run what the row says about the client (send lag, loop lag, client CPU,
+client_limited). --profile adds a cProfile of the harness's client loop at gap 0 (the path
+socket -> row). Total: about 3-5 minutes. Timing figures from a machine others use are noisy:
+say so when quoting them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+VLLM_SNIPPET = r"""
+import json, sys
+import numpy as np
+from vllm.benchmarks.serve import add_cli_args, main as bench_main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+jobs = json.loads(sys.argv[1])
+out = []
+for job in jobs:
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = ["--backend", "openai", "--base-url", job["root"], "--endpoint", "/v1/completions", "--model", "fake-model",
+            "--tokenizer", job["tokenizer"], "--dataset-name", "random", "--random-input-len", "8",
+            "--random-output-len", str(job["tokens"]), "--random-range-ratio", "0", "--num-prompts", str(job["streams"]),
+            "--max-concurrency", str(job["streams"]), "--request-rate", "inf", "--ignore-eos", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99,99.9",
+            "--save-result", "--save-detailed", "--result-dir", job["dir"], "--result-filename", job["name"]]
+    res = bench_main(parser.parse_args(argv))
+    detail = json.load(open(job["dir"] + "/" + job["name"]))
+    itls = [x for r in detail.get("itls", []) for x in r]
+    out.append({"output_tok_s": res["output_throughput"], "itl_p50_ms": res["median_itl_ms"],
+                "itl_p99_ms": res["p99_itl_ms"], "itl_p999_ms": res.get("p99.9_itl_ms"),
+                "itl_max_ms": max(itls) * 1e3 if itls else None, "completed": res["completed"]})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def cpu_name() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def engine_at(url: str):
+    from adapters.base import ModelSpec
+    from adapters.endpoint import check_endpoint, endpoint_engine_class
+    cfg, problems = check_endpoint("timed", {"kind": "vllm", "url": url, "request_timeout_s": 600, "metrics": False})
+    assert not problems, problems
+    eng = endpoint_engine_class("timed", cfg)()
+    eng.load(ModelSpec(path="/nonexistent", name="fake", max_model_len=1 << 16), {})
+    return eng
+
+
+def harness_run(eng, streams: int, tokens: int, processes: int, key: str) -> dict:
+    from harness.core.presets import load_preset
+    from workloads.base import RunContext
+    from workloads.serving import Serving, ServingConfig
+    shape = load_preset("tiny")
+    cfg = ServingConfig(num_requests=streams, input_len=8, output_len=tokens, warmup_requests=1,
+                        client_processes=processes)
+    ctx = RunContext(shape=shape, dtype="float32", device="cpu", max_model_len=tokens + 8, memory_sample_hz=0,
+                     token_low=4, token_high=shape.vocab_size)
+    row = Serving().measure(eng, cfg, ctx, {"concurrency": streams, "num_requests": streams}, f"ceiling:{key}")
+    return {"output_tok_s": row["output_tok_s"], "itl_p50_ms": row["itl_s"] * 1e3, "itl_p99_ms": row["itl_s_p99"] * 1e3,
+            "itl_max_ms": row["itl_s_max"] * 1e3, "completed": row["completed"],
+            "send_lag_p99_ms": (row["send_lag_s_p99"] or 0) * 1e3, "loop_lag_max_ms": (row["loop_lag_s_max"] or 0) * 1e3,
+            "client_cpu_frac": row["client_cpu_frac"], "client_limited": row["client_limited"],
+            "client_processes": row["client_processes"]}
+
+
+def vllm_runs(jobs: list[dict], client_cpus: set[int]) -> list[dict]:
+    proc = subprocess.run([str(VLLM_PY), "-c", VLLM_SNIPPET, json.dumps(jobs)], capture_output=True, text=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, client_cpus), timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def profile_run(url: str, streams: int, tokens: int) -> str:
+    """cProfile of the client's loop thread (where every stream is read) during one gap-0 point."""
+    eng = engine_at(url)
+    prof = cProfile.Profile()
+    eng._loop.submit(_enable(prof)).result()  # the profiler runs in the loop's thread
+    t0 = time.perf_counter()
+    try:
+        r = harness_run(eng, streams, tokens, 1, "profile")
+    finally:
+        eng._loop.submit(_disable(prof)).result()
+        eng.close()
+    wall = time.perf_counter() - t0
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+    return (f"profile of the client loop (under cProfile, so slower than unprofiled): {r['output_tok_s']:,.0f} "
+            f"tok/s, {wall:.1f} s\n" + s.getvalue())
+
+
+async def _enable(prof: cProfile.Profile) -> None:
+    prof.enable()
+
+
+async def _disable(prof: cProfile.Profile) -> None:
+    prof.disable()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--ceiling-tokens", type=int, default=1024)
+    ap.add_argument("--itl-tokens", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--itl-runs", type=int, default=3)
+    ap.add_argument("--server-cpu", type=int, default=0)
+    ap.add_argument("--client-cpus", default="1", help="comma-separated cores for the clients")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vllm bench serve")
+    ap.add_argument("--profile", action="store_true", help="also profile the harness's client at gap 0")
+    args = ap.parse_args()
+
+    from fake_timed_server import running
+    from harness.checkpoint import ensure_checkpoint
+    from harness.core.paths import model_cache_dir
+    from harness.core.presets import load_preset
+
+    client_cpus = {int(c) for c in args.client_cpus.split(",")}
+    all_cpus = os.sched_getaffinity(0)
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    print(f"commit {commit}; {cpu_name()}, {len(all_cpus)} cores; server on core {args.server_cpu}, "
+          f"clients on {sorted(client_cpus)}; {args.streams} streams", flush=True)
+    tokenizer = str(ensure_checkpoint(load_preset("tiny"), model_cache_dir()))
+    use_vllm = not args.no_vllm and VLLM_PY.exists()
+    if not use_vllm:
+        print(f"vllm bench serve: skipped ({'--no-vllm' if args.no_vllm else f'{VLLM_PY} not found'})")
+    t_start = time.perf_counter()
+    res: dict = {"harness": {}, "vllm": {}}
+    with tempfile.TemporaryDirectory() as tmp, \
+            running(gap_ms=0, cpu=args.server_cpu) as url0, running(gap_ms=20, cpu=args.server_cpu) as url20:
+        os.sched_setaffinity(0, client_cpus)
+        eng0, eng20 = engine_at(url0), engine_at(url20)
+        try:
+            h_ceiling = [harness_run(eng0, args.streams, args.ceiling_tokens, 1, f"c{i}") for i in range(args.runs)]
+            print("harness ceiling runs:", json.dumps(h_ceiling), flush=True)
+            h_itl = [harness_run(eng20, args.streams, args.itl_tokens, 1, f"i{i}") for i in range(args.itl_runs)]
+            print("harness 20 ms runs:", json.dumps(h_itl), flush=True)
+            h_two = [harness_run(eng0, args.streams, args.ceiling_tokens, 2, f"p{i}") for i in range(args.runs)]
+            h_one = [harness_run(eng0, args.streams, args.ceiling_tokens, 1, f"q{i}") for i in range(args.runs)]
+            print("harness client_processes=2 / 1 runs:", json.dumps(h_two), json.dumps(h_one), flush=True)
+        finally:
+            eng0.close()
+            eng20.close()
+        v_ceiling, v_itl = [], []
+        if use_vllm:
+            root0, root20 = url0[: -len("/v1")], url20[: -len("/v1")]
+            jobs = [{"root": root0, "tokenizer": tokenizer, "tokens": args.ceiling_tokens, "streams": args.streams,
+                     "dir": tmp, "name": f"c{i}.json"} for i in range(args.runs)]
+            jobs.append({"root": root20, "tokenizer": tokenizer, "tokens": args.itl_tokens, "streams": args.streams,
+                         "dir": tmp, "name": "i.json"})
+            out = vllm_runs(jobs, client_cpus)
+            v_ceiling, v_itl = out[:-1], out[-1:]
+            print("vllm bench serve runs:", json.dumps(out), flush=True)
+        prof_text = profile_run(url0, args.streams, args.ceiling_tokens) if args.profile else ""
+        os.sched_setaffinity(0, all_cpus)
+
+    def fmt(xs: list[dict], k: str, f: str = "{:,.0f}") -> str:
+        return " / ".join(f.format(x[k]) for x in xs if x.get(k) is not None) or "-"
+
+    print(f"\n| | harness | vllm bench serve |\n|---|---|---|")
+    print(f"| ceiling: output tokens/s ingested, gap 0 ({args.runs} runs) | {fmt(h_ceiling, 'output_tok_s')} | "
+          f"{fmt(v_ceiling, 'output_tok_s')} |")
+    print(f"| ITL p50 at a true gap of 20 ms | {fmt(h_itl, 'itl_p50_ms', '{:.2f} ms')} | "
+          f"{fmt(v_itl, 'itl_p50_ms', '{:.2f} ms')} |")
+    print(f"| ITL p99 at a true gap of 20 ms | {fmt(h_itl, 'itl_p99_ms', '{:.2f} ms')} | "
+          f"{fmt(v_itl, 'itl_p99_ms', '{:.2f} ms')} |")
+    print(f"| largest ITL seen at a 20 ms gap ({args.itl_runs} / 1 runs) | {fmt(h_itl, 'itl_max_ms', '{:.1f} ms')} | "
+          f"{fmt(v_itl, 'itl_max_ms', '{:.1f} ms')} (p99.9: {fmt(v_itl, 'itl_p999_ms', '{:.1f} ms')}) |")
+    best_h = max(x["output_tok_s"] for x in h_ceiling)
+    print("\nDone when:")
+    if v_ceiling:
+        best_v = max(x["output_tok_s"] for x in v_ceiling)
+        print(f"- ceiling ratio harness / vllm bench (best runs): {best_h / best_v:.2f}x (goal >= 1.0)")
+    err = max(abs(x["itl_p99_ms"] - 20.0) for x in h_itl)
+    top = max(x["itl_max_ms"] for x in h_itl)
+    print(f"- ITL p99 error at 20 ms: at most {err:.2f} ms (goal <= 1.5); largest ITL {top:.1f} ms (goal <= 40)")
+    two, one = max(x["output_tok_s"] for x in h_two), max(x["output_tok_s"] for x in h_one)
+    free = len(all_cpus - {args.server_cpu}) - len(client_cpus)
+    where = ("on the same client core" if len(client_cpus) < 2 else f"on {len(client_cpus)} client cores")
+    print(f"- client_processes=2 {where}: {two:,.0f} tok/s against {one:,.0f} with 1 ({two / one - 1:+.1%}; "
+          f"goal on one core: better than -10 %)" + ("" if len(client_cpus) > 1 or free > 0 else
+                                                     "; this machine has no free core for a second client"))
+    print("- what the rows said about the client (send lag p99 / loop lag max ms / CPU / client_limited):")
+    for name, runs in (("ceiling", h_ceiling), ("20 ms", h_itl), ("2 processes", h_two)):
+        print(f"    {name}: " + "; ".join(f"{x['send_lag_p99_ms']:.1f} / {x['loop_lag_max_ms']:.1f} / "
+                                          f"{x['client_cpu_frac']:.0%} / {x['client_limited']}" for x in runs))
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    if prof_text:
+        print("\n" + prof_text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
