@@ -83,7 +83,7 @@ def cmd_changes(args: argparse.Namespace) -> int:
     compared = [s for s in series if len(s.commits()) >= 2]
     head = ["commits", "engine", "point", "metric", "machine", "before", "after", "ratio", "p-value", "n before",
             "n after"]
-    body = [[cp.commit_range, cp.series.engine, cp.series.point_key.split(":", 1)[-1], cp.series.metric,
+    body = [[cp.commit_range, cp.series.engine, cp.series.point_label, cp.series.metric,
              cp.series.machine, _fmt(cp.mean_before), _fmt(cp.mean_after), f"{cp.magnitude:.3f}",
              f"{cp.pvalue:.2g}", str(cp.n_before), str(cp.n_after)] for cp in found]
     if body:

@@ -243,3 +243,17 @@ def test_check_fails_on_a_change_and_on_nothing_compared(tmp_path: Path) -> None
     h.ingest(store, series_runs(tmp_path / "more", [1.0] * 3 + [1.3] * 3, repeats=3, noise=0.01, prefix="m",
                                 start=T0 + timedelta(days=10)))
     assert history_cli.run(["--store", str(store), "changes", "--check"]) == 1
+
+
+@pytest.mark.slow
+def test_a_run_with_history_path_ingests_itself(tmp_path: Path) -> None:
+    store = tmp_path / "h.duckdb"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "engines=[reference]", "model=tiny",
+                        "workload.batch_sizes=[1]", "workload.prompt_lens=[16]", "workload.output_len=4",
+                        "workload.warmup=1", "workload.min_repeats=2", "workload.min_duration_s=0", "parity=false",
+                        "roofline=false", "quiet=true", f"history.path={store}", f"hydra.run.dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"history: 1 rows ingested into {store}" in r.stdout
+    con = duckdb.connect(str(store), read_only=True)
+    assert con.execute("select engine, status from rows").fetchall() == [("reference", "ok")]

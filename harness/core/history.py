@@ -478,9 +478,18 @@ class Series:
         return "|".join([self.machine, self.engine, self.point_key, self.model, self.config_hash, self.metric])
 
     @property
+    def point_label(self) -> str:
+        """The point's parameters, short: `batch_size=1 output_len=8 prompt_len=32`."""
+        text = self.point_key.split(":", 1)[-1]
+        try:
+            params = json.loads(text)
+        except ValueError:
+            return text
+        return " ".join(f"{k}={v}" for k, v in params.items()) if isinstance(params, dict) else text
+
+    @property
     def label(self) -> str:
-        point = self.point_key.split(":", 1)[-1]
-        return f"{self.engine} {self.workload} {point} {self.model} [{self.config_hash}] {self.metric}"
+        return f"{self.engine} · {self.workload} {self.point_label} · {self.metric}"
 
     def commits(self) -> list[str]:
         return list(dict.fromkeys(p.commit or "?" for p in self.points))
