@@ -257,3 +257,11 @@ def test_a_run_with_history_path_ingests_itself(tmp_path: Path) -> None:
     assert f"history: 1 rows ingested into {store}" in r.stdout
     con = duckdb.connect(str(store), read_only=True)
     assert con.execute("select engine, status from rows").fetchall() == [("reference", "ok")]
+
+
+def test_since_keeps_only_changes_after_that_commit_date(tmp_path: Path) -> None:
+    store = tmp_path / "h.duckdb"
+    h.ingest(store, series_runs(tmp_path / "runs", [1.0] * 4 + [1.25] * 4, repeats=3, noise=0.02))
+    # the change's first commit after it is commit 4, dated T0 + 4 days
+    assert len(h.find_changes(store, since=h.utc(T0 + timedelta(days=3, hours=12)))[1]) == 1
+    assert h.find_changes(store, since=h.utc(T0 + timedelta(days=4)))[1] == []
