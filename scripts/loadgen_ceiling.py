@@ -40,8 +40,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 VLLM_SNIPPET = r"""
-import json, sys
-import numpy as np
+import json, sys, time, urllib.request
 from vllm.benchmarks.serve import add_cli_args, main as bench_main
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 jobs = json.loads(sys.argv[1])
@@ -55,12 +54,19 @@ for job in jobs:
             "--max-concurrency", str(job["streams"]), "--request-rate", "inf", "--ignore-eos", "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99,99.9",
             "--save-result", "--save-detailed", "--result-dir", job["dir"], "--result-filename", job["name"]]
+    urllib.request.urlopen(job["root"] + "/stats").read()
+    cpu0 = time.process_time()
     res = bench_main(parser.parse_args(argv))
+    cpu = time.process_time() - cpu0
+    server = json.loads(urllib.request.urlopen(job["root"] + "/stats").read())
     detail = json.load(open(job["dir"] + "/" + job["name"]))
     itls = [x for r in detail.get("itls", []) for x in r]
     out.append({"output_tok_s": res["output_throughput"], "itl_p50_ms": res["median_itl_ms"],
                 "itl_p99_ms": res["p99_itl_ms"], "itl_p999_ms": res.get("p99.9_itl_ms"),
-                "itl_max_ms": max(itls) * 1e3 if itls else None, "completed": res["completed"]})
+                "itl_max_ms": max(itls) * 1e3 if itls else None, "completed": res["completed"],
+                "server_gap_p99_ms": server["gap_ms"]["p99"], "server_gap_max_ms": server["gap_ms"]["max"],
+                "server_late_max_ms": server["late_ms"]["max"],
+                "cpu_us_per_token": cpu / max(1, res["total_output_tokens"]) * 1e6})
 print("RESULT " + json.dumps(out))
 """
 
@@ -85,6 +91,12 @@ def engine_at(url: str):
     return eng
 
 
+def server_stats(url: str) -> dict:
+    """What the fake server actually did since the last call (tests/fake_timed_server.py)."""
+    import httpx
+    return httpx.get(url[: -len("/v1")] + "/stats", timeout=30).json()
+
+
 def harness_run(eng, streams: int, tokens: int, processes: int, key: str) -> dict:
     from harness.core.presets import load_preset
     from workloads.base import RunContext
@@ -94,12 +106,40 @@ def harness_run(eng, streams: int, tokens: int, processes: int, key: str) -> dic
                         client_processes=processes)
     ctx = RunContext(shape=shape, dtype="float32", device="cpu", max_model_len=tokens + 8, memory_sample_hz=0,
                      token_low=4, token_high=shape.vocab_size)
+    server_stats(eng.base)
     row = Serving().measure(eng, cfg, ctx, {"concurrency": streams, "num_requests": streams}, f"ceiling:{key}")
-    return {"output_tok_s": row["output_tok_s"], "itl_p50_ms": row["itl_s"] * 1e3, "itl_p99_ms": row["itl_s_p99"] * 1e3,
+    server = server_stats(eng.base)
+    return {"cpu_us_per_token": row["client_cpu_s"] / max(1, row["total_output_tokens"]) * 1e6,
+            "server_gap_p99_ms": server["gap_ms"]["p99"], "server_gap_max_ms": server["gap_ms"]["max"],
+            "server_late_max_ms": server["late_ms"]["max"],"output_tok_s": row["output_tok_s"], "itl_p50_ms": row["itl_s"] * 1e3, "itl_p99_ms": row["itl_s_p99"] * 1e3,
             "itl_max_ms": row["itl_s_max"] * 1e3, "completed": row["completed"],
             "send_lag_p99_ms": (row["send_lag_s_p99"] or 0) * 1e3, "loop_lag_max_ms": (row["loop_lag_s_max"] or 0) * 1e3,
             "client_cpu_frac": row["client_cpu_frac"], "client_limited": row["client_limited"],
             "client_processes": row["client_processes"]}
+
+
+def trace_run(eng, tmp: str, requests: int = 50, rate: float = 25.0) -> dict:
+    """Replay a Mooncake-style trace of `requests` requests at `rate`/s (Poisson offsets, shared
+    prefixes): how late the harness sent them."""
+    import numpy as np
+    from harness.core.presets import load_preset
+    from workloads.base import RunContext
+    from workloads.serving import Serving, ServingConfig
+    rng = np.random.default_rng(0)
+    t = np.cumsum(rng.exponential(1000 / rate, size=requests))
+    path = Path(tmp) / "trace.jsonl"
+    path.write_text("\n".join(json.dumps({"timestamp": float(x), "input_length": 64, "output_length": 16,
+                                          "hash_ids": [0, int(i % 4)]}) for i, x in enumerate(t)))
+    cfg = ServingConfig(trace=str(path), trace_block_size=32, warmup_requests=1)
+    shape = load_preset("tiny")
+    ctx = RunContext(shape=shape, dtype="float32", device="cpu", max_model_len=128, memory_sample_hz=0,
+                     token_low=4, token_high=shape.vocab_size)
+    wl = Serving()
+    point = wl.plan(cfg)[0]
+    row = wl.measure(eng, cfg, ctx, point.params, point.key)
+    return {"requests": row["completed"], "offered_rate": row["offered_rate"], "achieved_rate": row["achieved_rate"],
+            "send_lag_p50_ms": row["send_lag_s"] * 1e3, "send_lag_p99_ms": row["send_lag_s_p99"] * 1e3,
+            "send_lag_max_ms": row["send_lag_s_max"] * 1e3, "client_limited": row["client_limited"]}
 
 
 def vllm_runs(jobs: list[dict], client_cpus: set[int]) -> list[dict]:
@@ -179,6 +219,8 @@ def main() -> int:
             h_two = [harness_run(eng0, args.streams, args.ceiling_tokens, 2, f"p{i}") for i in range(args.runs)]
             h_one = [harness_run(eng0, args.streams, args.ceiling_tokens, 1, f"q{i}") for i in range(args.runs)]
             print("harness client_processes=2 / 1 runs:", json.dumps(h_two), json.dumps(h_one), flush=True)
+            h_trace = trace_run(eng20, tmp)
+            print("harness trace replay:", json.dumps(h_trace), flush=True)
         finally:
             eng0.close()
             eng20.close()
@@ -201,17 +243,24 @@ def main() -> int:
     print(f"\n| | harness | vllm bench serve |\n|---|---|---|")
     print(f"| ceiling: output tokens/s ingested, gap 0 ({args.runs} runs) | {fmt(h_ceiling, 'output_tok_s')} | "
           f"{fmt(v_ceiling, 'output_tok_s')} |")
+    print(f"| client CPU per output token at gap 0 (what the ceiling is when the server is not the limit) | "
+          f"{fmt(h_ceiling, 'cpu_us_per_token', '{:.2f} us')} | {fmt(v_ceiling, 'cpu_us_per_token', '{:.2f} us')} |")
     print(f"| ITL p50 at a true gap of 20 ms | {fmt(h_itl, 'itl_p50_ms', '{:.2f} ms')} | "
           f"{fmt(v_itl, 'itl_p50_ms', '{:.2f} ms')} |")
     print(f"| ITL p99 at a true gap of 20 ms | {fmt(h_itl, 'itl_p99_ms', '{:.2f} ms')} | "
           f"{fmt(v_itl, 'itl_p99_ms', '{:.2f} ms')} |")
     print(f"| largest ITL seen at a 20 ms gap ({args.itl_runs} / 1 runs) | {fmt(h_itl, 'itl_max_ms', '{:.1f} ms')} | "
           f"{fmt(v_itl, 'itl_max_ms', '{:.1f} ms')} (p99.9: {fmt(v_itl, 'itl_p999_ms', '{:.1f} ms')}) |")
+    print(f"| the server's own gaps between writes in those runs: p99 / max (truth) | "
+          f"{fmt(h_itl, 'server_gap_p99_ms', '{:.2f}')} / {fmt(h_itl, 'server_gap_max_ms', '{:.1f} ms')} | "
+          f"{fmt(v_itl, 'server_gap_p99_ms', '{:.2f}')} / {fmt(v_itl, 'server_gap_max_ms', '{:.1f} ms')} |")
     best_h = max(x["output_tok_s"] for x in h_ceiling)
     print("\nDone when:")
     if v_ceiling:
         best_v = max(x["output_tok_s"] for x in v_ceiling)
-        print(f"- ceiling ratio harness / vllm bench (best runs): {best_h / best_v:.2f}x (goal >= 1.0)")
+        print(f"- ceiling ratio harness / vllm bench (best runs): {best_h / best_v:.2f}x (goal >= 1.0); client CPU "
+              f"per token, vllm bench / harness (best runs): "
+              f"{min(x['cpu_us_per_token'] for x in v_ceiling) / min(x['cpu_us_per_token'] for x in h_ceiling):.2f}x")
     err = max(abs(x["itl_p99_ms"] - 20.0) for x in h_itl)
     top = max(x["itl_max_ms"] for x in h_itl)
     print(f"- ITL p99 error at 20 ms: at most {err:.2f} ms (goal <= 1.5); largest ITL {top:.1f} ms (goal <= 40)")
@@ -221,6 +270,9 @@ def main() -> int:
     print(f"- client_processes=2 {where}: {two:,.0f} tok/s against {one:,.0f} with 1 ({two / one - 1:+.1%}; "
           f"goal on one core: better than -10 %)" + ("" if len(client_cpus) > 1 or free > 0 else
                                                      "; this machine has no free core for a second client"))
+    print(f"- trace replay ({h_trace['requests']} requests at {h_trace['offered_rate']:.1f}/s, achieved "
+          f"{h_trace['achieved_rate']:.1f}/s): send lag p50 {h_trace['send_lag_p50_ms']:.2f} ms, p99 "
+          f"{h_trace['send_lag_p99_ms']:.2f} ms (goal <= 5), max {h_trace['send_lag_max_ms']:.2f} ms")
     print("- what the rows said about the client (send lag p99 / loop lag max ms / CPU / client_limited):")
     for name, runs in (("ceiling", h_ceiling), ("20 ms", h_itl), ("2 processes", h_two)):
         print(f"    {name}: " + "; ".join(f"{x['send_lag_p99_ms']:.1f} / {x['loop_lag_max_ms']:.1f} / "

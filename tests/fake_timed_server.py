@@ -7,7 +7,10 @@ first-token delay of `--first-ms`, `--tokens-per-chunk` tokens per chunk (token 
 is `1000 + k`, sent as `token_ids`), then a usage chunk and `data: [DONE]`. Chunk j of a request
 received at t0 is written at t0 + first + j * gap on an absolute schedule (no drift); gap 0 writes
 as fast as the socket takes them. `GET /v1/models`, `/version` and `/health` answer; `/metrics`
-is 404 (no telemetry).
+is 404 (no telemetry). `GET /stats` answers what the server actually did since the last
+`/stats` (and starts over): how late its chunk writes were against their schedule, and the gaps
+between the writes of one stream (p50 / p99 / max, ms) - the truth the client's ITL is read
+against, so a late server is told apart from a slow client.
 
     python tests/fake_timed_server.py --port 0 --gap-ms 20 --first-ms 50 [--cpu 0]
 
@@ -54,6 +57,19 @@ def _event(tokens: range, finish: str | None) -> bytes:
 class TimedServer:
     def __init__(self, gap_s: float, first_s: float, tokens_per_chunk: int):
         self.gap_s, self.first_s, self.per_chunk = gap_s, first_s, max(1, tokens_per_chunk)
+        self.late_ns: list[int] = []  # each chunk write minus its scheduled time
+        self.gaps_ns: list[int] = []  # between consecutive chunk writes of one stream
+
+    def stats(self) -> dict:
+        def pct(xs: list[int]) -> dict:
+            xs = sorted(xs)
+            if not xs:
+                return {"p50": None, "p99": None, "max": None}
+            at = lambda q: xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] / 1e6  # noqa: E731
+            return {"p50": at(0.5), "p99": at(0.99), "max": xs[-1] / 1e6}
+        out = {"chunks": len(self.late_ns), "late_ms": pct(self.late_ns), "gap_ms": pct(self.gaps_ns)}
+        self.late_ns, self.gaps_ns = [], []
+        return out
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -70,6 +86,8 @@ class TimedServer:
                     await self.stream(json.loads(body), writer)
                 elif path.endswith("/models"):
                     writer.write(_json_response("200 OK", {"object": "list", "data": [{"id": "fake-model"}]}))
+                elif path == "/stats":
+                    writer.write(_json_response("200 OK", self.stats()))
                 elif path in ("/version", "/health"):
                     writer.write(_json_response("200 OK", {"version": "fake-timed-1.0"}))
                 else:
@@ -86,14 +104,22 @@ class TimedServer:
         prompt = req.get("prompt")
         prompt_len = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
         writer.write(_HEAD)
-        sent, j = 0, 0
+        sent, j, last = 0, 0, 0
+        late, gaps = self.late_ns, self.gaps_ns
         while sent < n:
             k = min(self.per_chunk, n - sent)
-            wait = t0 + self.first_s + j * self.gap_s - time.perf_counter()
+            due = t0 + self.first_s + j * self.gap_s
+            wait = due - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
             finish = "length" if sent + k == n else None
-            writer.write(_frame(_event(range(sent, sent + k), finish)))
+            frame = _frame(_event(range(sent, sent + k), finish))
+            now = time.perf_counter_ns()
+            late.append(now - int(due * 1e9))
+            if last:
+                gaps.append(now - last)
+            last = now
+            writer.write(frame)
             sent += k
             j += 1
             if self.gap_s == 0 and j % 16 == 0:

@@ -192,8 +192,14 @@ async def read_events(content: aiohttp.StreamReader, state: ReqState, on_tokens:
     """Read the events of a response body into `state` as the socket gives them; True once
     `[DONE]` came. Every event completed by one read is stamped with that read's time."""
     buf = b""
-    async for piece in content.iter_any():
+    while True:
+        piece = await content.readany()
+        if not piece:
+            break
         t = now_ns()
+        more = content.read_nowait()  # everything else already buffered (aiohttp hands out one HTTP chunk a time)
+        if more:
+            piece += more
         buf = buf + piece if buf else piece
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
