@@ -1,11 +1,19 @@
 """Engine adapters, one module per engine, behind `adapters.base.Engine`.
 
-Engines come only from this registry: a config names an engine, never code to import.
+Engines come only from this registry: a config names an engine, never code to import. Engines
+written outside this package (a plugin of your own, or a test's deliberately broken engine) are
+added by whoever starts the run, through the environment, never through a config:
+
+    INFER_BENCH_ENGINES="name=module:Class[,name2=module2:Class2]"
+
+The module must be importable by the harness and by the engine's worker (PYTHONPATH); the
+worker inherits the variable. Such an engine cannot take a registered engine's name.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
 from adapters.base import Engine
 
@@ -16,12 +24,27 @@ REGISTRY: dict[str, str] = {
     "vllm": "adapters.vllm.engine:VLLMEngine",
     "trtllm": "adapters.trtllm.engine:TRTLLMEngine",
 }
+EXTRA_ENGINES_ENV = "INFER_BENCH_ENGINES"
+
+
+def _extra_engines() -> dict[str, str]:
+    """The engines named in $INFER_BENCH_ENGINES (malformed entries and registered names ignored)."""
+    out: dict[str, str] = {}
+    for item in os.environ.get(EXTRA_ENGINES_ENV, "").split(","):
+        name, _, target = item.strip().partition("=")
+        if name and ":" in target and name not in REGISTRY:
+            out[name] = target
+    return out
+
+
+def _registry() -> dict[str, str]:
+    return {**REGISTRY, **_extra_engines()}
 
 
 def engine_names() -> list[str]:
-    return list(REGISTRY)
+    return list(_registry())
 
 
 def engine_class(name: str) -> type[Engine]:
-    module, cls = REGISTRY[name].split(":")
+    module, cls = _registry()[name].split(":")
     return getattr(importlib.import_module(module), cls)

@@ -14,14 +14,21 @@ baseline of the run medians is taken; the estimate is the geometric mean of thos
 Student-t interval of their mean (`harness.core.bootstrap.mean_t_ci`: with a handful of rounds a
 bootstrap interval is far too narrow). A metric is
 **regressed** when the whole interval lies beyond the threshold on the bad side, **improved**
-when it lies beyond it on the good side, **unchanged** otherwise; a point that failed on the
-candidate side while the baseline's ran is regressed too.
+when it lies beyond it on the good side, **unchanged** otherwise.
+
+The gate fails closed: the verdict is **FAILED** (exit 1) when nothing was compared, when an
+(engine, point, metric) the baseline has is missing, None, non-positive or not `ok` in any
+candidate round (an engine that could not start, a renamed field, a changed point), when fewer
+than two rounds are complete, or when the candidate's `infer-bench` exited non-zero. `no-data` is
+left only where both sides lack the value; it is listed and never turns FAILED into a pass.
+`--allow-missing` accepts missing candidate values (a deliberate change of points) and compares
+the complete rounds.
 
 `--baseline-override` / `--candidate-override` add overrides to one side only, so the same tool
 compares two configurations of one tree (e.g. `engine_options.reference.kv_cache=none`).
 
-Exit codes: 0 nothing regressed, 1 something regressed, 2 unusable input (an unknown ref, a run
-that could not start, bad arguments).
+Exit codes: 0 nothing regressed and something was compared, 1 REGRESSED or FAILED, 2 unusable
+input (an unknown ref, a run that could not start, bad arguments).
 """
 
 from __future__ import annotations
@@ -134,8 +141,9 @@ def pin_model(overrides: list[str], cache: Path) -> list[str]:
     return rest + ["model=local", f"model.path={path}"]
 
 
-def run_once(side: Side, overrides: list[str], out: Path, python: str, timeout_s: float) -> Path:
-    """One complete infer-bench run of `side`'s tree into `out`."""
+def run_once(side: Side, overrides: list[str], out: Path, python: str, timeout_s: float) -> tuple[Path, int, list[str]]:
+    """One complete infer-bench run of `side`'s tree into `out`: (the run directory, its exit code,
+    the reasons it gave for a non-zero exit)."""
     cmd = [python, "-m", "harness.cli", *overrides, *side.overrides, *FIXED, f"hydra.run.dir={out}"]
     env = dict(os.environ, PYTHONPATH=str(side.tree))
     try:
@@ -148,7 +156,8 @@ def run_once(side: Side, overrides: list[str], out: Path, python: str, timeout_s
         tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-12:])
         raise UserError(f"{side.name} run failed (exit {r.returncode}): {' '.join(cmd)}\n{tail}")
     _check_tree(side, out)
-    return out
+    reasons = [ln.split(": ", 2)[-1] for ln in r.stderr.splitlines() if ln.startswith("infer-bench: exit ")]
+    return out, r.returncode, reasons
 
 
 def _check_tree(side: Side, out: Path) -> None:
@@ -165,12 +174,23 @@ def _check_tree(side: Side, out: Path) -> None:
 
 # ---- statistics ---------------------------------------------------------------------------------
 
-def run_medians(results: Path, metrics: list[str]) -> dict[tuple[str, str, str], tuple[float, float] | str]:
+# A round's values: (engine, point_key, metric) -> (the run's median of the compared field, the
+# metric as the row shows it), or the row's status when it is not ok; and (engine, None, None) ->
+# "unavailable: why" for an engine that did not run at all.
+Values = dict[tuple[str, Any, Any], "tuple[float, float] | str"]
+
+
+def run_medians(results: Path, metrics: list[str]) -> Values:
     """(engine, point_key, metric) -> (the run's median of the compared field, the metric's value as
-    the row shows it), or the row's status when it is not ok."""
-    out: dict[tuple[str, str, str], tuple[float, float] | str] = {}
+    the row shows it), or the row's status when it is not ok. A value that is absent, None or not
+    positive is left out (the comparison then finds it missing). An engine's `unavailable` row
+    (no point) is kept as (engine, None, None) -> 'unavailable: reason'."""
+    out: Values = {}
     for r in read_rows(results):
         if not r.get("point_key"):
+            if r.get("status") not in (None, "ok"):
+                out[(r.get("engine"), None, None)] = f"{r['status']}: {(r.get('error') or '').splitlines()[0][:200]}" \
+                    if r.get("error") else str(r["status"])
             continue
         for m in metrics:
             key = (r["engine"], r["point_key"], m)
@@ -178,17 +198,29 @@ def run_medians(results: Path, metrics: list[str]) -> dict[tuple[str, str, str],
                 out[key] = r.get("status") or "?"
                 continue
             v = r.get(METRICS[m][0])
-            if isinstance(v, (int, float)) and v > 0:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v):
                 shown = r.get(m)
                 out[key] = (float(v), float(shown) if isinstance(shown, (int, float)) else float(v))
     return out
 
 
-def paired(rounds: list[tuple[dict, dict]], metrics: list[str], threshold: float,
-           confidence: float = CONFIDENCE) -> list[PairResult]:
+def _why_missing(values: Values, key: tuple) -> str:
+    v = values.get(key)
+    if isinstance(v, str):
+        return v
+    engine_status = values.get((key[0], None, None))
+    if engine_status:
+        return f"engine {engine_status}"
+    return f"no value (the row or its field {METRICS[key[2]][0]} is absent, None or <= 0)"
+
+
+def paired(rounds: list[tuple[Values, Values]], metrics: list[str], threshold: float,
+           confidence: float = CONFIDENCE, allow_missing: bool = False) -> list[PairResult]:
     """Per (engine, point, metric): the geometric-mean ratio candidate/baseline over the rounds,
-    its interval, and the verdict."""
-    keys = list(dict.fromkeys(k for a, b in rounds for k in list(a) + list(b)))
+    its interval, and the verdict. Fails closed: a value the baseline has that is missing from any
+    candidate round is `failed` (unless allow_missing), and so is a key with fewer than two
+    complete rounds; `no-data` only where neither side has the value in any round."""
+    keys = list(dict.fromkeys(k for a, b in rounds for k in list(a) + list(b) if k[1] is not None))
     out = []
     for key in keys:
         engine, point, metric = key
@@ -196,16 +228,26 @@ def paired(rounds: list[tuple[dict, dict]], metrics: list[str], threshold: float
         base_vals = [a.get(key) for a, _ in rounds]
         cand_vals = [b.get(key) for _, b in rounds]
         common = dict(engine=engine, point=point, metric=metric, better=better)
-        if any(isinstance(v, str) for v in cand_vals) and all(isinstance(v, tuple) for v in base_vals):
-            status = next(v for v in cand_vals if isinstance(v, str))
-            out.append(PairResult(**common, baseline_median=None, candidate_median=None, ratio=None,
-                                  ci_low=None, ci_high=None, verdict="failed",
-                                  note=f"the candidate's point is {status} in some rounds"))
+        none = dict(baseline_median=None, candidate_median=None, ratio=None, ci_low=None, ci_high=None)
+        base_has = any(isinstance(v, tuple) for v in base_vals)
+        cand_has = any(isinstance(v, tuple) for v in cand_vals)
+        if not base_has:
+            why = "; ".join(dict.fromkeys(_why_missing(a, key) for a, _ in rounds))
+            out.append(PairResult(**common, **none, verdict="no-data" if not cand_has else "new",
+                                  note=f"the baseline has no value ({why})"
+                                  + ("" if not cand_has else "; only the candidate has it")))
+            continue
+        bad = [i for i, v in enumerate(cand_vals) if not isinstance(v, tuple)]
+        if bad and not allow_missing:
+            why = "; ".join(dict.fromkeys(_why_missing(rounds[i][1], key) for i in bad))
+            out.append(PairResult(**common, **none, verdict="failed",
+                                  note=f"the candidate lacks it in round{'s' if len(bad) > 1 else ''} "
+                                  f"{', '.join(str(i + 1) for i in bad)} of {len(rounds)}: {why}"))
             continue
         pairs = [(a, b) for a, b in zip(base_vals, cand_vals) if isinstance(a, tuple) and isinstance(b, tuple)]
         if len(pairs) < 2:
-            out.append(PairResult(**common, baseline_median=None, candidate_median=None, ratio=None, ci_low=None,
-                                  ci_high=None, verdict="no-data", note=f"{len(pairs)} complete rounds"))
+            out.append(PairResult(**common, **none, verdict="no-data" if allow_missing else "failed",
+                                  note=f"{len(pairs)} complete rounds of {len(rounds)}: too few to compare"))
             continue
         logs = np.log([b[0] / a[0] for a, b in pairs])
         if inverse:  # a throughput: its ratio is the inverse of the latencies' it is computed from
@@ -218,6 +260,27 @@ def paired(rounds: list[tuple[dict, dict]], metrics: list[str], threshold: float
             ratio=math.exp(float(logs.mean())), ci_low=lo, ci_high=hi, verdict=verdict(lo, hi, better, threshold),
             round_ratios=[round(float(math.exp(v)), 4) for v in logs]))
     return out
+
+
+VERDICTS = ("regressed", "failed", "improved", "unchanged", "new", "no-data")
+
+
+def overall(results: list[PairResult], candidate_exits: list[tuple[int, int, list[str]]]) -> tuple[str, list[str]]:
+    """The job's verdict (failed | regressed | unchanged) and, for FAILED, what is missing.
+    `candidate_exits`: (round, exit code, reasons) of every candidate run that exited non-zero."""
+    why = []
+    compared = sum(r.verdict in ("regressed", "improved", "unchanged") for r in results)
+    if compared == 0:
+        why.append("nothing was compared: no (engine, point, metric) has a value on both sides in two rounds")
+    for r in results:
+        if r.verdict == "failed":
+            why.append(f"{r.engine} {r.point.split(':', 1)[-1]} {r.metric}: {r.note}")
+    for rnd, code, reasons in candidate_exits:
+        why.append(f"the candidate's infer-bench exited {code} in round {rnd}"
+                   + (f": {'; '.join(reasons)}" if reasons else ""))
+    if why:
+        return "failed", list(dict.fromkeys(why))
+    return ("regressed" if any(r.verdict == "regressed" for r in results) else "unchanged"), []
 
 
 def format_table(results: list[PairResult]) -> str:
@@ -252,6 +315,9 @@ def parser() -> argparse.ArgumentParser:
                     help="an infer-bench override for the candidate side only (repeatable)")
     ap.add_argument("--out", help="where the runs go (default: a new directory under runs/ab)")
     ap.add_argument("--json", help="verdict file (default OUT/ab.json)")
+    ap.add_argument("--allow-missing", action="store_true",
+                    help="accept values missing from candidate rounds (a deliberate change of points): compare "
+                         "the complete rounds instead of failing")
     ap.add_argument("--python", default=sys.executable, help="interpreter for both sides (default: this one)")
     ap.add_argument("--run-timeout-s", type=float, default=900.0, help="longest one infer-bench run may take")
     ap.add_argument("overrides", nargs="*", help="infer-bench overrides for both sides (after --)")
@@ -288,26 +354,36 @@ def run(argv: list[str]) -> int:
         print(f"infer-bench-ab: baseline {base_commit[:12]} vs candidate "
               f"{(cand_commit or 'working tree')[:12]}, {args.rounds} rounds -> {out}", flush=True)
         rounds = []
+        candidate_exits: list[tuple[int, int, list[str]]] = []
         for i in range(args.rounds):
             order = (base, cand) if i % 2 == 0 else (cand, base)
             medians = {}
             for side in order:
-                res = run_once(side, overrides, out / f"round{i}-{side.name}", args.python, args.run_timeout_s)
+                res, code, reasons = run_once(side, overrides, out / f"round{i}-{side.name}", args.python,
+                                              args.run_timeout_s)
                 medians[side.name] = run_medians(res / RESULTS_FILE, metrics)
+                if code != 0:
+                    print(f"  round {i + 1}: the {side.name}'s infer-bench exited {code}"
+                          + (f": {'; '.join(reasons)}" if reasons else ""), flush=True)
+                    if side is cand:
+                        candidate_exits.append((i + 1, code, reasons))
             rounds.append((medians["baseline"], medians["candidate"]))
             print(f"  round {i + 1}/{args.rounds} done ({order[0].name} first)", flush=True)
     finally:
         for t in trees:
             remove_worktree(t)
         shutil.rmtree(work, ignore_errors=True)
-    results = paired(rounds, metrics, threshold)
+    results = paired(rounds, metrics, threshold, allow_missing=args.allow_missing)
     print(format_table(results))
-    counts = {v: sum(r.verdict == v for r in results) for v in ("regressed", "failed", "improved", "unchanged", "no-data")}
-    overall = "regressed" if counts["regressed"] or counts["failed"] else "unchanged"
-    print(f"\nverdict: {overall.upper()}  ({', '.join(f'{n} {v}' for v, n in counts.items() if n)}; threshold "
-          f"{threshold:.1%}, {args.rounds} interleaved rounds, {CONFIDENCE:.0%} t-intervals of the "
-          "mean log-ratio)")
-    doc = {"verdict": overall, "counts": counts, "threshold": threshold, "rounds": args.rounds, "method": METHOD,
+    counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    verdict_, why = overall(results, candidate_exits)
+    print(f"\nverdict: {verdict_.upper()}  ({', '.join(f'{n} {v}' for v, n in counts.items() if n) or 'no results'}; "
+          f"threshold {threshold:.1%}, {args.rounds} interleaved rounds, {CONFIDENCE:.0%} t-intervals of the "
+          "mean log-ratio" + ("; --allow-missing" if args.allow_missing else "") + ")")
+    for w in why:
+        print(f"  FAILED: {w}")
+    doc = {"verdict": verdict_, "failed_because": why, "counts": counts, "threshold": threshold,
+           "rounds": args.rounds, "method": METHOD, "allow_missing": args.allow_missing,
            "baseline_ref": args.baseline_ref, "baseline_commit": base_commit,
            "candidate": cand_commit or "working tree", "overrides": overrides,
            "baseline_overrides": args.baseline_override, "candidate_overrides": args.candidate_override,
@@ -315,7 +391,7 @@ def run(argv: list[str]) -> int:
     verdict_file = Path(args.json) if args.json else out / "ab.json"
     atomic_write_text(verdict_file, json.dumps(doc, indent=2))
     print(f"verdict file: {verdict_file}")
-    return 1 if overall == "regressed" else 0
+    return 0 if verdict_ == "unchanged" else 1
 
 
 def _terminated(signum: int, frame: object) -> None:

@@ -35,6 +35,6 @@ class MultirunSummary(Callback):
                 continue
             print(f"\n== {name} ==")
             print(get_workload(name).summary(wrows))
-        if any(r.get("status") == "failed" for r in rows):  # jobs may have run in other processes
+        if any(r.get("status") in ("failed", "unverified") for r in rows):  # jobs may have run in other processes
             record_exit(1)
         write_run_report(sweep_dir)

@@ -211,12 +211,40 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
             print(text)
     print(f"results: {out_dir / RESULTS_FILE}")
     write_run_report(out_dir)
+    if (data.get("history") or {}).get("path"):  # the performance history (docs/history.md)
+        from harness.core.history import ingest_after_run
+        ingest_after_run(data["history"]["path"], out_dir)
     if interrupted:
         print(f"interrupted: {len(rows)} rows of this run kept in {out_dir / RESULTS_FILE}; resume with "
               f"+resume={out_dir} hydra.run.dir={out_dir}", file=sys.stderr)
         record_exit(EXIT_INTERRUPTED)
         raise KeyboardInterrupt  # stop a multirun too
-    return EXIT_POINT_FAILED if any(r["status"] == "failed" for r in rows) else EXIT_OK
+    reasons = exit_reasons(rows, plan)
+    for why in reasons:
+        print(f"infer-bench: exit {EXIT_POINT_FAILED}: {why}", file=sys.stderr)
+    return EXIT_POINT_FAILED if reasons else EXIT_OK
+
+
+def exit_reasons(rows: list[dict[str, Any]], plan: Any) -> list[str]:
+    """Why the run exits 1 (empty: it exits 0). A verdict never passes on nothing: a failed point,
+    a parity check that could not verify an engine, and an engine the user named in `engines=` that
+    could not run here each fail the run. With `engines=auto` an engine that is not installed is only
+    left out (its `unavailable` row says why)."""
+    reasons = []
+    failed = [r for r in rows if r.get("status") == "failed"]
+    if failed:
+        engines = ", ".join(dict.fromkeys(r["engine"] for r in failed))
+        reasons.append(f"{len(failed)} point{'s' if len(failed) > 1 else ''} failed ({engines}); each row's "
+                       "error says why")
+    for r in rows:
+        if r.get("status") == "unverified":
+            reasons.append(f"{r['engine']}: parity unverified: {(r.get('error') or '').splitlines()[0]}")
+    if plan.settings.engines != "auto":
+        for r in rows:
+            if r.get("status") == "unavailable" and r.get("engine") in plan.engines:
+                reasons.append(f"{r['engine']} was named in engines= and is unavailable: "
+                               f"{(r.get('error') or '').splitlines()[0]}")
+    return reasons
 
 
 def _terminate(signum: int, frame: Any) -> None:

@@ -16,8 +16,10 @@ verdict then says "different machines". To gate CI on a machine that changes bet
 `--normalize-by ENGINE` divides each engine's metric by ENGINE's metric at the same point of
 the same run before comparing (the bootstrap resamples all four sample sets).
 
-Exit codes: 0 nothing regressed, 1 something regressed, 2 unusable input (missing files, no
-matching rows, rows of another schema version, runs from different machines).
+Exit codes: 0 nothing regressed, 1 REGRESSED or FAILED (a point failed or lost a metric, a point
+is found on one side only - unless `--allow-missing` - or no metric was compared), 2 unusable
+input (missing files, no matching rows at all, rows of another schema version, runs from
+different machines).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--normalize-by", metavar="ENGINE", help="divide by this engine's metric from the same run")
     ap.add_argument("--allow-other-machine", action="store_true",
                     help="compare runs from different machines anyway (the verdict says so)")
+    ap.add_argument("--allow-missing", action="store_true",
+                    help="points found on one side only are listed but do not fail the comparison (a deliberate "
+                         "change of points)")
     ap.add_argument("--json", default="compare.json", help="verdict file (default compare.json)")
     ap.add_argument("--html", help="also write the report's comparison section to this HTML file")
     args = ap.parse_args(argv)
@@ -90,13 +95,20 @@ def run(argv: list[str]) -> int:
         for k in keys:
             print(f"unmatched ({side.replace('_', ' ')}): {k}")
     overall, counts = overall_verdict(comps)
+    why = failure_reasons(comps, unmatched, args.allow_missing)
+    if why:
+        overall = "failed"
     machines = "different machines" if differences else "same machine"
     print(f"\nverdict: {overall.upper()}  ({', '.join(f'{n} {v}' for v, n in counts.items() if n)}; "
           f"threshold {threshold:.1%}, {args.confidence:.0%} bootstrap CIs"
-          + (f", normalised by {args.normalize_by}" if args.normalize_by else "") + f"; {machines})")
+          + (f", normalised by {args.normalize_by}" if args.normalize_by else "") + f"; {machines}"
+          + ("; --allow-missing" if args.allow_missing else "") + ")")
+    for w in why:
+        print(f"  FAILED: {w}")
     for d in differences:
         print(f"different machines: {d}")
-    doc = {"verdict": overall, "counts": counts, "threshold": threshold, "confidence": args.confidence,
+    doc = {"verdict": overall, "failed_because": why, "counts": counts, "threshold": threshold,
+           "confidence": args.confidence, "allow_missing": args.allow_missing,
            "normalize_by": args.normalize_by, "method": METHOD, "machines": machines,
            "machine_differences": differences, "schema_version": SCHEMA_VERSION, "baseline": args.baseline,
            "current": args.current, "comparisons": [asdict(c) for c in comps], "unmatched": unmatched}
@@ -104,7 +116,26 @@ def run(argv: list[str]) -> int:
     print(f"verdict file: {args.json}")
     if args.html:
         print(f"report: {write_report(args.current, args.html, baseline=args.baseline, threshold=threshold)}")
-    return 1 if overall == "regressed" else 0
+    return 0 if overall == "unchanged" else 1
+
+
+def failure_reasons(comps: list, unmatched: dict[str, list[str]], allow_missing: bool) -> list[str]:
+    """Why the comparison fails closed: nothing compared, failed or missing metrics, and points
+    found on one side only (unless allow_missing)."""
+    why = []
+    compared = sum(c.verdict in ("regressed", "improved", "unchanged") for c in comps)
+    if not compared:
+        why.append("no metric was compared (every matched point lacks the compared values on one side)")
+    for c in comps:
+        if c.verdict == "failed":
+            why.append(f"{c.engine} {c.workload} {(c.point or '').split(':', 1)[-1]} {c.metric}: {c.note}")
+    if not allow_missing:
+        for side, keys in unmatched.items():
+            if keys:
+                why.append(f"{len(keys)} point(s) only in the {side.split('_')[0]} run (pass --allow-missing if "
+                           f"the change of points is deliberate): {'; '.join(keys[:5])}"
+                           + (" ..." if len(keys) > 5 else ""))
+    return why
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,10 @@ writing to fd 1 before the worker redirects it) is logged, never mistaken for a 
     harness                                  worker
     Hello(protocol, job)            ->
                                     <-       Ready(protocol, python, versions, ...)   (or Incompatible)
-                                    <-       Unavailable(reason)   the engine cannot run here
+                                    <-       Unavailable(reason)   the engine cannot run here (a probe:
+                                                                  package absent, no device, wrong Python)
+                                    <-       SetupFailed(error)    setting the engine up raised (a bug):
+                                                                  every point of the engine fails with it
     RunPoint(point, inputs)         ->
                                     <-       PointStarted(key)     the point's timeout starts
                                     <-       PointDone(key, status, error, fields)
@@ -29,7 +32,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: SetupFailed
 MAGIC = "@@infer-bench@@ "
 
 
@@ -71,6 +74,11 @@ class Unavailable:
 
 
 @dataclass
+class SetupFailed:
+    error: str  # the exception and the last lines of its traceback
+
+
+@dataclass
 class PointStarted:
     key: str
 
@@ -89,7 +97,7 @@ class Bye:
 
 
 MESSAGES = {cls.__name__: cls for cls in (Hello, RunPoint, Shutdown, Ready, Incompatible, Unavailable,
-                                          PointStarted, PointDone, Bye)}
+                                          SetupFailed, PointStarted, PointDone, Bye)}
 
 
 class ProtocolError(Exception):

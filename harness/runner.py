@@ -43,7 +43,7 @@ from harness.core.results import RESULTS_FILE, ResultsWriter, make_row
 from harness.progress import Progress
 from harness.protocol import (
     PROTOCOL_VERSION, Bye, Hello, Incompatible, PointDone, PointStarted, Ready, RunPoint, Shutdown,
-    Unavailable, decode, encode,
+    SetupFailed, Unavailable, decode, encode,
 )
 from workloads.base import Point, oom_skip_reason
 
@@ -189,6 +189,10 @@ class WorkerProcess:
                 pass
         with self._log_lock:
             self.log.close()
+
+
+class _EngineSetupFailed(Exception):
+    """The worker could not set its engine up although the engine's packages are there."""
 
 
 @dataclass
@@ -359,7 +363,12 @@ class Runner:
                             if worker is None:  # could not start: this point and the rest fail with the reason
                                 self._fail_all(engine, [point, *queue], reason or "the worker failed", info)
                                 return
-                        row, alive = self._run_point(engine, worker, info, point, log_path)
+                        try:
+                            row, alive = self._run_point(engine, worker, info, point, log_path)
+                        except _EngineSetupFailed as e:  # a bug, not the environment: every point fails
+                            self._end_worker()
+                            self._fail_all(engine, [point, *queue], str(e), info)
+                            return
                         if row is None:  # the engine is unavailable after all
                             self.progress.skip(len(queue), engine, "unavailable")
                             return
@@ -395,6 +404,8 @@ class Runner:
                 row = self._row(engine, point, msg.status, msg.error, msg.fields, info)
                 self.progress.finish(engine, point, msg.status)
                 return row, True
+            elif isinstance(msg, SetupFailed):
+                raise _EngineSetupFailed(msg.error)
             elif isinstance(msg, Unavailable):
                 self._row(engine, None, "unavailable", msg.reason, {}, info)
                 self.progress.skip(1, engine, "unavailable")

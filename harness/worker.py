@@ -21,8 +21,13 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TextIO
 
 from harness.protocol import (
-    PROTOCOL_VERSION, Bye, Hello, Incompatible, Ready, RunPoint, Shutdown, Unavailable, decode, encode,
+    PROTOCOL_VERSION, Bye, Hello, Incompatible, Ready, RunPoint, SetupFailed, Shutdown, Unavailable, decode,
+    encode,
 )
+
+# The project's own packages, shipped with the worker: an ImportError naming one of them is a bug
+# in the shipped code (a failure), not a package missing from the engine's environment.
+OWN_PACKAGES = ("harness", "adapters", "workloads", "conf")
 
 
 def _quiet_libraries() -> None:
@@ -38,6 +43,19 @@ def _package_version(name: str) -> str | None:
         return version(name)
     except PackageNotFoundError:
         return None
+
+
+def _missing_package(e: BaseException) -> str | None:
+    """The third-party package whose absence `e` reports, or None: an ImportError of one of our own
+    modules, or any other exception, is a failure of the code, not of the environment."""
+    if isinstance(e, ModuleNotFoundError) and e.name and e.name.split(".")[0] not in OWN_PACKAGES:
+        return e.name
+    return None
+
+
+def _traceback_tail(e: BaseException, lines: int = 6) -> str:
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip().splitlines()
+    return "\n".join(text[-lines:])
 
 
 def _read(stdin: TextIO) -> Any | None:
@@ -84,9 +102,13 @@ def main() -> None:
     except Exception as e:
         traceback.print_exc()
         send(Ready(PROTOCOL_VERSION, sys.executable, os.getpid(), versions))
-        missing = f" (the package {e.name!r} is missing there)" if isinstance(e, ImportError) and e.name else ""
-        send(Unavailable(f"the worker could not set up engine {job['engine']} under {sys.executable}{missing}: "
-                         f"{type(e).__name__}: {e}"))
+        missing = _missing_package(e)
+        if missing:
+            send(Unavailable(f"the worker could not set up engine {job['engine']} under {sys.executable} (the "
+                             f"package {missing!r} is missing there): {type(e).__name__}: {e}"))
+        else:
+            send(SetupFailed(f"the worker could not set up engine {job['engine']} under {sys.executable}: "
+                             f"{type(e).__name__}: {e}\n{_traceback_tail(e)}"))
         return
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     send(Ready(PROTOCOL_VERSION, sys.executable, os.getpid(), versions, affinity))

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from harness.ab import paired, run_medians
+from harness.ab import overall, paired, run_medians
 
 KEY = ("reference", 'sweep:{"batch_size":8}', "decode_step_latency_s")
 TPUT = ("reference", 'sweep:{"batch_size":8}', "output_tok_s")
@@ -59,12 +59,46 @@ def test_a_few_noisy_rounds_are_not_a_regression():
     assert r.verdict == "unchanged" and r.ci_low < 1.10 < r.ratio < r.ci_high
 
 
-def test_a_candidate_failure_is_a_regression_and_missing_rounds_are_no_data():
+def test_a_candidate_failure_is_failed_and_too_few_complete_rounds_fail_closed():
     rounds = [({KEY: (1.0, 1.0)}, {KEY: "failed"}), ({KEY: (1.0, 1.0)}, {KEY: (1.0, 1.0)})]
     assert paired(rounds, [KEY[2]], 0.1)[0].verdict == "failed"
     one = [({KEY: (1.0, 1.0)}, {KEY: (1.0, 1.0)}), ({KEY: "failed"}, {KEY: (1.0, 1.0)})]
     r = paired(one, [KEY[2]], 0.1)[0]
-    assert r.verdict == "no-data" and "1 complete rounds" in r.note
+    assert r.verdict == "failed" and "1 complete rounds" in r.note
+    assert paired(one, [KEY[2]], 0.1, allow_missing=True)[0].verdict == "no-data"
+
+
+def test_a_candidate_failing_every_round_while_the_baseline_failed_once_is_failed():
+    # used to be no-data (a pass): the baseline's one failure hid the candidate's failures
+    rounds = [({KEY: "failed"}, {KEY: "failed"})] + [({KEY: (1.0, 1.0)}, {KEY: "failed"})] * 3
+    (r,) = paired(rounds, [KEY[2]], 0.1)
+    assert r.verdict == "failed" and "rounds 1, 2, 3, 4" in r.note
+    assert overall([r], [])[0] == "failed"
+
+
+def test_a_renamed_metric_or_a_changed_point_key_is_failed():
+    # the candidate's rows lost the field (renamed) or carry another point_key: no-data used to pass
+    other = (KEY[0], 'sweep:{"batch_size":8,"x":1}', KEY[2])
+    rounds = [({KEY: (1.0, 1.0)}, {other: (1.0, 1.0)})] * 4
+    res = paired(rounds, [KEY[2]], 0.1)
+    assert {r.point: r.verdict for r in res} == {KEY[1]: "failed", other[1]: "new"}
+    verdict, why = overall(res, [])
+    assert verdict == "failed" and any("absent, None or <= 0" in w for w in why)
+
+
+def test_an_engine_unavailable_in_the_candidate_is_failed_and_named():
+    base = {KEY: (1.0, 1.0)}
+    cand = {(KEY[0], None, None): "unavailable: the worker could not set up engine reference"}
+    (r,) = paired([(base, cand)] * 3, [KEY[2]], 0.1)
+    assert r.verdict == "failed" and "engine unavailable: the worker could not set up" in r.note
+
+
+def test_nothing_compared_or_a_failing_candidate_exit_fails():
+    assert overall([], [])[0] == "failed"
+    ok = paired(rounds_of([1.0] * 4, [1.0] * 4), [KEY[2]], 0.1)
+    assert overall(ok, []) == ("unchanged", [])
+    verdict, why = overall(ok, [(2, 1, ["1 point failed (reference)"])])
+    assert verdict == "failed" and "exited 1 in round 2: 1 point failed" in why[0]
 
 
 def test_run_medians_reads_the_rows(tmp_path):
@@ -78,3 +112,14 @@ def test_run_medians_reads_the_rows(tmp_path):
     assert m[("reference", "k", "output_tok_s")] == (0.5, 512.0)
     assert m[("hf", "k", "output_tok_s")] == "failed"
     assert not math.isnan(m[("reference", "k", "output_tok_s")][0])
+
+
+def test_run_medians_keeps_an_unavailable_engine_and_drops_values_that_are_not_positive(tmp_path):
+    import json
+    f = tmp_path / "results.jsonl"
+    f.write_text(json.dumps({"engine": "reference", "point_key": None, "status": "unavailable",
+                             "error": "no torch here"}) + "\n"
+                 + json.dumps({"engine": "hf", "point_key": "k", "status": "ok", "decode_step_latency_s": 0.0}) + "\n")
+    m = run_medians(f, ["decode_step_latency_s"])
+    assert m[("reference", None, None)] == "unavailable: no torch here"
+    assert ("hf", "k", "decode_step_latency_s") not in m

@@ -110,12 +110,12 @@ def test_cli_exit_codes_and_outputs(tmp_path, capsys):
     same = write(tmp_path / "same.jsonl", [row("reference", 64, 1.0, rng), row("reference", 256, 1.0, rng)])
     slow = write(tmp_path / "slow.jsonl", [row("reference", 64, 1.3, rng)])
     out = tmp_path / "v.json"
-    assert run(["--baseline", b, "--current", same, "--json", str(out)]) == 0
+    assert run(["--baseline", b, "--current", same, "--json", str(out), "--allow-missing"]) == 0
     text = capsys.readouterr().out
     assert "unmatched (baseline only)" in text and "unmatched (current only)" in text and "128" in text
     doc = json.loads(out.read_text())
     assert doc["verdict"] == "unchanged" and "bootstrap" in doc["method"] and doc["unmatched"]["baseline_only"]
-    assert run(["--baseline", b, "--current", slow, "--json", str(out), "--threshold", "5%"]) == 1
+    assert run(["--baseline", b, "--current", slow, "--json", str(out), "--threshold", "5%", "--allow-missing"]) == 1
     assert json.loads(out.read_text())["verdict"] == "regressed"
     assert "REGRESSED" in capsys.readouterr().out
 
@@ -181,3 +181,40 @@ def test_results_without_environment_cannot_be_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--baseline", b, "--current", c, "--json", str(tmp_path / "v.json")])
     assert e.value.code == 2 and "no environment.json beside" in capsys.readouterr().err
+
+
+def test_a_point_missing_from_the_current_run_fails_unless_allowed(tmp_path, capsys):
+    # infer-bench-compare used to print the dropped point as "unmatched" and exit 0
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng), row("reference", 128, 1.0, rng)])
+    dropped = write(tmp_path / "c.jsonl", [row("reference", 64, 1.0, rng)])
+    out = tmp_path / "v.json"
+    assert run(["--baseline", b, "--current", dropped, "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "failed" and any("only in the baseline run" in w for w in doc["failed_because"])
+    assert "FAILED" in capsys.readouterr().out
+    assert run(["--baseline", b, "--current", dropped, "--json", str(out), "--allow-missing"]) == 0
+
+
+def test_a_renamed_metric_fails_the_comparison(tmp_path):
+    # the current rows lost decode_step_latency_s_samples (a renamed field): no-data used to pass
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng)])
+    r = row("reference", 64, 1.0, rng)
+    r["decode_step_ms_samples"] = r.pop("decode_step_latency_s_samples")
+    c = write(tmp_path / "c.jsonl", [r])
+    out = tmp_path / "v.json"
+    assert run(["--baseline", b, "--current", c, "--json", str(out)]) == 1
+    (failed,) = [x for x in json.loads(out.read_text())["comparisons"] if x["verdict"] == "failed"]
+    assert failed["metric"] == "decode_step_latency_s"
+
+
+def test_nothing_compared_fails(tmp_path):
+    # both sides matched, but neither has samples of the asked metric: nothing was compared
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng)])
+    c = write(tmp_path / "c.jsonl", [row("reference", 64, 1.0, rng)])
+    out = tmp_path / "v.json"
+    assert run(["--baseline", b, "--current", c, "--metric", "ttft_s", "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["counts"]["no-data"] == 1 and any("no metric was compared" in w for w in doc["failed_because"])

@@ -241,7 +241,7 @@ def parity_rows_teacher_forced(dtype: str = "float32") -> list[dict[str, Any]]:
     past = {k: v * 20 if k != "top1_agreement" else 0.8 for k, v in thresholds.items()}
     common = dict(workload="parity", model="tiny", dtype=dtype, device="cpu", point=point, point_key=key)
     tf = {"parity_baseline": "reference", "parity_thresholds": thresholds, "parity_margin_bound": 0.5,
-          "parity_margin_p50": 0.06, "parity_positions": 128, "parity_confident_positions": 40}
+          "parity_margin_p50": 0.06, "positions_compared": 128, "positions_expected": 128, "parity_confident_positions": 40}
     return [
         make_row(engine="reference", status="ok", **common) | {"parity_baseline": "reference", "agreement": 1.0,
                                                               "first_divergence": None,

@@ -22,6 +22,10 @@ from harness.core.schema import spec
 from workloads.base import Point, RunContext, Workload
 
 WORKLOAD = "parity"
+# Dtypes in which greedy agreement decides nothing (random-weight logits are nearly tied: one
+# rounding flip changes a token and all after it). An engine compared only by greedy agreement in
+# these is `unverified`, never `ok`.
+GREEDY_UNDECIDED = ("bfloat16", "float16")
 
 
 @dataclass
@@ -97,26 +101,50 @@ class Parity(Workload):
     def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         if row.get("status") != "ok" or not row.get("parity_tokens"):
             return
+        params = row.get("point") or {}
+        expected = len(params.get("prompt_lens") or row.get("parity_prompt_lens") or []) * int(params.get("tokens") or 0)
+        row["positions_expected"] = expected
+        problems: list[str] = []
+        unverified: str | None = None
         base = _baseline(rows, row["engine"])
-        if base is None:  # this engine is the baseline
+        if base is None:  # this engine is the baseline: its own tokens and scores must be complete
             row.update(parity_baseline=row["engine"], agreement=1.0, first_divergence=None)
-            return
-        row["parity_baseline"] = base["engine"]
-        row.update(greedy_agreement(base["parity_tokens"], row["parity_tokens"]))
-        problems = []
-        if row["dtype"] == "float32" and row["agreement"] < 1.0:
-            problems.append(f"greedy tokens differ from {base['engine']}'s in float32 (first divergence at step "
-                            f"{row['first_divergence']}, agreement {row['agreement']:.3f})")
-        if row.get("parity_scores") and base.get("parity_scores"):
-            row.update(compare_scores(base["parity_scores"], row["parity_scores"], row["dtype"]))
-            row["parity_thresholds"], why = verdict(row, row["dtype"])
-            if why:
-                problems.append(f"teacher-forced log-probabilities differ from {base['engine']}'s beyond the "
-                                f"{row['dtype']} thresholds: {why}")
-        elif not row.get("parity_scores"):
-            row.setdefault("parity_note", f"{row['engine']} cannot score sequences: greedy agreement only")
+            got = sum(len(t) for t in row["parity_tokens"])
+            if got < expected:
+                problems.append(f"the baseline produced {got} of the {expected} greedy tokens asked for")
+            if row.get("parity_scores") is not None:
+                row["positions_compared"] = sum(len(s["target_logprobs"]) for s in row["parity_scores"])
+            else:
+                row["positions_compared"] = got
+        else:
+            row["parity_baseline"] = base["engine"]
+            row.update(greedy_agreement(base["parity_tokens"], row["parity_tokens"]))
+            if row["dtype"] == "float32" and (row["agreement"] or 0.0) < 1.0:
+                problems.append(f"greedy tokens differ from {base['engine']}'s in float32 (first divergence at "
+                                f"step {row['first_divergence']}, agreement {row['agreement'] or 0.0:.3f})")
+            if row.get("parity_scores") is not None and base.get("parity_scores"):  # [] is scored: nothing
+                row.update(compare_scores(base["parity_scores"], row["parity_scores"], row["dtype"]))
+                row["parity_thresholds"], why = verdict(row, row["dtype"])
+                if why:
+                    problems.append(f"teacher-forced log-probabilities differ from {base['engine']}'s beyond the "
+                                    f"{row['dtype']} thresholds: {why}")
+            else:
+                who = row["engine"] if row.get("parity_scores") is None else base["engine"]
+                row.setdefault("parity_note", f"{who} cannot score sequences: greedy agreement only")
+                row["positions_compared"] = sum(min(len(b), len(t)) for b, t in
+                                                zip(base["parity_tokens"], row["parity_tokens"]))
+                if row["dtype"] in GREEDY_UNDECIDED:
+                    unverified = (f"{who} cannot be scored teacher-forced, and in {row['dtype']} greedy "
+                                  f"agreement ({(row['agreement'] or 0.0) * 100:.1f}%) decides nothing: a rounding "
+                                  "flip changes a token and everything after it. Run parity with dtype=float32, or "
+                                  "use an engine or endpoint kind that returns log-probabilities (vllm, infer-bench)")
+        if row.get("positions_compared", 0) < expected:
+            problems.append(f"compared {row.get('positions_compared', 0)} of the {expected} positions expected "
+                            f"({len(params.get('prompt_lens') or [])} prompts x {params.get('tokens')} tokens)")
         if problems:
             row["status"], row["error"] = "failed", "; ".join(problems)
+        elif unverified:
+            row["status"], row["error"] = "unverified", unverified
 
     def summary(self, rows: list[dict[str, Any]]) -> str:
         lines = []
@@ -126,6 +154,9 @@ class Parity(Workload):
             if r.get("agreement") is None:
                 lines.append(f"parity    {r['engine']:<9} {r['status']}: {(r.get('error') or '').splitlines()[0]}")
                 continue
+            if r["status"] == "unverified":
+                lines.append(f"parity    {r['engine']:<9} UNVERIFIED: {r.get('error')}")
+                continue
             div = r.get("first_divergence")
             line = (f"parity    {r['engine']:<9} greedy {r['agreement'] * 100:5.1f}% equal to {r['parity_baseline']}'s"
                     + ("" if div is None else f" (first divergence at step {div})"))
@@ -134,5 +165,7 @@ class Parity(Workload):
                 line += (f"; teacher-forced: max |dlogp| {r['parity_max_abs_err']:.2g}, mean KL "
                          f"{r['parity_mean_kl']:.2g}, top-1 {'-' if top1 is None else f'{top1 * 100:.1f}%'} of "
                          f"{r['parity_confident_positions']} confident positions")
-            lines.append(line + ("" if r["status"] == "ok" else f"  [{r['status']}: {r.get('error')}]"))
+            if r.get("positions_expected"):
+                line += f"; {r.get('positions_compared', 0)}/{r['positions_expected']} positions compared"
+            lines.append(line + ("" if r["status"] == "ok" else f"  [{r['status'].upper()}: {r.get('error')}]"))
         return "\n".join(lines)

@@ -5,8 +5,10 @@ listed, not dropped. For each matched metric the ratio current/baseline of the m
 percentile-bootstrap confidence interval (each side's repeat samples resampled independently;
 `harness.core.bootstrap`). The verdict is **regressed** only when the whole interval lies beyond
 the threshold in the bad direction (slower, less throughput, more memory), **improved** when it
-lies beyond it in the good direction, and **unchanged** otherwise. A point that was ok in the
-baseline and failed in the current run is a regression too.
+lies beyond it in the good direction, and **unchanged** otherwise. It fails closed: a point that
+was ok in the baseline and failed in the current run, or a metric the baseline has and the current
+run lacks, is **failed**, and so is a comparison in which no metric was compared; `no-data` is left
+only where neither side has the value.
 
 Runs from different machines are not comparable: a baseline recorded on another CPU turned
 identical code into x1.39 "regressed". `machine_differences` names what differs between two
@@ -157,15 +159,37 @@ def compare(base_rows: list[dict[str, Any]], cur_rows: list[dict[str, Any]], met
                 continue
         for j, m in enumerate(names):
             ratio, lo, hi, note = compare_metric(b, c, m, confidence, ref_b, ref_c, seed=i * 131 + j)
+            v = verdict(lo, hi, METRICS[m][1], threshold)
+            if v == "no-data":  # fail closed: a value the baseline has and the current run lacks
+                has_b, has_c = _has_metric(b, m), _has_metric(c, m)
+                if has_b and not has_c:
+                    v, note = "failed", f"the current run has no {METRICS[m][0] or m} (the baseline has): {note}"
+                elif has_c and not has_b:
+                    v, note = "new", f"only the current run has {METRICS[m][0] or m}"
             out.append(Comparison(**common, metric=m, better=METRICS[m][1], baseline=b.get(m), current=c.get(m),
-                                  ratio=ratio, ci_low=lo, ci_high=hi,
-                                  verdict=verdict(lo, hi, METRICS[m][1], threshold), note=note))
+                                  ratio=ratio, ci_low=lo, ci_high=hi, verdict=v, note=note))
     return out, unmatched
 
 
+def _has_metric(r: dict[str, Any], metric: str) -> bool:
+    """Whether a row holds what `metric` is compared on: two or more samples, or a positive value."""
+    field = METRICS[metric][0]
+    if field is None:
+        v = r.get(metric)
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    return len(r.get(field) or []) >= 2
+
+
+VERDICTS = ("regressed", "failed", "improved", "unchanged", "new", "no-data")
+
+
 def overall_verdict(comps: list[Comparison]) -> tuple[str, dict[str, int]]:
-    counts = {v: sum(c.verdict == v for c in comps) for v in ("regressed", "failed", "improved", "unchanged", "no-data")}
-    return ("regressed" if counts["regressed"] or counts["failed"] else "unchanged"), counts
+    """failed (a point failed or lost a metric, or nothing was compared), regressed or unchanged."""
+    counts = {v: sum(c.verdict == v for c in comps) for v in VERDICTS}
+    compared = counts["regressed"] + counts["improved"] + counts["unchanged"]
+    if counts["failed"] or not compared:
+        return "failed", counts
+    return ("regressed" if counts["regressed"] else "unchanged"), counts
 
 
 def format_table(comps: list[Comparison], interval: str = "95% CI") -> str:

@@ -46,14 +46,16 @@ THRESHOLDS: dict[str, tuple[float, float, float]] = {
 
 
 def greedy_agreement(base: list[list[int]], tokens: list[list[int]]) -> dict[str, Any]:
-    """Share of positions where the tokens equal the baseline's, and the first step (over all
-    prompts) where they differ (None when they agree everywhere)."""
+    """Share of the baseline's positions where the tokens equal the baseline's, and the first step
+    (over all prompts) where they differ (None when they agree everywhere). A position the engine
+    did not produce (a prompt or tokens missing) counts as a difference, never as agreement."""
     total = same = 0
     first: int | None = None
-    for b, t in zip(base, tokens):
-        for i, (x, y) in enumerate(zip(b, t)):
+    for j, b in enumerate(base):
+        t = tokens[j] if j < len(tokens) else []
+        for i, x in enumerate(b):
             total += 1
-            if x == y:
+            if i < len(t) and x == t[i]:
                 same += 1
             elif first is None or i < first:
                 first = i
@@ -81,7 +83,8 @@ def compare_scores(base: list[dict[str, Any]], eng: list[dict[str, Any]], dtype:
     agree = confident = 0
     margins: list[float] = []
     bound = margin_bound(dtype)
-    for bs, es in zip(base, eng):
+    expected = sum(len(bs["target_logprobs"]) for bs in base)
+    for bs, es in zip(base, eng):  # positions the engine did not score are counted below, not skipped
         for j in range(min(len(bs["target_logprobs"]), len(es["target_logprobs"]))):
             b_ids, b_lp = bs["top_ids"][j], bs["top_logprobs"][j]
             e_ids, e_lp = es["top_ids"][j], es["top_logprobs"][j]
@@ -95,7 +98,8 @@ def compare_scores(base: list[dict[str, Any]], eng: list[dict[str, Any]], dtype:
                 confident += 1
                 agree += int(bool(e_ids) and e_ids[0] == b_ids[0])
     return {
-        "parity_positions": len(kls),
+        "positions_compared": len(kls),
+        "positions_scored_by_baseline": expected,
         "parity_max_abs_err": max(errs) if errs else None,
         "parity_mean_kl": float(np.mean(kls)) if kls else None,
         "parity_confident_positions": confident,
@@ -110,6 +114,9 @@ def verdict(fields: dict[str, Any], dtype: str) -> tuple[dict[str, Any], str | N
     max_err, max_kl, min_top1 = THRESHOLDS.get(dtype, THRESHOLDS["float32"])
     stated = {"max_abs_err": max_err, "mean_kl": max_kl, "top1_agreement": min_top1}
     why = []
+    for name in ("parity_max_abs_err", "parity_mean_kl"):  # measured on every compared position
+        if fields.get(name) is None:
+            why.append(f"{name} was not measured (no position compared)")
     if fields.get("parity_max_abs_err") is not None and fields["parity_max_abs_err"] > max_err:
         why.append(f"max |delta log p| {fields['parity_max_abs_err']:.3g} > {max_err:g}")
     if fields.get("parity_mean_kl") is not None and fields["parity_mean_kl"] > max_kl:

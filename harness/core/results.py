@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 RESULTS_FILE = "results.jsonl"
 ENVIRONMENT_FILE = "environment.json"
 CONFIG_FILE = "config.resolved.yaml"
-STATUSES = ("ok", "failed", "unavailable", "skipped")
+STATUSES = ("ok", "failed", "unavailable", "skipped", "unverified")
 
 # Fields every row carries (None where they do not apply).
 BASE_FIELDS: dict[str, Any] = {

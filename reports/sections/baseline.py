@@ -17,7 +17,7 @@ from reports.figures import base_layout, esc
 from reports.sections import section
 from reports.sections.common import point_label
 
-VERDICT_CLASS = {"regressed": "bad", "failed": "bad", "improved": "good", "unchanged": "", "no-data": "muted"}
+VERDICT_CLASS = {"regressed": "bad", "failed": "bad", "improved": "good", "unchanged": "", "new": "muted", "no-data": "muted"}
 SYMBOL = {"regressed": "triangle-up", "improved": "triangle-down"}
 
 

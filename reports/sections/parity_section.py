@@ -30,7 +30,7 @@ def parity_frame(rows: pd.DataFrame) -> pd.DataFrame:
     df = int_columns(df)
     df = df.assign(point_label=column(df, "point").map(point_label))
     keep = ["engine", "series", "status", "error", "dtype", "point_label", "agreement", "first_divergence",
-            "parity_baseline", "parity_teacher", "parity_positions", "parity_max_abs_err", "parity_mean_kl",
+            "parity_baseline", "parity_teacher", "positions_compared", "positions_expected", "parity_max_abs_err", "parity_mean_kl",
             "parity_top1_agreement", "parity_confident_positions", "parity_margin_bound", "parity_margin_p50",
             "parity_thresholds", "parity_note"]
     return pd.DataFrame({k: column(df, k) for k in keep}).reset_index(drop=True)
@@ -52,6 +52,8 @@ def verdict(r: dict[str, Any]) -> tuple[str, str]:
     """(pass | fail | no verdict, the reason)."""
     if r.get("status") == "failed":
         return "fail", str(r.get("error") or "(no reason recorded)")
+    if r.get("status") == "unverified":  # never shown as a pass: the check could not decide
+        return "unverified", str(r.get("error") or "")
     if r.get("status") != "ok":
         return str(r.get("status")), str(r.get("error") or "")
     base, engine = r.get("parity_baseline"), r.get("engine")
@@ -114,10 +116,10 @@ def parity_table(df: pd.DataFrame) -> Table:
             _with_threshold(r.get("parity_mean_kl"), thresholds.get("mean_kl"), "le"),
             top1,
             Cell(f"{fmt_num(p50)} / {fmt_num(bound)}" if p50 is not None and bound is not None else "–", cls="num"),
-            Cell(verdict_text, cls={"pass": "good", "fail": "bad"}.get(verdict_text, "muted")),
+            Cell(verdict_text, cls={"pass": "good", "fail": "bad", "unverified": "bad"}.get(verdict_text, "muted")),
             Cell(reason, cls="wrap"),
         ])
-        classes.append({"fail": "bad"}.get(verdict_text, ""))
+        classes.append({"fail": "bad", "unverified": "bad"}.get(verdict_text, ""))
     return Table(["engine", "dtype", "compared with", "greedy agreement", "first divergence (step)",
                   "max |Δ log p| vs threshold", "mean KL vs threshold", "top-1 agreement vs threshold",
                   "margin p50 / bound (nats)", "verdict", "reason"], rows,
@@ -147,4 +149,8 @@ def parity(data: ReportData) -> list[Block]:
     blocks.append(parity_table(df))
     if df["status"].eq("failed").any():
         blocks.append(Note(f"{int(df['status'].eq('failed').sum())} parity row(s) failed: see the reason column."))
+    if df["status"].eq("unverified").any():
+        blocks.append(Note(f"{int(df['status'].eq('unverified').sum())} parity row(s) unverified: the engine cannot "
+                           "be scored teacher-forced and greedy agreement decides nothing in this dtype. Run parity "
+                           "in float32, or use an engine that returns log-probabilities."))
     return blocks

@@ -1,0 +1,83 @@
+"""Deliberately broken engines, for tests only (never registered by the product): each is the
+reference engine with one fault put in on purpose, so that a check that should catch the fault is
+driven through the whole command line. Tests register them for a run through the environment:
+INFER_BENCH_ENGINES="shifted=broken_engines:ShiftedBlockReads" with this folder on PYTHONPATH."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from adapters.reference.engine import ReferenceEngine
+
+# later prefill chunks read their context back from the KV pool, where the fault is
+CHUNKED = {"max_num_batched_tokens": 64}
+
+
+class ShiftedBlockReads(ReferenceEngine):
+    """The reference engine whose KV pool, when it reads a sequence's cached context back, takes
+    every block after the first from the slot of the block before it: a KV block read from the
+    wrong offset. Writes are untouched. Prefill is chunked so that the fault shows in scoring."""
+
+    def load(self, model, options):
+        info = super().load(model, {**options, **CHUNKED})
+        pool, gather = self.pool, self.pool.gather
+
+        def shifted(layer, block_tables, length, *args, **kwargs):
+            wrong = block_tables.clone()
+            wrong[:, 1:] = block_tables[:, :-1]
+            return gather(layer, wrong, length)
+        pool.gather = shifted
+        return info
+
+
+class RopeOff(ReferenceEngine):
+    """The reference engine loading a copy of the checkpoint whose config says 1.01 x rope_theta:
+    it rotates by the wrong angles, an error that grows with the position."""
+
+    def load(self, model, options):
+        self._copy = Path(tempfile.mkdtemp(prefix="rope-off-"))
+        dest = self._copy / "model"
+        shutil.copytree(model.path, dest)
+        cfg = json.loads((dest / "config.json").read_text())
+        cfg["rope_theta"] = cfg.get("rope_theta", 10000.0) * 1.01
+        if isinstance(cfg.get("rope_parameters"), dict):
+            cfg["rope_parameters"]["rope_theta"] = cfg["rope_theta"]
+        (dest / "config.json").write_text(json.dumps(cfg))
+        return super().load(dataclasses.replace(model, path=str(dest)), options)
+
+    def close(self):
+        super().close()
+        shutil.rmtree(getattr(self, "_copy", ""), ignore_errors=True)
+
+
+class CannotScore(ReferenceEngine):
+    """The reference engine without teacher-forced scoring, as an OpenAI-compatible server that
+    returns no prompt log-probabilities: parity can only compare its greedy tokens."""
+
+    def score(self, sequences, start, top_k):
+        raise NotImplementedError("this engine returns no log-probabilities (test engine)")
+
+
+class ScoresTooFew(ReferenceEngine):
+    """The reference engine whose scores stop half-way through each sequence (a truncated
+    response): parity must count the positions it did not get."""
+
+    def score(self, sequences, start, top_k):
+        out = super().score(sequences, start, top_k)
+        for s in out:
+            half = len(s.target_logprobs) // 2
+            s.top_ids, s.top_logprobs, s.target_logprobs = s.top_ids[:half], s.top_logprobs[:half], s.target_logprobs[:half]
+        return out
+
+
+class SetupRaises(ReferenceEngine):
+    """The reference engine whose version() raises while its worker sets it up (a bug in shipped
+    code, with every package present)."""
+
+    @classmethod
+    def version(cls):
+        raise RuntimeError("version() is broken (test engine)")
