@@ -147,6 +147,14 @@ def vllm_environment() -> str | None:
     return str(local) if local.exists() else None
 
 
+def vllm_looked_for() -> str:
+    """Where `python: auto` looked for vLLM's environment, for the message when it is not found."""
+    env = os.environ.get("INFER_BENCH_VLLM_PYTHON")
+    local = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return (f"$INFER_BENCH_VLLM_PYTHON ({'unset' if not env else env + ': no such file'}), {local} (absent), "
+            f"and this interpreter ({_own_python()})")
+
+
 def _resolve_python(endpoint: dict[str, Any]) -> dict[str, Any]:
     """An endpoint's `python: auto` resolved (to vLLM's environment, or null: the harness's own)."""
     if endpoint.get("python") == "auto":
@@ -229,6 +237,8 @@ def _engine_env(name: str, options: dict[str, Any], problems: list[str]) -> Engi
     """Take `python` / `launch` out of an engine's options (they are the harness's, not the adapter's)."""
     python, launch = options.pop("python", None), options.pop("launch", None)
     p = f"engine_options.{name}."
+    if python == "auto":  # vLLM's own environment where there is one, else this interpreter
+        python = vllm_environment() if name == "vllm" and launch is None else None
     if python is not None and launch is not None:
         problems.append(f"{p}python and {p}launch: give one. A launch prefix ends with its interpreter, e.g. "
                         f"{p}launch=[docker,run,--rm,-i,IMAGE,python3].")
@@ -268,7 +278,7 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     problem found."""
     problems: list[str] = []
     top = {k: v for k, v in cfg.items() if k not in ("model", "workload", "engine_options", "endpoints", "hydra",
-                                                     "resume")}
+                                                     "resume", "history")}
     settings, probs = check(Settings, top, "config")
     problems += [p.removeprefix("config.") for p in probs]
     if settings is None:
@@ -348,6 +358,9 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
                 envs[name] = env
             elif name not in endpoints:  # in this environment: is it usable here?
                 reason = classes[name].unavailable_reason()
+                if reason is not None and name == "vllm" and (all_options.get(name) or {}).get("python") == "auto":
+                    reason += (f" Looked for vLLM's environment in {vllm_looked_for()}. Build it with `make venv`, "
+                               f"or point engine_options.vllm.python=PATH at an interpreter that has vLLM.")
                 if reason is not None:
                     unavailable[name] = reason
         if engines and len(unavailable) == len(engines):
