@@ -1,13 +1,16 @@
-"""The README's performance figures, from one script anyone can re-run (issue 15).
+"""The README's performance figures, from one script anyone can re-run.
 
     .venv/bin/python scripts/readme_figures.py [--out runs/readme-figures] [--only engines,http,capacity,...] [--reuse]
+
+Every figure records where it came from: the commit (and whether the tree was dirty), the CPU,
+the date and the exact command, in its Markdown heading line and in OUT/figures.json. `--reuse`
+reads a figure's earlier run only when that run was made at this commit with a clean tree.
 
 Each figure is one `infer-bench` run (engines compared in ONE run, on equal resources: every
 engine gets the same cores and compute threads, the run's default), or the sampler script. The
 script prints a Markdown section per figure, names the CPU, and writes them to OUT/figures.md.
-Ratios differ between CPUs (the reference engine measured 2.09x transformers on an AMD EPYC and
-1.00x on an Intel Xeon with AMX at the same point): quote them with the CPU they came from. Run it
-on an otherwise idle machine.
+Ratios differ between CPUs: quote them with the CPU and commit they came from. Run it on an
+otherwise idle machine.
 
 vLLM runs from its own environment (.venv-vllm, or $INFER_BENCH_VLLM_PYTHON); without one the
 figures leave it out and say so.
@@ -20,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,11 +34,41 @@ from harness.core.env import cpu_model  # noqa: E402
 from harness.core.results import read_rows  # noqa: E402
 
 
-REUSE = False  # --reuse: a figure whose run finished before (results + report there) is read, not re-run
+REUSE = False  # --reuse: a figure whose run finished before at this commit (clean tree) is read, not re-run
+PROVENANCE: list[dict] = []  # one entry per figure: title, commit, dirty, cpu, date, commands
+
+
+def head() -> tuple[str, bool]:
+    """(HEAD's commit, whether the tracked tree differs from it)."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    return commit, bool(dirty)
+
+
+def run_commit(out: Path) -> tuple[str | None, bool | None]:
+    """The commit an earlier run recorded in its environment.json, and whether its tree was dirty."""
+    try:
+        git = json.loads((out / "environment.json").read_text()).get("git") or {}
+    except (OSError, ValueError):
+        return None, None
+    return git.get("commit"), git.get("dirty")
+
+
+def reusable(out: Path) -> bool:
+    if not (REUSE and (out / "results.jsonl").exists() and (out / "report.html").exists()):
+        return False
+    commit, dirty = run_commit(out)
+    now, now_dirty = head()
+    if commit != now or dirty or now_dirty:
+        print(f"(not reusing {out}: it was run at {str(commit)[:10]}{' (dirty)' if dirty else ''}, HEAD is "
+              f"{now[:10]}{' (dirty)' if now_dirty else ''})", flush=True)
+        return False
+    return True
 
 
 def infer_bench(out: Path, *args: str) -> list[dict]:
-    if REUSE and (out / "results.jsonl").exists() and (out / "report.html").exists():
+    if reusable(out):
         print(f"$ infer-bench {' '.join(args)}   (reused: {out})", flush=True)
         return read_rows(out / "results.jsonl")
     cmd = [sys.executable, "-m", "harness.cli", *args, "quiet=true", f"hydra.run.dir={out}"]
@@ -193,9 +227,19 @@ def sampler_figure() -> str:
                    "```\n" + (r.stdout.strip() or r.stderr[-2000:]) + "\n```")
 
 
+def label() -> str:
+    """Where a figure comes from, as the README quotes it: commit, CPU, date."""
+    commit, dirty = head()
+    return f"commit {commit[:7]}{' + uncommitted changes' if dirty else ''}, {cpu_model()}, {os.cpu_count()} cores, " \
+           f"{datetime.now(timezone.utc):%Y-%m-%d}"
+
+
 def section(title: str, args: list[str], body: str) -> str:
     cmd = "infer-bench " + " ".join(args) if args and "=" in args[0] else " ".join(args)
-    return f"### {title}\n\n{cpu_model()}, {os.cpu_count()} cores.\n\n```\n{cmd}\n```\n\n{body}\n"
+    commit, dirty = head()
+    PROVENANCE.append({"title": title, "commit": commit, "dirty": dirty, "cpu": cpu_model(), "cores": os.cpu_count(),
+                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": cmd})
+    return f"### {title}\n\n[{label()}]\n\n```\n{cmd}\n```\n\n{body}\n"
 
 
 def main() -> None:
@@ -221,7 +265,8 @@ def main() -> None:
         print(part, flush=True)
         parts.append(part)
     (out / "figures.md").write_text("\n".join(parts))
-    (out / "figures.json").write_text(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count()}))
+    (out / "figures.json").write_text(json.dumps({"cpu": cpu_model(), "cores": os.cpu_count(), "figures": PROVENANCE},
+                                                 indent=2))
     print(f"written: {out / 'figures.md'}")
 
 
