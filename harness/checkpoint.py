@@ -98,11 +98,43 @@ def write_checkpoint(shape: ModelShape, out: Path, seed: int = 0, device: str = 
 
 
 def cached_path(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path:
+    if shape.trained:  # named after the Python version and the hash of what it was trained on
+        from harness.core.train import TrainConfig, trained_name
+        return cache_dir / trained_name(shape, TrainConfig.from_mapping(shape.train), seed)
     return cache_dir / f"{shape.name}-{shape_key(shape, seed)}"
 
 
+def random_baseline(shape: ModelShape, seed: int = 0) -> Any:
+    """Scores, on given windows, of the random-weight preset of `shape` (as write_checkpoint
+    draws it): the baseline a trained preset's figures are set beside."""
+    def score(windows: Any) -> dict[str, float]:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from harness.core.train import model_scores
+        cfg_dict = shape.hf_config_dict()
+        config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _decisive_init(model, shape, seed)
+        return model_scores(model, windows)
+    return score
+
+
+def write_trained(shape: ModelShape, out: Path, seed: int = 0, progress: bool = True) -> Path:
+    """Train a trained preset into `out` (harness.core.train), beside its random-weight twin."""
+    from harness.core.train import TrainConfig, train_checkpoint
+    cfg = TrainConfig.from_mapping(shape.train)
+    twin = ModelShape(**{**shape.to_dict(), "train": None})
+    train_checkpoint(shape, out, cfg, seed, progress=progress,
+                     baselines={"random_preset": random_baseline(twin, seed)})
+    (out / "infer_bench_preset.json").write_text(json.dumps({"preset": shape.to_dict(), "seed": seed}, indent=2))
+    return out
+
+
 def ensure_checkpoint(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path:
-    """The cached checkpoint for (shape, seed), materialised on first use."""
+    """The cached checkpoint for (shape, seed), materialised on first use (a trained preset is
+    trained: minutes)."""
     target = cached_path(shape, cache_dir, seed)
     if (target / "config.json").exists():
         return target
@@ -113,7 +145,7 @@ def ensure_checkpoint(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
         try:
-            write_checkpoint(shape, tmp, seed)
+            (write_trained if shape.trained else write_checkpoint)(shape, tmp, seed)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -2,6 +2,10 @@
 
 The checkpoint has random weights drawn with a fixed seed, a config.json, model.safetensors
 and a locally built tokenizer; `AutoModelForCausalLM.from_pretrained(DIR)` loads it.
+
+`infer-bench-model --train --preset tiny-trained` trains a trained preset (harness.core.train:
+the Python standard library's source, a BPE tokenizer, minutes on a CPU) into the model cache,
+where runs find it (or into --out), and prints its held-out perplexity beside the baselines.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ from harness.core.presets import load_preset, preset_names
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="infer-bench-model", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", required=True, help=f"one of: {', '.join(preset_names())}")
-    ap.add_argument("--out", required=True, help="directory to write (created; must be empty if it exists)")
+    ap.add_argument("--out", default=None, help="directory to write (created; must be empty if it exists); "
+                    "with --train, default: the model cache, where runs look for the preset")
+    ap.add_argument("--train", action="store_true", help="train a trained preset (e.g. tiny-trained)")
+    ap.add_argument("--steps", type=int, default=None, help="with --train: training steps (default: the preset's)")
+    ap.add_argument("--model-cache-dir", default=None, help="with --train: the model cache (default ~/.cache/infer-bench)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--dtype", default=None, help="storage dtype (default: the preset's)")
     ap.add_argument("--device", default="cpu", help="where to initialise the weights (cpu, cuda)")
@@ -26,20 +34,59 @@ def main(argv: list[str] | None = None) -> int:
         if args.preset not in preset_names():
             raise UserError(f"--preset {args.preset}: unknown preset. Choose one of {', '.join(preset_names())}.")
         shape = load_preset(args.preset)
+        if args.train and not shape.trained:
+            trained = [n for n in preset_names() if load_preset(n).trained]
+            raise UserError(f"--preset {args.preset}: not a trained preset (it has no train: settings). "
+                            f"With --train use one of {', '.join(trained)}.")
+        if args.steps is not None:
+            if not args.train or args.steps < 1:
+                raise UserError(f"--steps {args.steps}: give a positive number of steps, with --train.")
+            shape = type(shape)(**{**shape.to_dict(), "train": {**(shape.train or {}), "steps": args.steps}})
+        if args.out is None and not shape.trained:
+            raise UserError("--out is missing: give the directory to write the checkpoint into.")
         if args.dtype:
             if args.dtype not in ("float32", "bfloat16", "float16"):
                 raise UserError(f"--dtype {args.dtype}: use float32, bfloat16 or float16.")
             shape = type(shape)(**{**shape.to_dict(), "dtype": args.dtype})
-        out = Path(args.out)
-        if out.exists() and any(out.iterdir()):
+        out = Path(args.out) if args.out else None
+        if out is not None and out.exists() and any(out.iterdir()):
             raise UserError(f"--out {out}: the directory exists and is not empty. Choose a new directory.")
     except UserError as e:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
+    if shape.trained:
+        return _train(shape, out, args)
     from harness.checkpoint import write_checkpoint
     write_checkpoint(shape, out, seed=args.seed, device=args.device)
     n = shape.num_parameters()
     print(f"wrote {shape.name} ({n/1e6:.1f} M parameters, {shape.dtype}, seed {args.seed}) to {out}")
+    return 0
+
+
+def _train(shape, out: Path | None, args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from harness.checkpoint import cached_path, ensure_checkpoint, write_trained
+    from harness.core.paths import model_cache_dir
+    from harness.core.train import TRAINING_FILE, summary_lines
+    t0 = time.perf_counter()
+    if out is None:
+        cache = model_cache_dir(args.model_cache_dir)
+        target = cached_path(shape, cache, args.seed)
+        if (target / "config.json").exists():
+            print(f"{shape.name}: already trained and cached in {target}")
+        else:
+            print(f"{shape.name}: training into {target} ...", flush=True)
+        out = ensure_checkpoint(shape, cache, args.seed)
+    else:
+        print(f"{shape.name}: training into {out} ...", flush=True)
+        write_trained(shape, out, args.seed)
+    record = json.loads((out / TRAINING_FILE).read_text())
+    for line in summary_lines(record):
+        print(line)
+    print(f"wrote {shape.name} ({shape.num_parameters() / 1e6:.1f} M parameters, seed {args.seed}) to {out} "
+          f"in {time.perf_counter() - t0:.0f} s")
     return 0
 
 

@@ -53,6 +53,8 @@ class ModelShape:
     hf_architecture: str | None = None  # e.g. LlamaForCausalLM
     rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": linear | llama3 | ..., params}
     sliding_window: int | None = None  # the attention window, when the model uses one
+    # a trained preset's `train:` settings (harness.core.train.TrainConfig); None: random weights
+    train: dict | None = field(default=None, hash=False)
 
     # ---- derived sizes -------------------------------------------------------------------
     def num_parameters(self) -> int:
@@ -105,8 +107,16 @@ class ModelShape:
             cfg["max_window_layers"] = self.num_hidden_layers
         return cfg
 
+    @property
+    def trained(self) -> bool:
+        """A preset whose weights are trained here (harness.core.train), not drawn at random."""
+        return self.train is not None
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["train"] is None:  # random presets: the dict (and their cache keys) as before
+            del d["train"]
+        return d
 
 
 def preset_names() -> list[str]:

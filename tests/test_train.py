@@ -1,0 +1,123 @@
+"""Trained presets (harness.core.train): the corpus rule, the split by file, the cache name, and a
+seconds-long smoke training whose checkpoint transformers loads. The full tiny-trained preset is
+never trained here (minutes): `infer-bench-model --train --preset tiny-trained` does it once and
+caches it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.core.presets import ModelShape, load_preset
+from harness.core.train import (HELDOUT_FILE, TRAINING_FILE, TrainConfig, corpus_files, split_files,
+                                train_checkpoint, trained_name, unigram_perplexity)
+
+REPO = Path(__file__).resolve().parent.parent
+# a seconds-long training: a one-layer model on the first files of the stdlib
+SMOKE_SHAPE = ModelShape(name="smoke-trained", architecture="llama", num_hidden_layers=1, hidden_size=64,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                         vocab_size=512, max_position_embeddings=512, train={})
+SMOKE = TrainConfig(steps=16, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, max_files=10,
+                    heldout_frac=0.25, eval_windows=4, log_every=3)
+
+
+def smoke_train(out: Path, seed: int = 0) -> dict:
+    return train_checkpoint(SMOKE_SHAPE, out, SMOKE, seed=seed, progress=False).record
+
+
+@pytest.fixture(scope="module")
+def smoke_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("smoke-trained") / "ckpt"
+    smoke_train(out)
+    return out
+
+
+def fake_stdlib(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_corpus_is_sorted_and_leaves_out_tests_and_packages(tmp_path: Path) -> None:
+    root = fake_stdlib(tmp_path, {"b.py": "b", "a.py": "a", "json/decoder.py": "d", "test/test_a.py": "t",
+                                  "site-packages/pkg/x.py": "x", "idlelib/run.py": "i", "json/tests/t.py": "t",
+                                  "notes.txt": "n"})
+    assert corpus_files(root) == ["a.py", "b.py", "json/decoder.py"]
+    assert corpus_files(root, max_files=2) == ["a.py", "b.py"]
+
+
+def test_split_is_by_file_and_stable_when_files_are_added() -> None:
+    files = [f"m{i:03d}.py" for i in range(400)]
+    train, held = split_files(files, seed=0, frac=0.1)
+    assert set(train) | set(held) == set(files) and not set(train) & set(held)
+    assert 20 <= len(held) <= 60                       # about 10 % of the files
+    more = sorted(files + [f"new{i}.py" for i in range(50)])
+    _, held2 = split_files(more, seed=0, frac=0.1)
+    assert set(held) <= set(held2)                     # a file's side does not depend on the other files
+    _, held_other_seed = split_files(files, seed=1, frac=0.1)
+    assert set(held_other_seed) != set(held)
+
+
+def test_cache_name_says_python_version_and_changes_with_the_corpus(tmp_path: Path) -> None:
+    shape = load_preset("tiny-trained")
+    cfg = TrainConfig.from_mapping(shape.train)
+    root = fake_stdlib(tmp_path, {"a.py": "x = 1\n", "b.py": "y = 2\n"})
+    name = trained_name(shape, cfg, 0, root)
+    assert name.startswith(f"tiny-trained-py{sys.version_info.major}.{sys.version_info.minor}.")
+    assert trained_name(shape, cfg, 0, root) == name                 # deterministic
+    assert trained_name(shape, cfg, 1, root) != name                 # another seed
+    (root / "b.py").write_text("y = 3\n")                            # another Python's stdlib
+    assert trained_name(shape, cfg, 0, root) != name
+
+
+def test_bad_training_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown training setting.*stepz"):
+        TrainConfig.from_mapping({"stepz": 3})
+
+
+def test_unigram_perplexity_of_a_uniform_stream_is_the_vocabulary() -> None:
+    ids = np.arange(64).repeat(10)
+    assert unigram_perplexity(ids, ids, 64) == pytest.approx(64)
+    # a stream of one token: the held-out token it never saw costs more than one it saw
+    seen = np.zeros(100, dtype=int)
+    assert unigram_perplexity(seen, np.array([0]), 8) < unigram_perplexity(seen, np.array([5]), 8)
+
+
+def test_smoke_training_writes_a_checkpoint_transformers_loads(smoke_ckpt: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    record = json.loads((smoke_ckpt / TRAINING_FILE).read_text())
+    curve = [p["loss"] for p in record["loss_curve"]]
+    assert len(curve) >= 3 and curve[-1] < curve[0]              # it learned something
+    assert record["heldout"]["perplexity"] < record["initial_model"]["perplexity"]
+    assert record["corpus"]["heldout_files"] and record["corpus"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    held = np.load(smoke_ckpt / HELDOUT_FILE)
+    assert held.dtype == np.int32 and len(held) == record["corpus"]["heldout_tokens"] and held.max() < 512
+    model = AutoModelForCausalLM.from_pretrained(smoke_ckpt)
+    assert model.config.num_hidden_layers == 1 and model.config.vocab_size == 512
+    tok = AutoTokenizer.from_pretrained(smoke_ckpt)
+    text = "def f(x):\n    return x  # é\n"
+    assert tok.decode(tok(text)["input_ids"]) == text            # byte-level BPE: lossless
+    assert tok.convert_tokens_to_ids(["<pad>", "<s>", "</s>", "<unk>"]) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_same_seed_same_weights(smoke_ckpt: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    smoke_train(tmp_path / "again")
+    a, b = load_file(smoke_ckpt / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_model_cli_train_refuses_random_presets_and_stray_steps(tmp_path: Path) -> None:
+    for args, says in ((["--train", "--preset", "tiny"], "not a trained preset"),
+                       (["--preset", "tiny", "--steps", "3", "--out", str(tmp_path / "x")], "--steps 3"),
+                       (["--preset", "tiny"], "--out is missing")):
+        r = subprocess.run([sys.executable, "-m", "harness.model_cli", *args], capture_output=True, text=True,
+                           cwd=REPO, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
