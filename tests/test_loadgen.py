@@ -272,3 +272,24 @@ def test_two_client_processes_pool_to_the_single_process_figures():
     for k, tol in (("ttft_s", 0.004), ("itl_s", 0.001), ("e2el_s", 0.005)):
         assert abs(rows[0][k] - rows[1][k]) < tol, (k, rows[0][k], rows[1][k])
     assert 0.030 <= rows[1]["ttft_s"] < 0.040
+
+
+@pytest.mark.slow
+def test_clients_as_ray_actors_on_a_local_ray_instance():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray>=2.9')")
+    reqs = [Request(f"r{i}", [5] * 8, 10, arrival_s=0.03 * i) for i in range(12)]
+    try:
+        with running(gap_ms=10, first_ms=30) as url:
+            eng = engine_at(url)
+            try:
+                out = eng.serve_load(reqs, closed=False, processes=2, backend="ray")
+            finally:
+                eng.close()
+    finally:
+        ray.shutdown()
+    assert out["client"]["client_processes"] == 2
+    assert sorted(t.request_id for t in out["traces"]) == sorted(r.request_id for r in reqs)
+    # the actors run on this machine: the same clock, within the ping's bound
+    assert out["client"]["client_clock_offset_s_max"] <= out["client"]["client_clock_error_s_max"] + 0.001
+    row = serving_metrics(out["traces"], None, {r.request_id: 10 for r in reqs})
+    assert row["completed"] == 12 and 0.030 <= row["ttft_s"] < 0.060

@@ -90,6 +90,9 @@ class LoadShape:
     trace_block_size: int = spec(512, ge=1, help="prompt tokens per hash id of the trace")
     client_processes: int = spec(1, ge=1, help="endpoint engines: client processes the load is split over, "
                                                "each with its own event loop")
+    client_backend: str = spec("local", choices=("local", "ray"),
+                               help="where client processes run: this machine, or Ray actors (ray_address)")
+    ray_address: str | None = spec(None, help="client_backend=ray: the cluster to join (null: a local instance)")
     client_lag_limit_s: float = spec(CLIENT_LAG_LIMIT_S, gt=0,
                                      help="send-lag p99 or loop lag above this (or above 5 per cent of the tightest SLO) "
                                           "marks the point client_limited")
@@ -334,7 +337,8 @@ class Serving(Workload):
 
             out = serve_load(reqs, closed=closed, concurrency=params.get("concurrency") or 1,
                              max_concurrency=None if closed else cfg.max_concurrency, ramp_up_s=cfg.ramp_up_s,
-                             processes=cfg.client_processes, should_stop=should_stop)
+                             processes=cfg.client_processes, should_stop=should_stop,
+                             backend=cfg.client_backend, ray_address=cfg.ray_address)
             traces, client, start = out["traces"], out["client"], out["start_ns"]
             sent = {t.request_id for t in traces}
             traces += [RequestTrace(r.request_id, start + round(r.arrival_s * 1e9), len(r.prompt_ids),

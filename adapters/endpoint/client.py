@@ -336,6 +336,98 @@ class ClientProcesses:
                 p.wait()
 
 
+# ---- client processes as Ray actors (a local Ray instance, or a cluster) -----------------------------
+
+class ClientActor:
+    """One client as a Ray actor (async: its methods share the actor's event loop, so the harness
+    can ask for first tokens and stop the point while `run` streams)."""
+
+    def __init__(self) -> None:
+        self.states: list[ReqState] = []
+        self.stats = ClientStats()
+        self.task: asyncio.Task | None = None
+        gc.freeze()
+
+    async def ping(self) -> int:
+        return now_ns()
+
+    async def run(self, job: Job) -> tuple[list[ReqState], ClientStats]:
+        session = job.spec.session()
+        self.task = asyncio.current_task()
+        try:
+            await run_job(job, session, self.states, self.stats)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await session.close()
+        return self.states, self.stats
+
+    async def first_tokens(self) -> list[tuple[int, int]]:
+        return [(s.scheduled_ns, s.token_times[0]) for s in self.states if s.token_times]
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+class RayClients:
+    """The client processes as Ray actors - the same calls as `ClientProcesses`. `address`: a Ray
+    cluster to join (None: the running instance, or a local one started here). Each actor's clock
+    offset is measured by ping like a local process's: on other machines it is a real offset, and
+    its bound (half the round trip) is what every TTFT/E2EL may be off by."""
+
+    def __init__(self, jobs: list[Job], address: str | None = None):
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("workload.client_backend=ray needs Ray: pip install 'ray>=2.9'") from None
+        self.ray = ray
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                     configure_logging=False)
+        actor = ray.remote(num_cpus=0)(ClientActor)
+        self.jobs = jobs
+        self.actors = [actor.remote() for _ in jobs]
+        self.refs: list[Any] = []
+        ray.get([a.ping.remote() for a in self.actors], timeout=120)
+
+    def measure_clocks(self, pings: int = 5) -> list[tuple[int, int]]:
+        out = []
+        for a in self.actors:
+            best: tuple[int, int] | None = None
+            for _ in range(pings):
+                t0 = now_ns()
+                theirs = self.ray.get(a.ping.remote(), timeout=30)
+                t1 = now_ns()
+                if best is None or (t1 - t0) // 2 < best[1]:
+                    best = (theirs - (t0 + t1) // 2, (t1 - t0) // 2)
+            out.append(best)  # type: ignore[arg-type]
+        return out
+
+    def start(self, start_ns: int) -> None:
+        for job in self.jobs:
+            job.start_ns = start_ns
+        self.refs = [a.run.remote(job) for a, job in zip(self.actors, self.jobs)]
+
+    def first_tokens(self) -> list[tuple[int, int]]:
+        return [x for part in self.ray.get([a.first_tokens.remote() for a in self.actors]) for x in part]
+
+    def stop(self) -> None:
+        self.ray.get([a.stop.remote() for a in self.actors])
+
+    def running(self) -> bool:
+        ready, _ = self.ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) < len(self.refs)
+
+    def wait(self, timeout_s: float) -> list[tuple[list[ReqState], ClientStats]]:
+        return self.ray.get(self.refs, timeout=timeout_s)
+
+    def close(self) -> None:
+        for a in self.actors:
+            self.ray.kill(a)
+        self.actors = []
+
+
 def child_main() -> None:
     """A client process: run one Job, reporting first tokens as they come."""
     out = sys.stdout.buffer

@@ -57,7 +57,9 @@ from adapters.endpoint.launch import ServerError, ServerProcess, free_port, rend
 from adapters.endpoint.options import (
     KV_DTYPES, PREFIX_CACHE_KINDS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems,
 )
-from adapters.endpoint.client import ClientProcesses, ClientSpec, ClientStats, Item, Job, run_job, split_job
+from adapters.endpoint.client import (
+    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, run_job, split_job,
+)
 from adapters.endpoint.stream import ITL_CHUNKING, ReqState, dumps, http_reason, stream_completion
 from harness.core.kvcalc import bytes_per_token, kv_dtype_of
 from harness.core.metrics import RequestTrace
@@ -652,10 +654,12 @@ class EndpointEngine(Engine):
     # ---- the load generator: a serving point on the client's own loop(s) -------------------------
     def serve_load(self, requests: list[Request], *, closed: bool, concurrency: int = 1,
                    max_concurrency: int | None = None, ramp_up_s: float = 0.0, processes: int = 1,
-                   should_stop: Callable[[list[tuple[int, int]], int], bool] | None = None) -> dict[str, Any]:
+                   should_stop: Callable[[list[tuple[int, int]], int], bool] | None = None,
+                   backend: str = "local", ray_address: str | None = None) -> dict[str, Any]:
         """Serve one point's requests with the load generator (adapters/endpoint/client.py): open
         loop at their arrival offsets (`max_concurrency` caps those in flight) or closed loop
-        (`concurrency` in flight), over `processes` client processes. Every stream is read and
+        (`concurrency` in flight), over `processes` client processes (backend `local`: processes
+        of this machine; `ray`: Ray actors, at `ray_address` or a local instance). Every stream is read and
         stamped on its client's event loop; nothing per token crosses a thread. `should_stop(
         [(scheduled, first token)], start_ns)` is asked every 0.1 s; True stops the point (its
         streams close). Returns {"start_ns", "traces" (RequestTrace per request sent), "client"
@@ -677,7 +681,7 @@ class EndpointEngine(Engine):
         gc.collect()
         gc.freeze()  # the harness's own objects are not scanned by collections during the point
         try:
-            if processes <= 1:
+            if processes <= 1 and backend == "local":
                 start = now_ns() + 5_000_000
                 job.start_ns = start
                 stats = ClientStats(pid=os.getpid())
@@ -701,7 +705,8 @@ class EndpointEngine(Engine):
                     raise fut.exception()  # type: ignore[misc]
                 per_process.append(stats)
             else:
-                pool = ClientProcesses(split_job(job, processes))
+                jobs = split_job(job, processes)
+                pool = RayClients(jobs, ray_address) if backend == "ray" else ClientProcesses(jobs)
                 try:
                     offsets = pool.measure_clocks()
                     start = now_ns() + 20_000_000
