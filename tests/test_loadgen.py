@@ -293,3 +293,13 @@ def test_clients_as_ray_actors_on_a_local_ray_instance():
     assert out["client"]["client_clock_offset_s_max"] <= out["client"]["client_clock_error_s_max"] + 0.001
     row = serving_metrics(out["traces"], None, {r.request_id: 10 for r in reqs})
     assert row["completed"] == 12 and 0.030 <= row["ttft_s"] < 0.060
+
+
+def test_a_client_clock_offset_beyond_its_bound_is_corrected_else_left_alone():
+    from adapters.endpoint.client import correction, shift_states
+    from adapters.endpoint.stream import ReqState
+    assert correction(40_000, 50_000) == 0 and correction(-3_000_000, 50_000) == -3_000_000
+    st = ReqState("r", 4, 2, scheduled_ns=1_000, ready_ns=1_000, sent_ns=1_100, token_times=[2_000, 2_500],
+                  chunk_times=[2_000, 2_500])
+    shift_states([st], 1_000)
+    assert (st.scheduled_ns, st.sent_ns, st.token_times, st.chunk_times) == (0, 100, [1_000, 1_500], [1_000, 1_500])

@@ -12,9 +12,11 @@ round robin (request i to process i mod N, in arrival order), the concurrency ca
 closed-loop slots are split as evenly as they go (the first processes take the remainder), and
 each process's requests follow the same rule. Every process stamps with `time.perf_counter_ns()`,
 which on Linux is CLOCK_MONOTONIC: one clock for every process of the machine, so the records
-merge without conversion. Each process still reports its offset from the harness's clock,
-measured by a ping at start (offset = its reading minus the midpoint of the harness's send and
-receive; error at most half the round trip), so a clock that is not shared would show.
+merge without conversion. Each process's offset from the harness's clock is still measured, by
+a ping at start (offset = its reading minus the midpoint of the harness's send and receive;
+error at most half the round trip); where it exceeds that bound (a clock that is not shared:
+another machine), the process is told its start in its own clock and its records are shifted
+back by the offset (`correction`, `shift_states`).
 
 What each process also measures about itself (`ClientStats`): its CPU time over the wall time
 of the point, and loop lag - how late a 2 ms timer fires on its event loop while streams are
@@ -219,6 +221,25 @@ def split_job(job: Job, n: int) -> list[Job]:
 
 # ---- several client processes ------------------------------------------------------------------
 
+def correction(offset_ns: int, error_ns: int) -> int:
+    """The shift applied to a client's clock: its measured offset where that exceeds the
+    measurement's own bound (another machine's clock), else 0 (one clock: nothing to correct)."""
+    return offset_ns if abs(offset_ns) > error_ns else 0
+
+
+def shift_states(states: list[ReqState], d: int) -> None:
+    """Move a client's records from its clock to the harness's (subtract its offset `d`)."""
+    if not d:
+        return
+    for s in states:
+        s.scheduled_ns -= d
+        s.ready_ns -= d
+        if s.sent_ns is not None:
+            s.sent_ns -= d
+        s.token_times = [t - d for t in s.token_times]
+        s.chunk_times = [t - d for t in s.chunk_times]
+
+
 class ClientProcesses:
     """N client processes (`python -m adapters.endpoint.client`) running one point's jobs.
     `first_tokens()` gives the (scheduled, first token) times they reported so far; `stop()`
@@ -232,6 +253,7 @@ class ClientProcesses:
         self._pong: list[tuple[int, int] | None] = [None] * len(jobs)
         self._readers: list[threading.Thread] = []
         self._ready = [threading.Event() for _ in jobs]
+        self.shifts = [0] * len(jobs)
         self._lock = threading.Lock()
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -252,8 +274,9 @@ class ClientProcesses:
             while True:
                 kind, payload = pickle.load(p.stdout)
                 if kind == "first":
+                    d = self.shifts[i]
                     with self._lock:
-                        self._first += payload
+                        self._first += [(a - d, f - d) for a, f in payload]
                 elif kind == "pong":
                     self._pong[i] = (payload, now_ns())
                 elif kind == "ready":
@@ -297,9 +320,12 @@ class ClientProcesses:
             out.append(best)  # type: ignore[arg-type]
         return out
 
-    def start(self, start_ns: int) -> None:
+    def start(self, start_ns: int, shifts: list[int]) -> None:
+        """Start at `start_ns` of the harness's clock: each process's `start_ns + shift` (its clock
+        minus the harness's, `correction()`)."""
+        self.shifts = shifts
         for i in range(len(self.procs)):
-            self._send(i, b"start %d\n" % start_ns)
+            self._send(i, b"start %d\n" % (start_ns + shifts[i]))
 
     def first_tokens(self) -> list[tuple[int, int]]:
         with self._lock:
@@ -320,6 +346,8 @@ class ClientProcesses:
         if missing:
             raise RuntimeError(f"client processes {missing} ended without their records"
                                + (f": {'; '.join(self.errors)}" if self.errors else ""))
+        for (states, _), d in zip(self.results, self.shifts):  # type: ignore[misc]
+            shift_states(states, d)
         return self.results  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -389,6 +417,7 @@ class RayClients:
         self.jobs = jobs
         self.actors = [actor.remote() for _ in jobs]
         self.refs: list[Any] = []
+        self.shifts = [0] * len(jobs)
         ray.get([a.ping.remote() for a in self.actors], timeout=120)
 
     def measure_clocks(self, pings: int = 5) -> list[tuple[int, int]]:
@@ -404,13 +433,15 @@ class RayClients:
             out.append(best)  # type: ignore[arg-type]
         return out
 
-    def start(self, start_ns: int) -> None:
-        for job in self.jobs:
-            job.start_ns = start_ns
+    def start(self, start_ns: int, shifts: list[int]) -> None:
+        self.shifts = shifts
+        for job, d in zip(self.jobs, shifts):
+            job.start_ns = start_ns + d
         self.refs = [a.run.remote(job) for a, job in zip(self.actors, self.jobs)]
 
     def first_tokens(self) -> list[tuple[int, int]]:
-        return [x for part in self.ray.get([a.first_tokens.remote() for a in self.actors]) for x in part]
+        parts = self.ray.get([a.first_tokens.remote() for a in self.actors])
+        return [(a - d, f - d) for part, d in zip(parts, self.shifts) for a, f in part]
 
     def stop(self) -> None:
         self.ray.get([a.stop.remote() for a in self.actors])
@@ -420,7 +451,10 @@ class RayClients:
         return len(ready) < len(self.refs)
 
     def wait(self, timeout_s: float) -> list[tuple[list[ReqState], ClientStats]]:
-        return self.ray.get(self.refs, timeout=timeout_s)
+        results = self.ray.get(self.refs, timeout=timeout_s)
+        for (states, _), d in zip(results, self.shifts):
+            shift_states(states, d)
+        return results
 
     def close(self) -> None:
         for a in self.actors:

@@ -58,7 +58,7 @@ from adapters.endpoint.options import (
     KV_DTYPES, PREFIX_CACHE_KINDS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems,
 )
 from adapters.endpoint.client import (
-    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, run_job, split_job,
+    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, correction, run_job, split_job,
 )
 from adapters.endpoint.stream import ITL_CHUNKING, ReqState, dumps, http_reason, stream_completion
 from harness.core.kvcalc import bytes_per_token, kv_dtype_of
@@ -710,7 +710,7 @@ class EndpointEngine(Engine):
                 try:
                     offsets = pool.measure_clocks()
                     start = now_ns() + 20_000_000
-                    pool.start(start)
+                    pool.start(start, [correction(off, err) for off, err in offsets])
                     while pool.running():
                         time.sleep(0.1)
                         if should_stop is not None and should_stop(pool.first_tokens(), start):
