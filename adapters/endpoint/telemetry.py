@@ -11,27 +11,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# per kind: the sample names kept (counters with their `_total` suffix)
-SERIES: dict[str, tuple[str, ...]] = {
-    "vllm": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_running",
-             "vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
-             "vllm:prefix_cache_queries_total"),
-    "infer-bench": ("infer_bench_kv_cache_usage_perc", "infer_bench_num_requests_running",
-                    "infer_bench_num_requests_waiting", "infer_bench_num_preemptions_total",
-                    "infer_bench_prefix_cache_hits_total", "infer_bench_prefix_cache_queries_total"),
-    "sglang": ("sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:cache_hit_rate"),
-    "trtllm": (),
-}
+from adapters.endpoint.kinds import KINDS
+
 # any other server: gauges and counters whose names say they are about these
 _GENERIC = re.compile(r"(kv_cache|cache_usage|token_usage|num_requests|running|waiting|queue|preempt|prefix_cache)")
-# what kv_cache_info() reads, by meaning: kind -> (usage, hits, queries, preemptions, config-info family)
-KV_NAMES: dict[str, tuple[str, str, str, str, str]] = {
-    "vllm": ("vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-             "vllm:num_preemptions_total", "vllm:cache_config_info"),
-    "infer-bench": ("infer_bench_kv_cache_usage_perc", "infer_bench_prefix_cache_hits_total",
-                    "infer_bench_prefix_cache_queries_total", "infer_bench_num_preemptions_total",
-                    "infer_bench_cache_config_info"),
-}
 
 
 def parse(text: str) -> tuple[dict[str, float], dict[str, dict[str, str]]]:
@@ -52,7 +35,9 @@ def parse(text: str) -> tuple[dict[str, float], dict[str, dict[str, str]]]:
 
 
 def wanted(kind: str, values: dict[str, float]) -> dict[str, float]:
-    names = SERIES.get(kind)
+    """The samples kept of a kind's server (its record's `metrics.series`; others: by their words)."""
+    m = KINDS[kind].metrics if kind in KINDS else None
+    names = m.series if m is not None else ()
     if names:
         return {k: v for k, v in values.items() if k in names}
     return {k: v for k, v in values.items() if _GENERIC.search(k)}

