@@ -71,6 +71,18 @@ ENERGY = [
     ("J per output token", "energy / output tokens of the point (its inverse: output tokens per J)"),
 ]
 
+QUALITY = [
+    ("perplexity", "exp(mean −log p(actual token)) over the scored positions of held-out windows, "
+                   "teacher-forced (every position predicted from the true tokens before it)"),
+    ("Δ perplexity", "perplexity − the float32 reference engine's (float32 KV cache) on the same windows"),
+    ("top-1 agreement", "share of positions where the engine's most likely next token is the baseline's"),
+    ("mean KL", "mean over positions of KL(baseline ‖ engine) on the baseline's top-k tokens plus one bucket "
+                "for all other tokens (a lower bound of the full KL)"),
+    ("long context", "the same over each window's last positions (from long_from on), where KV error accumulates"),
+    ("KV bytes / token", "the engine's own report of its KV cache's bytes per token at that KV dtype"),
+    ("output tok/s", "a short decode at the same settings: batch / median decode step latency"),
+]
+
 HTTP = [
     ("token counts", "the server's usage.completion_tokens beside the tokens the client received; a mismatch "
                      "is flagged, never averaged away"),

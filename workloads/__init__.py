@@ -15,6 +15,7 @@ REGISTRY: dict[str, str] = {
     "kv_memory": "workloads.kv_memory:KVMemory",
     "parity": "workloads.parity:Parity",
     "capacity": "workloads.capacity:Capacity",
+    "quality": "workloads.quality:Quality",
 }
 
 

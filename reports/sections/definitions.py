@@ -40,6 +40,8 @@ def definitions(data: ReportData) -> list[Block]:
     if "transport" in data.rows.columns and (data.rows["transport"] == "http").any():
         blocks.append(_table(d.HTTP, "Engines over HTTP.", "definitions-http"))
     blocks.append(_table(d.MEMORY, "Memory.", "definitions-memory"))
+    if "quality" in workloads:
+        blocks.append(_table(d.QUALITY, "Quality (teacher-forced, on held-out text).", "definitions-quality"))
     if "energy_j" in data.rows.columns or "energy_note" in data.rows.columns:
         blocks.append(_table(d.ENERGY, "Energy.", "definitions-energy"))
     blocks.append(_table(statistics_items(), "Statistics.", "definitions-statistics"))
