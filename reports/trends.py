@@ -77,12 +77,13 @@ def series_figure(s: Series, changes: list[ChangePoint]) -> Figure:
                       line=dict(color=CHANGE_COLOUR, width=2, dash="dash"), name="change point")
         fig.add_annotation(x=x, y=1, yref="paper", yanchor="bottom", showarrow=False,
                            text=esc(f"{cp.commit_range} ×{cp.magnitude:.3f}"), font=dict(color=CHANGE_COLOUR, size=11))
-    base_layout(fig, height=260, title=s.label)
+    base_layout(fig, height=260, title=f"{s.engine} · {s.metric}")
     fig.update_layout(showlegend=False, margin=dict(l=60, r=20, t=80, b=70))
     fig.update_xaxes(tickmode="array", tickvals=list(range(len(order))), ticktext=[esc(c[:8]) for c in order],
                      tickangle=-45, title_text="commit (by commit date)")
     fig.update_yaxes(title_text=esc(s.metric))
-    caption = (f"{s.model}, config {s.config_hash}: {len(s.points)} runs of {len(commits)} commits"
+    caption = (f"{s.workload} {s.point_label}; {s.model}, config {s.config_hash}: "
+               f"{len(s.points)} runs of {len(commits)} commits"
                + (f", {len(failed)} commits failed" if failed else "")
                + (f"; {len(changes)} change points" if changes else "; no change point"))
     return Figure(fig, series_anchor(s), caption)
