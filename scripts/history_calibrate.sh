@@ -12,6 +12,9 @@
 #      inserted commit, its ratio within +-10 % of the slowdown infer-bench-ab measured
 #      ((ratio - 1) / (ab - 1) in [0.9, 1.1]).
 #   scripts/history_calibrate.sh [SCRATCH_DIR]     exit 0 pass, 1 fail
+#   CHECK_ONLY=1 scripts/history_calibrate.sh DIR  only step 3, on the runs already in DIR
+#   MAX_PVALUE=0.01 ...                            the detector's significance (default: the command's, 0.001)
+# Takes about 23 min beside other work on 2 cores (35 backfill runs + 12 A/B runs).
 # Run it on an otherwise idle machine: beside other work the runs are noisy.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,7 +28,10 @@ CONFIG=(engines=[reference] model=tiny dtype=float32 engine_options.reference.nu
         workload.batch_sizes=[1] workload.prompt_lens=[128] workload.output_len=32
         workload.warmup=2 workload.min_repeats=8 workload.min_duration_s=1)
 start=$(date +%s)
+export PYTHONPATH="$SCRATCH/repo"
+STORE="$SCRATCH/history.duckdb"
 
+if [ -z "${CHECK_ONLY:-}" ]; then
 rm -rf "$SCRATCH"
 mkdir -p "$SCRATCH"
 git clone -q "$REPO" "$SCRATCH/repo"
@@ -54,14 +60,16 @@ git checkout -q "$(git -C "$REPO" rev-parse HEAD)"  # the tool itself runs from 
 echo "branch: $(git rev-list --count "$FIRST^..$BRANCH_HEAD") commits, handicap at ${HANDICAPPED:0:12}"
 git log --oneline "$FIRST^..$BRANCH_HEAD"
 
-export PYTHONPATH="$SCRATCH/repo"
-STORE="$SCRATCH/history.duckdb"
+echo "$HANDICAPPED" > "$SCRATCH/handicapped"
 "$PY" -m harness.history_cli --store "$STORE" backfill --commits "$FIRST^..$BRANCH_HEAD" \
     --repeats "$REPEATS" --out "$SCRATCH/backfill" -- "${CONFIG[@]}"
 "$PY" -m harness.ab --baseline-ref "$HANDICAPPED^" --candidate-ref "$HANDICAPPED" --rounds "$AB_ROUNDS" \
     --metric decode_step_latency_s --out "$SCRATCH/ab" -- "${CONFIG[@]}" || true  # exit 1: regressed, expected
+fi
+HANDICAPPED=$(cat "$SCRATCH/handicapped")
 set +e
-"$PY" -m harness.history_cli --store "$STORE" changes --metric decode_step_latency_s --json "$SCRATCH/changes.json"
+"$PY" -m harness.history_cli --store "$STORE" --repo "$SCRATCH/repo" changes --metric decode_step_latency_s \
+    --json "$SCRATCH/changes.json" ${MAX_PVALUE:+--max-pvalue "$MAX_PVALUE"}
 "$PY" - "$SCRATCH" "$HANDICAPPED" <<'EOF'
 import json, sys
 scratch, handicapped = sys.argv[1], sys.argv[2]
@@ -75,7 +83,8 @@ for c in changes:
           f"n {c['n_before']}/{c['n_after']}" + ("  <- the handicap commit" if c["commit_after"] == handicapped else ""))
 if ok:
     rel = (changes[0]["ratio"] - 1) / (ab_ratio - 1)
-    print(f"slowdown seen by the history / by infer-bench-ab: {rel:.3f} (pass: 0.9-1.1)")
+    print(f"slowdown seen by the history / by infer-bench-ab: {rel:.3f} (pass: 0.9-1.1); "
+          f"ratio / A/B ratio: {changes[0]['ratio'] / ab_ratio:.3f}")
     ok = 0.9 <= rel <= 1.1
 print("PASS" if ok else "FAIL: expected exactly one change point, at the handicap commit, within +-10 % of the A/B slowdown")
 sys.exit(0 if ok else 1)
