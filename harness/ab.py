@@ -195,7 +195,8 @@ def run_medians(results: Path, metrics: list[str]) -> Values:
         for m in metrics:
             key = (r["engine"], r["point_key"], m)
             if r.get("status") != "ok":
-                out[key] = r.get("status") or "?"
+                err = (r.get("error") or "").strip().splitlines()
+                out[key] = (r.get("status") or "?") + (f" ({err[-1][:160]})" if err else "")
                 continue
             v = r.get(METRICS[m][0])
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v):
@@ -275,9 +276,12 @@ def overall(results: list[PairResult], candidate_exits: list[tuple[int, int, lis
     for r in results:
         if r.verdict == "failed":
             why.append(f"{r.engine} {r.point.split(':', 1)[-1]} {r.metric}: {r.note}")
+    grouped: dict[tuple[int, str], list[int]] = {}
     for rnd, code, reasons in candidate_exits:
-        why.append(f"the candidate's infer-bench exited {code} in round {rnd}"
-                   + (f": {'; '.join(reasons)}" if reasons else ""))
+        grouped.setdefault((code, "; ".join(reasons)), []).append(rnd)
+    for (code, reasons), rnds in grouped.items():
+        why.append(f"the candidate's infer-bench exited {code} in round{'s' if len(rnds) > 1 else ''} "
+                   f"{', '.join(map(str, rnds))}" + (f": {reasons}" if reasons else ""))
     if why:
         return "failed", list(dict.fromkeys(why))
     return ("regressed" if any(r.verdict == "regressed" for r in results) else "unchanged"), []
