@@ -123,7 +123,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     series, found = h.find_changes(args.store, args.metric, args.engine, None, args.max_pvalue, args.min_magnitude)
     if not series:
         raise UserError(f"--store {args.store}: no series to draw (no ok rows{' of these metrics' if args.metric else ''}).")
-    out = write_trends(series, found, args.output, title=args.title)
+    out = write_trends(series, found, args.output or Path(args.store).parent / "trends.html", title=args.title)
     print(f"trends: {out} ({len(series)} series, {len(found)} change points)")
     return 0
 
@@ -237,7 +237,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_backfill)
     p = sub.add_parser("report", help="write the trend page")
     detector(p)
-    p.add_argument("-o", "--output", default="trends.html")
+    p.add_argument("-o", "--output", help="the page (default: trends.html next to the store, where a run "
+                   "report's history links point)")
     p.add_argument("--title", default=None)
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("export", help="write the store as Parquet, partitioned by machine fingerprint")

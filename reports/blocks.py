@@ -17,6 +17,7 @@ class Cell:
     best: bool = False           # the best value of its column (within its group)
     cls: str = ""                # extra CSS class: "num", "bad", "good", "muted"
     title: str = ""              # tooltip (exact value, CI)
+    href: str = ""               # the text links there (a relative URL the report makes itself)
 
 
 @dataclass

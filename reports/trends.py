@@ -34,12 +34,6 @@ class MachineSection:
     figures: list[Figure]
 
 
-def series_anchor(s: Series) -> str:
-    """The id of a series' chart on the page (the run report links to trends.html#<anchor>)."""
-    import hashlib
-    return "trend-" + hashlib.sha256(s.key.encode()).hexdigest()[:12]
-
-
 def series_figure(s: Series, changes: list[ChangePoint]) -> Figure:
     commits: list[str] = []
     dates: dict[str, datetime] = {}
@@ -86,7 +80,7 @@ def series_figure(s: Series, changes: list[ChangePoint]) -> Figure:
                f"{len(s.points)} runs of {len(commits)} commits"
                + (f", {len(failed)} commits failed" if failed else "")
                + (f"; {len(changes)} change points" if changes else "; no change point"))
-    return Figure(fig, series_anchor(s), caption)
+    return Figure(fig, s.anchor, caption)
 
 
 def changes_table(changes: list[ChangePoint]) -> Table:

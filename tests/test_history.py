@@ -257,6 +257,19 @@ def test_a_run_with_history_path_ingests_itself(tmp_path: Path) -> None:
     assert f"history: 1 rows ingested into {store}" in r.stdout
     con = duckdb.connect(str(store), read_only=True)
     assert con.execute("select engine, status from rows").fetchall() == [("reference", "ok")]
+    # its report links the point's decode step to the trend-page chart of the series the store holds
+    machine, engine, point_key, model, chash = con.execute(
+        "select machine, engine, point_key, model, config_hash from rows").fetchone()
+    anchor = h.series_anchor(machine, engine, point_key, model, chash, "decode_step_latency_s")
+    report = (tmp_path / "run" / "report.html").read_text()
+    assert f'href="../trends.html#{anchor}"' in report
+
+
+def test_trend_links_are_relative_and_never_a_url_scheme(tmp_path: Path) -> None:
+    from reports.sections.history_links import trends_href
+    assert trends_href(str(tmp_path / "h.duckdb"), tmp_path / "run", "trend-x") == "../trends.html#trend-x"
+    assert trends_href(str(tmp_path / "javascript:alert(1)" / "h.duckdb"), tmp_path,
+                       "a").startswith("./javascript:alert(1)/trends.html")
 
 
 def test_since_keeps_only_changes_after_that_commit_date(tmp_path: Path) -> None:

@@ -478,6 +478,11 @@ class Series:
         return "|".join([self.machine, self.engine, self.point_key, self.model, self.config_hash, self.metric])
 
     @property
+    def anchor(self) -> str:
+        """The id of the series' chart on the trend page (the run report links to it)."""
+        return series_anchor(self.machine, self.engine, self.point_key, self.model, self.config_hash, self.metric)
+
+    @property
     def point_label(self) -> str:
         """The point's parameters, short: `batch_size=1 output_len=8 prompt_len=32`."""
         text = self.point_key.split(":", 1)[-1]
@@ -497,6 +502,33 @@ class Series:
 
 # The metrics a series is made of when none is named: each workload's headline figures.
 DEFAULT_METRICS = ("decode_step_latency_s", "prefill_latency_s", "output_tok_s", "ttft_s", "tpot_s", "e2el_s")
+
+
+def series_anchor(machine: str, engine: str, point_key: str, model: str, chash: str, metric: str) -> str:
+    key = "|".join([machine, engine, point_key or "", model or "", chash, metric])
+    return "trend-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def run_series_anchors(run_dir: Path, rows: list[dict[str, Any]],
+                       metrics: tuple[str, ...] = DEFAULT_METRICS) -> list[tuple[dict[str, Any], str, str]]:
+    """(row, metric, anchor of its series) for every ok row of a run and every headline metric it
+    has: where the run's points are drawn on the trend page."""
+    try:
+        env = json.loads((run_dir / ENVIRONMENT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        env = None
+    machine, _ = machine_fingerprint(env)
+    chash = config_hash(run_overrides(run_dir))
+    out = []
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        model = Path(str(r.get("model_path"))).name if r.get("model_path") else r.get("model")
+        for m in metrics:
+            if _float(r.get(m)) is not None:
+                out.append((r, m, series_anchor(machine, str(r.get("engine")), str(r.get("point_key") or ""),
+                                                str(model or ""), chash, m)))
+    return out
 
 
 def known_metrics(con: Any) -> list[str]:

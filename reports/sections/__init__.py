@@ -45,4 +45,4 @@ def section(id: str, title: str, intro: str = "") -> Callable[[Callable[[ReportD
 # Page order.
 from reports.sections import (  # noqa: E402,F401
     header, summary, baseline, sweep, memory, kv_ablation_section, prefix, serving_load, capacity, endpoints,
-    energy, kv_fragmentation, roofline_section, parity_section, quality, definitions)
+    energy, kv_fragmentation, roofline_section, parity_section, quality, history_links, definitions)
