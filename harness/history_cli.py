@@ -3,7 +3,7 @@
     infer-bench-history [--store runs/history.duckdb] ingest RUN_DIR...
     infer-bench-history changes [--metric M ...] [--engine E] [--since REF] [--check]
     infer-bench-history backfill --commits A..B [--every N] [--repeats R] -- [infer-bench overrides]
-    infer-bench-history report -o trends.html
+    infer-bench-history report [-o PAGE]   (default: trends.html next to the store)
     infer-bench-history export --parquet DIR
 
 Exit codes: 0 done; 1 `changes --check` listed a change point (or compared nothing), `ingest`
