@@ -635,8 +635,12 @@ def change_points(s: Series, max_pvalue: float = MAX_PVALUE, min_magnitude: floa
     of the series. A change can only fall between two commits: a change point Otava places inside
     one commit's block of repeats is moved to the nearer commit boundary, and the statistics of
     every change point are then recomputed with Otava's t-test over the segments between them."""
-    from otava.analysis import TTestSignificanceTester, compute_change_points
-    from otava.change_point_divisive.base import CandidateChangePoint
+    try:
+        from otava.analysis import TTestSignificanceTester, compute_change_points
+        from otava.change_point_divisive.base import CandidateChangePoint
+    except ImportError:
+        raise UserError("change points need Apache Otava's E-Divisive means: pip install apache-otava (a "
+                        "dependency of infer-bench; reinstall with pip install -e .)") from None
 
     values = [p.value for p in s.points]
     starts = _commit_starts(s.points)
