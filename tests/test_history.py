@@ -278,3 +278,18 @@ def test_since_keeps_only_changes_after_that_commit_date(tmp_path: Path) -> None
     # the change's first commit after it is commit 4, dated T0 + 4 days
     assert len(h.find_changes(store, since=h.utc(T0 + timedelta(days=3, hours=12)))[1]) == 1
     assert h.find_changes(store, since=h.utc(T0 + timedelta(days=4)))[1] == []
+
+
+def test_an_older_store_is_migrated_and_a_foreign_file_refused(tmp_path: Path) -> None:
+    store = tmp_path / "old.duckdb"
+    duckdb.connect(str(store)).close()  # a DuckDB file of schema version 0: no tables at all
+    with pytest.raises(h.UserError, match="not an infer-bench history store"):
+        h.load_series(store)
+    h.ingest(store, series_runs(tmp_path / "runs", [1.0], repeats=1, noise=0.01))  # writing migrates it
+    con = duckdb.connect(str(store), read_only=True)
+    assert con.execute("select value from meta").fetchall() == [(str(h.STORE_SCHEMA_VERSION),)]
+    con.close()
+    text = tmp_path / "text.duckdb"
+    text.write_text("not a database")
+    code, err = _cli(["--store", str(text), "changes"])
+    assert code == 2 and f"--store {text}" in err and "Traceback" not in err
