@@ -129,11 +129,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    from harness import ab  # (imports the checkpoint code: only backfill needs it)
     repo = Path(args.repo).resolve()
     commits = commit_range(repo, args.commits, args.every)
     if args.repeats < 1:
         raise UserError(f"--repeats {args.repeats}: must be 1 or more.")
+    from harness import ab  # (imports the checkpoint code: only backfill needs it, once its input is good)
     from harness.core.env import environment
     pinned = ab.pin_model(list(args.overrides), model_cache_dir(None))
     chash = h.config_hash(pinned)

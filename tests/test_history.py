@@ -215,12 +215,16 @@ def test_export_parquet_is_partitioned_by_machine(tmp_path: Path) -> None:
 
 # ---- bad input: exit 2, one message naming the field ------------------------------------------
 
-def _cli(args: list[str]) -> tuple[int, str]:
-    r = subprocess.run([sys.executable, "-m", "harness.history_cli", *args], capture_output=True, text=True)
-    return r.returncode, r.stderr
+def _cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """The command's entry point (its error handling included), in this process."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        history_cli.main(args)
+    return int(e.value.code), capsys.readouterr().err
 
 
-def test_bad_input_exits_2_naming_the_field(tmp_path: Path) -> None:
+def test_bad_input_exits_2_naming_the_field(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _cli = lambda args: globals()["_cli"](args, capsys)  # noqa: E731
     code, err = _cli(["--store", str(tmp_path / "none.duckdb"), "changes"])
     assert code == 2 and "--store" in err and "Traceback" not in err
     store = tmp_path / "h.duckdb"
@@ -280,7 +284,7 @@ def test_since_keeps_only_changes_after_that_commit_date(tmp_path: Path) -> None
     assert h.find_changes(store, since=h.utc(T0 + timedelta(days=4)))[1] == []
 
 
-def test_an_older_store_is_migrated_and_a_foreign_file_refused(tmp_path: Path) -> None:
+def test_an_older_store_is_migrated_and_a_foreign_file_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     store = tmp_path / "old.duckdb"
     duckdb.connect(str(store)).close()  # a DuckDB file of schema version 0: no tables at all
     with pytest.raises(h.UserError, match="not an infer-bench history store"):
@@ -291,5 +295,5 @@ def test_an_older_store_is_migrated_and_a_foreign_file_refused(tmp_path: Path) -
     con.close()
     text = tmp_path / "text.duckdb"
     text.write_text("not a database")
-    code, err = _cli(["--store", str(text), "changes"])
+    code, err = _cli(["--store", str(text), "changes"], capsys)
     assert code == 2 and f"--store {text}" in err and "Traceback" not in err
