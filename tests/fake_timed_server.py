@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+BATCH = 64  # gap 0: chunks per write (the server's own cost per token stays far below a client's)
 _HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
          b"transfer-encoding: chunked\r\n\r\n")
 
@@ -106,6 +107,7 @@ class TimedServer:
         writer.write(_HEAD)
         sent, j, last = 0, 0, 0
         late, gaps = self.late_ns, self.gaps_ns
+        batch: list[bytes] = []  # gap 0: chunks go out BATCH to a write (one send() each, not one per chunk)
         while sent < n:
             k = min(self.per_chunk, n - sent)
             due = t0 + self.first_s + j * self.gap_s
@@ -119,12 +121,19 @@ class TimedServer:
             if last:
                 gaps.append(now - last)
             last = now
-            writer.write(frame)
             sent += k
             j += 1
-            if self.gap_s == 0 and j % 16 == 0:
+            if self.gap_s > 0:
+                writer.write(frame)
+                continue
+            batch.append(frame)
+            if j % BATCH == 0:
+                writer.write(b"".join(batch))
+                batch = []
                 await writer.drain()
-                await asyncio.sleep(0)  # let the other streams write too, every 16 chunks
+                await asyncio.sleep(0)  # let the other streams write too
+        if batch:
+            writer.write(b"".join(batch))
         usage = {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
         tail = b'data: {"id":"fake","object":"text_completion","choices":[],"usage":%s}\n\ndata: [DONE]\n\n' \
             % json.dumps(usage).encode()
