@@ -229,6 +229,11 @@ class Serving(Workload):
                 read_dataset(cfg.dataset, cfg.dataset_format)
             except UserError as e:
                 problems += e.problems
+        if cfg.client_backend == "ray":
+            import importlib.util
+            if importlib.util.find_spec("ray") is None:
+                problems.append("workload.client_backend=ray: Ray is not installed here. pip install 'ray>=2.9' "
+                                "(or infer-bench[ray]), or use client_backend=local.")
         if cfg.trace:
             from harness.core.errors import UserError
             from workloads.datasets import read_trace
