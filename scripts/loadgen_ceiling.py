@@ -13,8 +13,11 @@ sitting:
      largest ITL seen, --itl-runs runs of the harness, one of vllm bench;
   3. the harness with workload.client_processes=2 against 1: on two free client cores where
      there are, else on the one client core (it should lose less than 10 %);
-and for every harness run what the row says about the client (send lag, loop lag, client CPU,
-client_limited). --profile adds a cProfile of the harness's client loop at gap 0 (the path
+  4. a Mooncake-style trace (50 requests, Poisson at 25/s, shared prefixes) replayed by the
+     harness: its send lag;
+beside each, what the fake server actually did (its own gaps between writes: a late server is
+not a slow client), each client's CPU per output token, and for every harness run what the row
+says about the client (send lag, loop lag, client CPU, client_limited). --profile adds a cProfile of the harness's client loop at gap 0 (the path
 socket -> row). Total: about 3-5 minutes. Timing figures from a machine others use are noisy:
 say so when quoting them.
 """
