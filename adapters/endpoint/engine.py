@@ -641,10 +641,8 @@ class EndpointEngine(Engine):
         futs: list[Future] = []
         sem = asyncio.Semaphore(self.cfg.max_concurrency) if self.cfg.max_concurrency else None
 
-        def on_tokens(st: ReqState, first: int, n: int) -> None:
-            for k in range(first, min(first + n, st.expected)):
-                events.put(TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k],
-                                      finished=k == st.expected - 1))
+        def on_tokens(st: ReqState, first: int, n: int) -> None:  # one hand-off per chunk, not per token
+            events.put((st, first, n))
 
         try:
             while True:
@@ -668,13 +666,16 @@ class EndpointEngine(Engine):
                     item = events.get(timeout=None if nxt is None else max(0.0, (nxt - now_ns()) / 1e9))
                 except queue.Empty:
                     continue
-                if isinstance(item, tuple):  # ("end", state)
+                if len(item) == 2:  # ("end", state)
                     st = live.pop(item[1].request_id)
                     if st.error is not None:
                         yield RequestFailed(st.request_id, self._failure_detail(st),
                                             st.token_times[-1] if st.token_times else now_ns())
                     continue
-                yield item
+                st, first, n = item  # a chunk: its tokens, stamped in the loop that read them
+                for k in range(first, min(first + n, st.expected)):
+                    yield TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k],
+                                     finished=k == st.expected - 1)
         finally:  # a consumer that stops early: the streams still running are closed
             for f in futs:
                 f.cancel()
