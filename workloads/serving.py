@@ -20,7 +20,8 @@ whose queue grows through the run - time to first token rising with the arrival 
 than `SATURATION_SLOPE` seconds per second - is over capacity: it stops early, its remaining
 requests are cancelled, and the row is marked `saturated`.
 
-Dataset entries are used once each by default, in an order shuffled with the run's seed, cycling
+Dataset entries are used once each by default, in an order shuffled with the run's seed (and the
+point's key: each point has its own order, the same in every run), cycling
 only when more requests are asked for than the file holds (`dataset_order`: file | shuffle |
 random, the last drawing with replacement); the row says how many distinct entries were sent.
 
