@@ -170,6 +170,8 @@ def test_trtllm_tokens_in_chunks_without_text_are_counted(trtllm):
     assert not failures(events)
     assert len(tokens(events, "a")) == 9 and len(tokens(events, "b")) == 7
     assert fields["token_count_source"] == "usage" and not fields["token_count_mismatch"]
+    # audit item 12: no token ids from trtllm-serve: the rows say the ids are unknown (-1)
+    assert fields["output_token_ids"].startswith("unknown") and {e.token_id for e in events if isinstance(e, TokenEvent)} == {-1}
 
 
 def test_trtllm_prompts_longer_than_the_step_budget_are_served(trtllm):
@@ -248,10 +250,11 @@ def test_vllm_on_cpu_launches_as_before_and_counts_multi_token_chunks(tmp_path):
         assert not failures(events)
         assert all([e.token_id for e in tokens(events, f"r{i}")] == list(range(1000, 1012)) for i in range(4))
         assert fields["tokens_per_chunk_max"] > 1 and fields["token_count_source"] == "token_ids"
+        assert fields["output_token_ids"] == "from the server"
         argv = fields["server_argv"]
         assert "--enforce-eager" in argv and argv[argv.index("--gpu-memory-utilization") + 1] == "0.3"
         assert fields["server_settings"]["cuda_graphs"] is False
-        assert fields["options_differing_from_defaults"]["gpu_memory_utilization"] == {"value": 0.3, "default": 0.9}
+        assert fields["options_differing_from_defaults"]["gpu_memory_utilization"]["value"] == 0.3
         assert eng.server.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
         body = eng._body([1], 3)
         assert "min_tokens" not in body and body["ignore_eos"] is True
@@ -305,3 +308,35 @@ def test_a_report_warns_when_servers_ran_with_different_memory_shares(tmp_path):
     assert "memory share: vllm-a 0.5, vllm-b 0.8" in warning
     assert "cuda_graphs" not in warning  # both eager on CPU: not a difference
     assert not notes(page(tmp_path, rows[:2], name="one"), "http-settings-differ")
+
+
+@pytest.mark.vllm
+def test_vllm_own_parser_takes_every_mapped_flag():
+    """Every standard option's flag, as the harness writes it for a GPU launch, parsed by vLLM's
+    own command-line parser (in vLLM's environment): each lands on the engine argument it means."""
+    import json
+    import subprocess
+
+    from tests_support import vllm_python
+    py = vllm_python()
+    if py is None:
+        pytest.skip("no Python environment with vLLM here (make venv builds .venv-vllm)")
+    opts = {"kv_dtype": "fp8", "block_size": 32, "prefix_caching": False, "kv_cache_bytes": 10 ** 9,
+            "gpu_memory_utilization": 0.8, "tensor_parallel_size": 2, "chunked_prefill": False, "max_num_seqs": 64,
+            "max_num_batched_tokens": 4096}
+    plan = faked("vllm-serve")().launch_plan(spec("/models/m", device="cuda", dtype="bfloat16"), opts, port=8000)
+    argv = plan["command"][plan["command"].index("--model"):]
+    code = ("import json, sys\n"
+            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "ns = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+            "print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, (int, float, str, bool))}))")
+    r = subprocess.run([str(py), "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ns = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {k: ns[k] for k in ("kv_cache_dtype", "block_size", "enable_prefix_caching", "kv_cache_memory_bytes",
+                               "gpu_memory_utilization", "tensor_parallel_size", "enable_chunked_prefill",
+                               "max_num_seqs", "max_num_batched_tokens", "enforce_eager")} == {
+        "kv_cache_dtype": "fp8", "block_size": 32, "enable_prefix_caching": False, "kv_cache_memory_bytes": 10 ** 9,
+        "gpu_memory_utilization": 0.8, "tensor_parallel_size": 2, "enable_chunked_prefill": False,
+        "max_num_seqs": 64, "max_num_batched_tokens": 4096, "enforce_eager": False}

