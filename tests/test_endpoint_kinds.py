@@ -340,3 +340,14 @@ def test_vllm_own_parser_takes_every_mapped_flag():
         "kv_cache_dtype": "fp8", "block_size": 32, "enable_prefix_caching": False, "kv_cache_memory_bytes": 10 ** 9,
         "gpu_memory_utilization": 0.8, "tensor_parallel_size": 2, "enable_chunked_prefill": False,
         "max_num_seqs": 64, "max_num_batched_tokens": 4096, "enforce_eager": False}
+
+
+def test_sglang_flush_is_refused_while_a_request_runs_and_the_row_says_why(sglang):
+    """SGLang's /flush_cache answers 400 while requests run or wait: the reset is reported as
+    not done, with the reason, never taken as done."""
+    eng = sglang[0]
+    gen = eng.serve([Request("x", [1, 2, 3], 30)], now_ns())
+    next(gen)  # a token arrived: the request is running
+    eng.reset_prefix_cache()
+    list(gen)
+    assert eng.prefix_reset.startswith("no: POST /flush_cache answered HTTP 400") and "SGLang refuses" in eng.prefix_reset

@@ -54,6 +54,9 @@ def test_two_servers_beside_the_reference_engine(workload, tmp_path, tiny_ckpt, 
         assert x["output_tokens_server"] == x["output_tokens_client"] and not x["token_count_mismatch"]
     vllm = next(x for x in rows if x["engine"] == "vllm-serve")
     assert vllm["server_version"] == "0.32.0" and str(py) in vllm["launch_command"]
+    # device=cpu: the preset's CPU-only settings, and the rows say they differ from vLLM's defaults
+    assert "--enforce-eager" in vllm["server_argv"] and vllm["server_options"]["gpu_memory_utilization"] == 0.3
+    assert vllm["options_differing_from_defaults"]["cuda_graphs"]["value"] is False
     summary = r.stdout
     assert all(e in summary for e in ENGINES)
     report = (out / "report.html").read_text()
