@@ -71,10 +71,12 @@ def _train(shape, out: Path | None, args: argparse.Namespace) -> int:
     from harness.core.paths import model_cache_dir
     from harness.core.train import TRAINING_FILE, summary_lines
     t0 = time.perf_counter()
+    cached = False
     if out is None:
         cache = model_cache_dir(args.model_cache_dir)
         target = cached_path(shape, cache, args.seed)
-        if (target / "config.json").exists():
+        cached = (target / "config.json").exists()
+        if cached:
             print(f"{shape.name}: already trained and cached in {target}")
         else:
             print(f"{shape.name}: training into {target} ...", flush=True)
@@ -85,8 +87,9 @@ def _train(shape, out: Path | None, args: argparse.Namespace) -> int:
     record = json.loads((out / TRAINING_FILE).read_text())
     for line in summary_lines(record):
         print(line)
-    print(f"wrote {shape.name} ({shape.num_parameters() / 1e6:.1f} M parameters, seed {args.seed}) to {out} "
-          f"in {time.perf_counter() - t0:.0f} s")
+    if not cached:
+        print(f"wrote {shape.name} ({shape.num_parameters() / 1e6:.1f} M parameters, seed {args.seed}) to {out} "
+              f"in {time.perf_counter() - t0:.0f} s")
     return 0
 
 
