@@ -17,6 +17,7 @@ from reports.sections import section
 from reports.sections.common import column, present
 
 KV_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2, "int8": 3, "fp8": 4}
+DTYPE_ORDER = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
 def quality_frame(rows: pd.DataFrame) -> pd.DataFrame:
@@ -44,7 +45,7 @@ def quality_frame(rows: pd.DataFrame) -> pd.DataFrame:
         float(d) if present(d) else (float(p) - fallback if present(p) and fallback is not None else None)
         for d, p in zip(out["quality_delta_perplexity"], out["quality_perplexity"])]
     out["setting"] = [f"{e} · {d} · KV {kv}" for e, d, kv in zip(out["engine"], out["dtype"], out["kv_dtype"])]
-    out["_order"] = [(str(e), str(d), KV_ORDER.get(str(kv), 9)) for e, d, kv in
+    out["_order"] = [(str(e), DTYPE_ORDER.get(str(d), 9), KV_ORDER.get(str(kv), 9)) for e, d, kv in
                      zip(out["engine"], out["dtype"], out["kv_dtype"])]
     return out.sort_values("_order", kind="stable").drop(columns="_order").reset_index(drop=True)
 
@@ -97,6 +98,7 @@ def quality(data: ReportData) -> list[Block]:
         return []
     blocks: list[Block] = []
     ok = df[(df["status"] == "ok") & df["delta_perplexity"].notna()]
+    ok = ok.iloc[sorted(range(len(ok)), key=lambda i: KV_ORDER.get(str(ok["kv_dtype"].iloc[i]), 9))]
     if not ok.empty:
         fig = bars(ok.assign(series=ok["engine"].astype(str) + " · " + ok["dtype"].astype(str),
                              label="KV " + ok["kv_dtype"].astype(str)),
