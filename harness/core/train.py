@@ -103,7 +103,8 @@ def is_heldout(rel: str, seed: int, frac: float) -> bool:
 def split_files(files: list[str], seed: int, frac: float) -> tuple[list[str], list[str]]:
     """(training files, held-out files), split by file. At least one file lands on each side."""
     held = [f for f in files if is_heldout(f, seed, frac)]
-    train = [f for f in files if f not in set(held)]
+    held_set = set(held)
+    train = [f for f in files if f not in held_set]
     if not held and len(files) > 1:
         held, train = train[-1:], train[:-1]
     return train, held
