@@ -351,3 +351,25 @@ def test_sglang_flush_is_refused_while_a_request_runs_and_the_row_says_why(sglan
     eng.reset_prefix_cache()
     list(gen)
     assert eng.prefix_reset.startswith("no: POST /flush_cache answered HTTP 400") and "SGLang refuses" in eng.prefix_reset
+
+
+def test_servers_each_at_their_own_defaults_raise_no_settings_warning(tmp_path):
+    """On a GPU each server at its own defaults is the fair setting: no warning, although their
+    defaults differ (vLLM 0.92 of memory, trtllm-serve 0.9 of the free memory) and the harness
+    turns trtllm's chunked prefill on (as the others have it). One server given another memory
+    share is named."""
+    from test_report_fakes import http_serving_rows
+    from test_report_sections import notes, page
+
+    def rows_of(name, options):
+        plan = faked(name)().launch_plan(spec("/models/m", device="cuda", dtype="bfloat16"), options, port=8000)
+        return http_serving_rows(engine=name, server_settings=plan["settings"])
+
+    base = rows_of("vllm-serve", {}) + rows_of("trtllm-serve", {})
+    assert not notes(page(tmp_path, base + rows_of("sglang-serve", {}), name="fair"), "http-settings-differ")
+    (warning,) = notes(page(tmp_path, base + rows_of("sglang-serve", {"gpu_memory_utilization": 0.5}), name="tuned"),
+                       "http-settings-differ")
+    assert "memory share: vllm-serve default, trtllm-serve default, sglang-serve 0.5" in warning
+    (warning,) = notes(page(tmp_path, rows_of("vllm-serve", {}) + rows_of("sglang-serve", {"chunked_prefill": False}),
+                            name="chunk"), "http-settings-differ")
+    assert "chunked prefill: vllm-serve True, sglang-serve False" in warning

@@ -1046,12 +1046,20 @@ def differing_from_defaults(kind: ServerKind, used: dict[str, Any], command: lis
 def server_settings(kind: ServerKind, used: dict[str, Any], command: list[str],
                     files: dict[str, str]) -> dict[str, Any]:
     """The settings a report compares across servers (eager vs graphs, memory share, chunked
-    prefill, parallelism, batch limits): each the value given, or "default (...)"."""
+    prefill, parallelism, batch limits) for the options the kind takes: on/off settings as they
+    are in effect; the others as given, or "default" for the server's own (each server's own
+    default is the fair setting; `options_differing_from_defaults` says what it is)."""
     out: dict[str, Any] = {}
     for k in ("gpu_memory_utilization", "chunked_prefill", "tensor_parallel_size", "max_num_seqs",
               "max_num_batched_tokens", "kv_cache_bytes"):
-        v = given(used).get(k)
-        out[k] = v if v is not None else f"default ({kind.defaults.get(k, 'unknown')})"
-    out["cuda_graphs"] = False if any(a in kind.eager_flags for a in command) else "default"
+        if k not in kind.options:
+            continue
+        v, d = given(used).get(k), kind.defaults.get(k)
+        if isinstance(d, bool):  # on/off: the effective value, whoever chose it
+            out[k] = d if v is None else v
+        else:  # servers each at their own default compare equal ("default"), whatever it is
+            out[k] = "default" if v is None or v == d else v
+    if kind.graphs:
+        out["cuda_graphs"] = not any(a in kind.eager_flags for a in command)
     return out
 

@@ -90,6 +90,7 @@ class ServerKind:
     defaults: dict[str, Any]
     context_margin: int = 0  # tokens the server keeps back from the context length it is given
     eager_flags: tuple[str, ...] = ()  # launch arguments that turn graph capture off
+    graphs: bool = False  # captures CUDA graphs by default on a GPU
     metrics: Metrics | None = None
     option_checks: Callable[[str, dict[str, Any], str, str | None], list[str]] | None = None
     version_from_env: bool = True  # the package version of this environment says what runs
@@ -284,7 +285,7 @@ VLLM = ServerKind(
               "max_num_seqs": "by device memory (256 or 1024; CPU 128)",
               "max_num_batched_tokens": "by device memory (2048, 8192 or 16384; CPU 2048)",
               "kv_cache_bytes": "from gpu_memory_utilization"},
-    eager_flags=("--enforce-eager",),
+    eager_flags=("--enforce-eager",), graphs=True,
     # src: vllm/v1/metrics/loggers.py (0.32.0): kv_cache_usage_perc, prefix_cache_hits, cache_config_info
     metrics=Metrics("/metrics", (
         "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_running",
@@ -318,7 +319,7 @@ SGLANG = ServerKind(
     # src: sglang/srt/managers/scheduler.py + tp_worker.py (0.5.23): max_req_len = context_len - 1,
     # max_new_tokens capped at max_req_len - input_len - 1
     context_margin=2,
-    eager_flags=("--disable-cuda-graph",),
+    eager_flags=("--disable-cuda-graph",), graphs=True,
     # src: sglang/srt/metrics/collector.py (0.5.23); gauges refresh every --decode-log-interval steps
     metrics=Metrics("/metrics", (
         "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:cache_hit_rate",
@@ -342,7 +343,7 @@ TRTLLM = ServerKind(
     defaults={"kv_dtype": "auto", "block_size": 32, "prefix_caching": True, "gpu_memory_utilization": 0.9,
               "tensor_parallel_size": 1, "chunked_prefill": False, "max_num_seqs": 2048,
               "max_num_batched_tokens": 8192, "kv_cache_bytes": "from gpu_memory_utilization"},
-    eager_flags=(),
+    eager_flags=(), graphs=True,
     # src: tensorrt_llm/metrics/collector.py (main, commit 050f80d)
     metrics=Metrics("/prometheus/metrics", (
         "trtllm_kv_cache_utilization", "trtllm_num_requests_running", "trtllm_num_requests_waiting",
@@ -362,7 +363,9 @@ INFER_BENCH = ServerKind(
     ready_paths=("/health",), version_paths=("/version",), reset_path="/reset_prefix_cache", reset_hint="",
     prompt_ids=True, token_ids=True, continuous_usage=False, accepted_fields=None, scores=True,
     kv_dtypes=("auto", "int8", "fp8"), options=INFER_BENCH_OPTIONS, map_options=_infer_bench,
-    defaults={"kv_dtype": "auto", "prefix_caching": False},
+    # src: adapters/reference/config.py (this repository)
+    defaults={"kv_dtype": "auto", "prefix_caching": True, "block_size": 16, "max_num_seqs": 256,
+              "max_num_batched_tokens": 8192, "kv_cache_bytes": "CPU: at most 1 GiB"},
     metrics=Metrics("/metrics", (
         "infer_bench_kv_cache_usage_perc", "infer_bench_num_requests_running", "infer_bench_num_requests_waiting",
         "infer_bench_num_preemptions_total", "infer_bench_prefix_cache_hits_total",
