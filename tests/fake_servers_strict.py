@@ -15,6 +15,7 @@ SGLang (the 0.5.23 wheel)
   - sglang/srt/entrypoints/http_server.py: /health 503 while the server is starting (its warm-up;
     it stays 503 when the warm-up fails) while /v1/models already answers 200; no /version, the
     version is in /server_info (with the server's arguments); /flush_cache 400 while requests run;
+  - sglang/srt/entrypoints/openai/serving_completions.py: `return_token_ids` gives each chunk's ids;
   - sglang/srt/managers/tokenizer_manager.py: prompt + max_tokens > context length: refused (400);
     managers/scheduler.py + tp_worker.py: max_new_tokens capped at context_length - 2 - prompt;
   - sglang/srt/managers/scheduler_components/metrics_reporter.py: the gauges refresh only every
@@ -252,9 +253,12 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
             st.running += 1
             try:
                 for k in range(out):
-                    chunk: dict[str, Any] = {"id": "fake", "object": "text_completion", "model": name, "choices": [
-                        {"index": 0, "text": f" w{1000 + k}", "logprobs": None,
-                         "finish_reason": "length" if k == out - 1 else None}]}
+                    choice: dict[str, Any] = {"index": 0, "text": f" w{1000 + k}", "logprobs": None,
+                                              "finish_reason": "length" if k == out - 1 else None}
+                    if body.get("return_token_ids"):
+                        choice["token_ids"] = [1000 + k]
+                    chunk: dict[str, Any] = {"id": "fake", "object": "text_completion", "model": name,
+                                             "choices": [choice]}
                     if opts.get("continuous_usage_stats"):
                         chunk["usage"] = {"prompt_tokens": plen, "completion_tokens": k + 1,
                                           "total_tokens": plen + k + 1}

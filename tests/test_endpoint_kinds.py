@@ -89,8 +89,9 @@ def test_sglang_longest_request_gets_every_token(sglang):
     """Audit item 2: SGLang caps output at context_length - 2 - prompt; the preset gives it
     max_model_len + 2, so a request of exactly max_model_len gets all its tokens."""
     eng, first, fields, _ = sglang
-    assert len(tokens(first, "first")) == 8
-    assert fields["token_count_source"] == "usage" and fields["output_tokens_server"] == 8
+    assert [e.token_id for e in tokens(first, "first")] == list(range(1000, 1008))
+    assert fields["token_count_source"] == "token_ids" and fields["output_tokens_server"] == 8
+    assert fields["output_token_ids"] == "from the server"  # SGLang 0.5.23 has return_token_ids
     assert "--context-length 34" in fields["launch_command"]
 
 

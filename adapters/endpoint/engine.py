@@ -997,9 +997,10 @@ def _rank(v: Any) -> int | None:
 
 
 def _token_ids_text(sources: str | None) -> str | None:
-    """Whether the point's output token ids are the server's: a server that sends none (SGLang,
-    trtllm-serve over the OpenAI API) gives the client counts and times, and -1 for every id in
-    prefill(), decode() and serve(); greedy tokens cannot be compared with it."""
+    """Whether the point's output token ids are the server's: a server that sends none
+    (trtllm-serve over the OpenAI API, an SGLang older than its `return_token_ids`) gives the
+    client counts and times, and -1 for every id in prefill(), decode() and serve(); greedy
+    tokens cannot be compared with it."""
     if not sources:
         return None
     return "from the server" if sources == "token_ids" else "unknown: the server sends none (-1 in the results)"

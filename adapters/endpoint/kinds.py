@@ -304,8 +304,10 @@ SGLANG = ServerKind(
     # no /version, the version is in /server_info; /flush_cache answers 400 while requests run
     ready_paths=("/health",), version_paths=("/server_info", "/get_server_info"), reset_path="/flush_cache",
     reset_hint=" (SGLang refuses while requests are running or waiting)",
-    # src: sglang/srt/entrypoints/openai/protocol.py (0.5.23): prompt may be token ids; no token ids per chunk
-    prompt_ids=True, token_ids=False, continuous_usage=True, accepted_fields=None, scores=False,
+    # src: sglang/srt/entrypoints/openai/{protocol,serving_completions}.py (0.5.23): prompt may be token
+    # ids; `return_token_ids` gives each chunk's ids (an older server ignores the field: then the
+    # usage on every chunk counts the tokens)
+    prompt_ids=True, token_ids=True, continuous_usage=True, accepted_fields=None, scores=False,
     kv_dtypes=("auto", "fp8_e5m2", "fp8_e4m3"),
     options=("kv_dtype", "block_size", "prefix_caching", "gpu_memory_utilization", "tensor_parallel_size",
              "chunked_prefill", "max_num_seqs", "max_num_batched_tokens"),
