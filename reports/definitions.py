@@ -62,8 +62,24 @@ CAPACITY = [
     ("saturated", "the queue grew through the run: TTFT rising with the arrival index, the load is past what "
                   "the engine sustains"),
     ("capacity", "the largest request rate (or concurrency) at which every configured SLO (p99 TTFT, TPOT, "
-                 "E2EL) held, found by bisection between a load that met them and one that did not, down to "
-                 "the resolution"),
+                 "E2EL) held on a probe neither saturated nor client-limited, found by bisection between a load "
+                 "that met them and one that did not, down to the resolution"),
+]
+
+CLIENT = [
+    ("send lag", "per request, the actual send − when it was due (its scheduled arrival, or when a capped or "
+                 "closed-loop slot freed); p50, p99 and max over the point's requests"),
+    ("loop lag", "how late a 2 ms timer fired on the client's event loops while streams were active; a loop that "
+                 "late reads its sockets that late too (the largest, and p99)"),
+    ("client CPU", "the busiest client loop's (or client process's) CPU time / the point's wall time, as a "
+                   "fraction of one core"),
+    ("achieved rate", "(requests − 1) / the span of the actual sends, beside the offered rate (asked for) and the "
+                      "scheduled rate (the same over the times they were due)"),
+    ("client-limited", "the load generator did not keep up: send lag p99 or loop lag above "
+                       "workload.client_lag_limit_s (default 5 ms) or 5 % of the tightest SLO, whichever is smaller, "
+                       "or a client at workload.client_cpu_limit (default 90 %) of a core or more. Its latencies are "
+                       "partly the client's: treated like saturated, never counted as capacity; raise "
+                       "workload.client_processes. '–': no client (an engine in the harness's own process)"),
 ]
 
 ENERGY = [

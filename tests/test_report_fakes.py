@@ -141,15 +141,35 @@ def fake_load_point(load: float, speed: float = 1.0, saturate_above: float = 8.0
     return tpot, 1 / tpot, min(load, saturate_above) / tpot * 0.9
 
 
+def fake_client_fields(load: float, limited: bool, open_loop: bool = True) -> dict[str, Any]:
+    """FAKE fields of the load generator at a load (an engine reached through a client): send lag,
+    loop lag, client CPU, achieved rate; `limited`: it did not keep up (loop lag 13.5 ms > 5 ms,
+    95 % of a core)."""
+    lag = 0.009 if limited else 0.0004
+    return {"send_lag_s": lag / 4, "send_lag_s_p99": lag, "send_lag_s_max": lag * 2, "loop_lag_s_p99": lag,
+            "loop_lag_s_max": lag * 1.5, "client_cpu_frac": 0.95 if limited else 0.3, "client_cpu_s": 1.0,
+            "client_processes": 1, "offered_rate": load if open_loop else None, "scheduled_rate": load,
+            "achieved_rate": load * (0.8 if limited else 1.0), "client_limited": limited,
+            "client_limited_reasons": [f"loop lag {lag * 1.5e3:.1f} ms > 5.0 ms", "a client process used 95% of a core"]
+            if limited else None}
+
+
 def serving_load_rows(engines: dict[str, float], mode: str = "open", loads=(1.0, 4.0, 16.0),
-                      saturate_above: float = 8.0, model: str = "tiny", **extra: Any) -> list[dict[str, Any]]:
+                      saturate_above: float = 8.0, model: str = "tiny", client_limited_at: tuple | None = None,
+                      **extra: Any) -> list[dict[str, Any]]:
     """FAKE serving rows with the load fields of issue 16: an open loop over request rates or a
     closed loop over concurrencies; every engine (name -> speed) at every load. Per-user speed
-    falls and device throughput rises with the load; loads above `saturate_above` are saturated."""
+    falls and device throughput rises with the load; loads above `saturate_above` are saturated.
+    `client_limited_at`: None, an in-process engine (no client fields); else the rows carry the
+    load generator's fields, client-limited at those loads."""
     rows = []
     for engine, speed in engines.items():
         for load in loads:
             tpot, per_user, device = fake_load_point(load, speed, saturate_above)
+            if client_limited_at is not None:
+                extra_client = fake_client_fields(load, load in client_limited_at, mode == "open")
+            else:
+                extra_client = {}
             point = {"request_rate": load} if mode == "open" else {"concurrency": load}
             fields = {"load_mode": mode, "request_rate": load if mode == "open" else None,
                       "concurrency": int(load) if mode == "closed" else None,
@@ -160,7 +180,7 @@ def serving_load_rows(engines: dict[str, float], mode: str = "open", loads=(1.0,
             rows.append(make_row(engine=engine, workload="serving", status="ok", model=model, dtype="float32",
                                  device="cpu", point=point,
                                  point_key="serving:" + json.dumps(point, sort_keys=True, separators=(",", ":")))
-                        | fake_resources(engine) | fields | extra)
+                        | fake_resources(engine) | fields | extra_client | extra)
     return rows
 
 
@@ -170,11 +190,17 @@ def capacity_rows(engine: str, search: str = "concurrency",
                   saturate_above: float = 8.0,
                   status: str = "ok", error: str | None = None, **extra: Any) -> list[dict[str, Any]]:
     """FAKE workload `capacity` rows of one engine: a probe row per (value, meets_slo, saturated)
-    with serving fields, then the conclusion row."""
+    with serving fields, then the conclusion row. A probe (value, meets_slo, saturated,
+    client_limited) gives every probe the load generator's fields (an engine reached through a
+    client), and the conclusion the client-limited loads."""
     slo = slo if slo is not None else {"ttft_p99_s": 0.5, "tpot_p99_s": 0.05, "e2el_p99_s": None}
+    with_client = any(len(p) > 3 for p in probes)
+    limited = sorted(float(p[0]) for p in probes if len(p) > 3 and p[3])
+    probes = [tuple(p[:3]) for p in probes]
     rows = []
     for i, (value, meets, saturated) in enumerate(probes):
         tpot, per_user, device = fake_load_point(value, speed, saturate_above)
+        client = fake_client_fields(value, value in limited, search == "rate") if with_client else {}
         point = {"search": search, "value": value, "probe": i}
         rows.append(make_row(engine=engine, workload="capacity", status="ok", model=model, dtype="float32",
                              device="cpu", point=point,
@@ -184,7 +210,8 @@ def capacity_rows(engine: str, search: str = "concurrency",
                        "concurrency": value if search == "concurrency" else None,
                        "request_rate": value if search == "rate" else None,
                        "per_user_tok_s": per_user, "output_tok_s": device, "saturated": saturated,
-                       "meets_slo": meets, "slo_violations": [] if meets else ["ttft_p99_s 0.71 > 0.5"]} | extra)
+                       "meets_slo": meets, "slo_violations": [] if meets else ["ttft_p99_s 0.71 > 0.5"]}
+                    | client | extra)
     point = {"search": search, "result": True}
     value_field = "capacity_concurrency" if search == "concurrency" else "capacity_rps"
     lo = max([v for v, m, _ in probes if m], default=None)
@@ -194,7 +221,10 @@ def capacity_rows(engine: str, search: str = "concurrency",
                          point_key="capacity:" + json.dumps(point, sort_keys=True, separators=(",", ":")))
                 | fake_resources(engine)
                 | {value_field: capacity, "capacity_slo": slo, "capacity_resolution": 1,
-                   "capacity_bracket": [lo, hi], "capacity_probes": [list(p) for p in probes]})
+                   "capacity_bracket": [lo, hi], "capacity_probes": [list(p) for p in probes]}
+                | ({"capacity_client_limited": limited or None,
+                    "capacity_note": f"the load generator did not keep up at {limited}" if limited else None}
+                   if with_client else {}))
     return rows
 
 

@@ -432,3 +432,74 @@ def test_new_figures_have_axis_titles_and_engine_colours(tmp_path: Path) -> None
         for t in spec["data"]:
             engine = t["name"].split(" ")[0]
             assert t["line"]["color"] == ENGINE_COLOURS[engine], t["name"]
+
+
+# ---- the load generator's own distortion (client_limited) ------------------------------------
+
+def test_client_limited_serving_points_have_their_column_and_note(tmp_path: Path) -> None:
+    rows = (serving_load_rows({"vllm-http": 1.0}, loads=(1.0, 4.0, 16.0), client_limited_at=(16.0,))
+            + serving_load_rows({"hf": 1.0}, loads=(1.0, 4.0)))       # in-process: no client, no verdict
+    html = page(tmp_path, rows)
+    t = {(r["engine"], r["rate req/s"]): r for r in by_header(html, "serving-values")}
+    assert {k: r["client-limited"] for k, r in t.items()} == {
+        ("vllm-http", "1"): "no", ("vllm-http", "4"): "no", ("vllm-http", "16"): "yes", ("hf", "1"): "–", ("hf", "4"): "–"}
+    src = {(r["engine"], f"{r['request_rate']:g}"): r for r in rows}
+    for k, r in t.items():
+        if k[0] == "hf":
+            assert r["send lag p99 ms"] == r["client CPU % of a core"] == "–"
+        else:
+            assert float(r["send lag p99 ms"]) == pytest.approx(src[k]["send_lag_s_p99"] * 1e3, rel=1e-3)
+            assert float(r["client CPU % of a core"]) == pytest.approx(src[k]["client_cpu_frac"] * 100, rel=1e-3)
+    [note] = notes(html, "serving-client-limited")
+    assert "vllm-http at 16 req/s (" in note and "hf at" not in note and "at 1 req/s" not in note
+    assert "at 4" not in note and ", 4" not in note
+    assert "loop lag 13.5 ms > 5.0 ms" in note and "workload.client_processes" in note
+    # a page where the client kept up everywhere: the column says so, no note
+    kept_up = page(tmp_path, serving_load_rows({"vllm-http": 1.0}, loads=(1.0, 4.0), client_limited_at=()), name="ok")
+    assert {r["client-limited"] for r in by_header(kept_up, "serving-values")} == {"no"}
+    assert not notes(kept_up, "serving-client-limited")
+    # in-process engines only: no client columns at all
+    heads = table_headers(page(tmp_path, serving_load_rows({"hf": 1.0}), name="inproc"), "serving-values")
+    assert "saturated" in heads and not {"client-limited", "send lag p99 ms", "client CPU % of a core"} & set(heads)
+
+
+def test_client_limited_probes_are_marked_and_never_capacity(tmp_path: Path) -> None:
+    probes = ((4, True, False, False), (16, False, False, True), (8, True, False, False), (12, False, False, False))
+    rows = capacity_rows("vllm-http", probes=probes) + capacity_rows("hf")
+    cap = capacity_frame(frame(rows)).set_index("series")
+    assert cap.loc["vllm-http", "client_limited"] == [16.0] and cap.loc["hf", "client_limited"] == []
+    html = page(tmp_path, rows)
+    t = {r["engine"]: r for r in by_header(html, "capacity")}
+    assert t["vllm-http"]["probes"] == "4 (2 met the SLOs, 0 saturated, 1 client-limited)"
+    assert t["hf"]["probes"] == "4 (2 met the SLOs, 1 saturated)"
+    [note] = notes(html, "capacity-client-limited")
+    assert "vllm-http (concurrency) at 16 concurrent." in note and "hf (" not in note
+    assert "never as the engine's capacity" in note and "workload.client_processes" in note
+    [fig] = figures(html, "capacity-pareto")
+    traces = {t["name"]: t for t in fig["data"]}
+    probe_rows = sorted((r for r in rows if r["engine"] == "vllm-http" and not r["point"].get("result")),
+                        key=lambda r: r["concurrency"])
+    marker = traces["vllm-http"]["marker"]
+    assert [s == "cross" for s in marker["symbol"]] == [r["client_limited"] for r in probe_rows]
+    hf_probes = sorted((r for r in rows if r["engine"] == "hf" and not r["point"].get("result")),
+                       key=lambda r: r["concurrency"])
+    assert [s == "x" for s in traces["hf"]["marker"]["symbol"]] == [r["saturated"] for r in hf_probes]
+    assert "cross" not in traces["hf"]["marker"]["symbol"] and "Orange ✚: client-limited" in html
+    values = {(r["engine"], r["load"]): r["client-limited"] for r in by_header(html, "capacity-pareto-values")}
+    assert values[("vllm-http", "c=16")] == "yes" and values[("vllm-http", "c=8")] == "no" and values[("hf", "c=16")] == "–"
+    # a conclusion written without capacity_client_limited: its probe rows say which loads
+    older = copy.deepcopy(rows)
+    del older[4]["capacity_client_limited"]
+    assert capacity_frame(frame(older)).set_index("series").loc["vllm-http", "client_limited"] == [16.0]
+    # no client-limited probe: no note, and the probes cell as before
+    clean = page(tmp_path, capacity_rows("vllm-http", probes=[p[:3] + (False,) for p in probes]), name="clean")
+    assert not notes(clean, "capacity-client-limited")
+    assert by_header(clean, "capacity")[0]["probes"] == "4 (2 met the SLOs, 0 saturated)"
+
+
+def test_client_fields_are_defined_where_rows_carry_them(tmp_path: Path) -> None:
+    html = page(tmp_path, serving_load_rows({"vllm-http": 1.0}, loads=(1.0,), client_limited_at=()))
+    defined = dict(table_rows(html, "definitions-client"))
+    assert {"send lag", "loop lag", "client CPU", "achieved rate", "client-limited"} <= set(defined)
+    assert "workload.client_processes" in defined["client-limited"]
+    assert not table_rows(page(tmp_path, serving_load_rows({"hf": 1.0}), name="inproc"), "definitions-client")

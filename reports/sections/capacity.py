@@ -21,6 +21,7 @@ from reports.sections.common import MS, Col, present, values_table
 
 KIND = {"rate": ("request rate", "req/s"), "concurrency": ("concurrency", "concurrent")}
 SATURATED_COLOUR = "#B00020"
+CLIENT_LIMITED_COLOUR = "#E65100"   # the load generator did not keep up: a miss like saturation, drawn apart
 
 
 def _point(r: dict[str, Any]) -> dict[str, Any]:
@@ -39,6 +40,10 @@ def _bool(v: Any) -> bool | None:
     return bool(v) if isinstance(v, (bool, np.bool_)) else None
 
 
+def _yes_no(v: Any) -> str:
+    return "yes" if v is True else "no" if v is False else "–"
+
+
 def load_label(kind: str, value: float | None) -> str:
     if kind == "rate":
         return "all at once" if value is None or math.isinf(value) else f"{value:g} req/s"
@@ -49,7 +54,8 @@ def pareto_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """Every ok serving row and capacity probe with a device throughput (`output_tok_s`) and a
     per-user speed (`per_user_tok_s`; older serving rows without it: 1 / median TPOT, marked
     derived): series, model, kind (rate | concurrency), load (its value; inf: all at once),
-    load_label, source, saturated, meets_slo, slo_violations."""
+    load_label, source, saturated, client_limited (the load generator did not keep up; null: no
+    client, an in-process engine), meets_slo, slo_violations."""
     ok = rows[(rows["status"] == "ok") & rows["workload"].isin(["serving", "capacity"])]
     out = []
     for r in ok.to_dict("records"):
@@ -77,6 +83,7 @@ def pareto_frame(rows: pd.DataFrame) -> pd.DataFrame:
                     "load": load if load is not None else float("nan"), "load_label": load_label(kind, load),
                     "source": source, "per_user_tok_s": per_user, "per_user_derived": derived,
                     "output_tok_s": thr, "saturated": _bool(r.get("saturated")),
+                    "client_limited": _bool(r.get("client_limited")),
                     "meets_slo": _bool(r.get("meets_slo")),
                     "slo_violations": "; ".join(map(str, viol)) if isinstance(viol, list) and viol else None})
     df = pd.DataFrame(out)
@@ -97,7 +104,8 @@ def curve_of(kind: str, source: str) -> str:
 def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.Figure:
     """One model: x per-user speed, y device throughput; one curve per series and sweep (rates,
     concurrencies, the capacity search's probes) in load order, each point labelled with its load;
-    saturated points drawn as a red ✕. A series with one curve is named by the series alone."""
+    saturated points drawn as a red ✕, client-limited ones (not saturated) as an orange ✚. A series
+    with one curve is named by the series alone."""
     fig = go.Figure()
     styles = series_styles(df, colours)
     curves_per_series = df.groupby("series", sort=False)["curve"].nunique()
@@ -107,6 +115,7 @@ def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.F
         name = str(s) if curves_per_series[s] == 1 else f"{s} · {curve}"
         probes = str(curve).startswith("capacity")
         sat = [v is True for v in d["saturated"]]
+        lim = [v is True and not x for v, x in zip(d["client_limited"], sat)]
         fig.add_trace(go.Scatter(
             x=list(d["per_user_tok_s"]), y=list(d["output_tok_s"]), name=esc(name), legendgroup=esc(name),
             mode="lines+markers+text", showlegend=True,
@@ -114,17 +123,20 @@ def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.F
             textposition="top right", textfont=dict(size=10, color=st["color"]), cliponaxis=False,
             line=dict(color=st["color"], dash="dot" if probes else "dash" if kind == "concurrency" else "solid",
                       width=1 if probes else 2),
-            marker=dict(color=[SATURATED_COLOUR if x else st["color"] for x in sat],
-                        symbol=["x" if x else "diamond-open" if probes else st["symbol"] for x in sat],
-                        size=[12 if x else 10 if probes else 8 for x in sat],
+            marker=dict(color=[SATURATED_COLOUR if x else CLIENT_LIMITED_COLOUR if c else st["color"]
+                               for x, c in zip(sat, lim)],
+                        symbol=["x" if x else "cross" if c else "diamond-open" if probes else st["symbol"]
+                                for x, c in zip(sat, lim)],
+                        size=[12 if x or c else 10 if probes else 8 for x, c in zip(sat, lim)],
                         line=dict(width=2 if probes else 0, color=st["color"])),
-            customdata=[[esc(lbl), esc(src), "yes" if s_ is True else "no" if s_ is False else "–",
-                         "yes" if m is True else "no" if m is False else "–", " (1 / median TPOT)" if der else ""]
-                        for lbl, src, s_, m, der in zip(d["load_label"], d["source"], d["saturated"], d["meets_slo"],
-                                                        d["per_user_derived"])],
+            customdata=[[esc(lbl), esc(src), _yes_no(s_), _yes_no(m), " (1 / median TPOT)" if der else "",
+                         _yes_no(c)]
+                        for lbl, src, s_, m, der, c in zip(d["load_label"], d["source"], d["saturated"], d["meets_slo"],
+                                                           d["per_user_derived"], d["client_limited"])],
             hovertemplate=(f"<b>{esc(name)}</b> at %{{customdata[0]}} (%{{customdata[1]}})<br>"
                            "per-user: %{x:.4~g} tok/s%{customdata[4]}<br>device: %{y:.5~g} tok/s<br>"
-                           "saturated: %{customdata[2]}<br>meets SLO: %{customdata[3]}<extra></extra>")))
+                           "saturated: %{customdata[2]}<br>client-limited: %{customdata[5]}<br>"
+                           "meets SLO: %{customdata[3]}<extra></extra>")))
     log = lambda col: (df[col] > 0).all() and df[col].max() / df[col].min() > 50  # noqa: E731
     fig.update_xaxes(title_text="per-user speed: output tok/s per request (1 / median TPOT)",
                      type="log" if log("per_user_tok_s") else None, rangemode="tozero")
@@ -135,13 +147,16 @@ def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.F
 
 def capacity_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per capacity conclusion (workload capacity, point.result): series, model, search,
-    capacity, the SLOs, bracket, resolution, probes (how many, met the SLO, saturated), status."""
+    capacity, the SLOs, bracket, resolution, probes (how many, met the SLO, saturated,
+    client-limited: the loads where the load generator did not keep up), status."""
     df = rows[rows["workload"] == "capacity"]
+    records = df.to_dict("records")
     out = []
-    for r in df.to_dict("records"):
+    for r in records:
         p = _point(r)
         if not p.get("result"):
             continue
+        limited = client_limited_loads(r, records)
         search = p.get("search") if p.get("search") in KIND else ("concurrency" if present(r.get("capacity_concurrency"))
                                                                  else "rate")
         value = _f(r.get("capacity_rps") if search == "rate" else r.get("capacity_concurrency"))
@@ -157,8 +172,22 @@ def capacity_frame(rows: pd.DataFrame) -> pd.DataFrame:
                     "bracket": bracket_text(bracket, search),
                     "resolution": _f(r.get("capacity_resolution")),
                     "probes": len(probes) if probes else None, "probes_met": len(met), "probes_saturated": len(sat),
+                    "client_limited": limited,
                     "status": r.get("status"), "error": r.get("error")})
     return pd.DataFrame(out)
+
+
+def client_limited_loads(result: dict[str, Any], records: list[dict[str, Any]]) -> list[float]:
+    """The probed loads of a capacity conclusion where the load generator did not keep up: its
+    `capacity_client_limited`; rows written without that field: its series' probe rows of the same
+    search that say `client_limited`."""
+    own = result.get("capacity_client_limited")
+    if isinstance(own, (list, tuple)):
+        return sorted(v for v in map(_f, own) if v is not None)
+    search = _point(result).get("search")
+    return sorted(v for r in records if r.get("series") == result.get("series") and r.get("client_limited") is True
+                  and not _point(r).get("result") and _point(r).get("search") == search
+                  and (v := _f(_point(r).get("value"))) is not None)
 
 
 def capacity_text(search: str, value: float | None, probes: list, status: Any, note: Any = None) -> str:
@@ -210,7 +239,9 @@ def capacity_table(cap: pd.DataFrame) -> Table:
             Cell(r["bracket"], cls="num"),
             Cell(fmt_num(nice(r["resolution"])) if r["resolution"] is not None else "–", r["resolution"], cls="num"),
             Cell("–" if r["probes"] is None else f"{r['probes']} ({r['probes_met']} met the SLOs, "
-                                                 f"{r['probes_saturated']} saturated)", r["probes"], cls="num"),
+                                                 f"{r['probes_saturated']} saturated"
+                                                 + (f", {len(r['client_limited'])} client-limited" if r["client_limited"]
+                                                    else "") + ")", r["probes"], cls="num"),
             Cell("" if ok else str(r["error"] or ""), cls="error" if not ok else ""),
         ])
         classes.append("" if ok else "bad")
@@ -230,14 +261,21 @@ def capacity(data: ReportData) -> list[Block]:
     cap = capacity_frame(data.rows)
     if not cap.empty:
         blocks.append(capacity_table(cap))
+        limited = cap[cap["client_limited"].map(bool)]
+        if not limited.empty:
+            blocks.append(Note(client_limited_note(limited), kind="warning", name="capacity-client-limited"))
     pf = pareto_frame(data.rows)
     for model, d in (pf.groupby("model", sort=False) if not pf.empty else []):
-        table = values_table(d.assign(saturated_text=d["saturated"].map(lambda v: "yes" if v is True else "no" if v is False else "–"),
-                                      meets_text=d["meets_slo"].map(lambda v: "yes" if v is True else "no" if v is False else "–")),
+        any_limited = any(v is True for v in d["client_limited"])
+        table = values_table(d.assign(saturated_text=d["saturated"].map(_yes_no), meets_text=d["meets_slo"].map(_yes_no),
+                                      client_limited_text=d["client_limited"].map(_yes_no)),
                              [Col("engine", "series", text=True), Col("load", "load_label", text=True),
                               Col("from", "source", text=True),
                               Col("per-user tok/s", "per_user_tok_s"), Col("device tok/s", "output_tok_s"),
-                              Col("saturated", "saturated_text", text=True), Col("meets SLOs", "meets_text", text=True),
+                              Col("saturated", "saturated_text", text=True),
+                              *([Col("client-limited", "client_limited_text", text=True)]
+                                if d["client_limited"].notna().any() else []),
+                              Col("meets SLOs", "meets_text", text=True),
                               Col("SLO violations", "slo_violations", text=True)],
                              "capacity-pareto-values")
         blocks.append(Figure(pareto_figure(d, data.colours, str(model)), "capacity-pareto",
@@ -245,10 +283,22 @@ def capacity(data: ReportData) -> list[Block]:
                              "rate); up is more throughput for the device, right is faster for each user. Solid: a "
                              "rate sweep; dashed: a concurrency sweep; open diamonds on a dotted line: the capacity search's "
                              "probes, in load order. "
-                             "Red ✕: saturated (the queue grew through the run).", table))
+                             "Red ✕: saturated (the queue grew through the run)."
+                             + (" Orange ✚: client-limited (the load generator did not keep up; its latencies are "
+                                "partly the client's, and a probe there is a miss, never the engine's capacity)."
+                                if any_limited else ""), table))
     if pf.empty and cap.empty:
         return []
     if not pf.empty and pf["per_user_derived"].any():
         blocks.append(Note("Rows without per_user_tok_s (older serving rows): per-user speed is 1 / their median TPOT."))
     return blocks
 
+
+def client_limited_note(limited: pd.DataFrame) -> str:
+    """Which probes of which search the load generator could not keep up with, and what follows."""
+    where = "; ".join(f"{r['series']} ({KIND[r['search']][0]}) at "
+                      f"{', '.join(fmt_num(nice(v)) for v in r['client_limited'])} {KIND[r['search']][1]}"
+                      for r in limited.to_dict("records"))
+    return ("Client-limited probes (the load generator did not keep up, so their latencies are partly the client's): "
+            f"{where}. They were counted as misses, never as the engine's capacity, so a capacity found below them "
+            "may be an underestimate. Raise workload.client_processes and search again.")

@@ -23,6 +23,14 @@ SERVING_METRICS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e
 ALL_AT_ONCE = "all at once"
 
 
+CLIENT_COLS = [  # what the load generator did during the point (endpoints): did it keep up?
+    Col("send lag p99 ms", "send_lag_s_p99", MS),
+    Col("loop lag max ms", "loop_lag_s_max", MS),
+    Col("client CPU % of a core", "client_cpu_frac", 100),
+    Col("achieved req/s", "achieved_rate"),
+]
+
+
 LOAD = {  # load mode -> (x-axis title, what one panel's value is, load column)
     "open": ("request rate (req/s)", "req/s", "request_rate"),
     "closed": ("concurrent requests (closed loop)", "concurrent", "concurrency"),
@@ -55,6 +63,7 @@ def serving_frame(rows: pd.DataFrame) -> pd.DataFrame:
                         for m, v, c in zip(df["load_mode"], rate.fillna(np.inf), conc.fillna(np.nan))]
     df["saturated_text"] = column(df, "saturated").map(yes_no)
     df["stopped_early_text"] = column(df, "stopped_early").map(yes_no)
+    df["client_limited_text"] = column(df, "client_limited").map(yes_no)   # null (in-process engine): "–"
     return df.sort_values(["load_mode", "series", "rate_x"], kind="stable").reset_index(drop=True)
 
 
@@ -135,6 +144,9 @@ def _mode_figures(df: pd.DataFrame, mode: str, colours: dict[str, str]) -> list[
         cols.append(Col("saturated", "saturated_text", text=True))
     if has(df, "stopped_early"):
         cols.append(Col("stopped early", "stopped_early_text", text=True))
+    if has(df, "client_limited"):   # the load generator's own distortion (endpoints; null in-process)
+        cols.append(Col("client-limited", "client_limited_text", text=True))
+    cols += [c for c in CLIENT_COLS if has(df, c.field)]
     if blocks:
         blocks[-1].table = values_table(df, cols, f"{prefix}values", group="rate_x")
     return blocks
@@ -158,9 +170,26 @@ def serving(data: ReportData) -> list[Block]:
                           for s, g in sat.groupby("series", sort=False))
         blocks.append(Note(f"Saturated (the queue grew through the run, TTFT rising with arrival index: the load "
                            f"is past what the engine sustains): {where}."))
+    limited = df[df["client_limited_text"] == "yes"]
+    if not limited.empty:
+        blocks.append(Note(client_limited_text(limited), kind="warning", name="serving-client-limited"))
     early = df[df["stopped_early_text"] == "yes"]
     if not early.empty:
         blocks.append(Note("Stopped early (the point ended before every request was sent): "
                            + "; ".join(f"{s} at {', '.join(g['rate_label'])}" for s, g in early.groupby("series", sort=False))
                            + "."))
     return blocks
+
+
+def client_limited_text(limited: pd.DataFrame) -> str:
+    """The note for points where the load generator did not keep up: each series with its loads
+    and the rows' reasons (client_limited_reasons), and what to do about it."""
+    parts = []
+    for s, g in limited.groupby("series", sort=False):
+        why = sorted({str(w) for v in column(g, "client_limited_reasons") if isinstance(v, (list, tuple)) for w in v})
+        parts.append(f"{s} at {', '.join(g['rate_label'])} {LOAD[g['load_mode'].iloc[0]][1]}"
+                     + (f" ({'; '.join(why)})" if why else ""))
+    return ("Client-limited (the load generator did not keep up: send lag p99 or event-loop lag past its limit, or a "
+            "client process near a full core; these points' latencies include the client's own delays, not only the "
+            "engine's, and are treated like saturated ones): " + "; ".join(parts)
+            + ". Raise workload.client_processes to spread the requests over more client processes.")
