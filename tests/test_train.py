@@ -121,3 +121,18 @@ def test_model_cli_train_refuses_random_presets_and_stray_steps(tmp_path: Path) 
         r = subprocess.run([sys.executable, "-m", "harness.model_cli", *args], capture_output=True, text=True,
                            cwd=REPO, timeout=120)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+@pytest.mark.slow
+def test_model_cli_trains_a_preset_into_out(tmp_path: Path) -> None:
+    """The command line's whole route on the real corpus (two steps: the tokenizer and the
+    baselines are what takes the time): a loadable checkpoint and the figures printed."""
+    out = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "-m", "harness.model_cli", "--train", "--preset", "tiny-trained", "--steps", "2",
+                        "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "held-out perplexity" in r.stdout and "unigram perplexity" in r.stdout and "random_preset" in r.stdout
+    record = json.loads((out / TRAINING_FILE).read_text())
+    assert record["train"]["steps"] == 2 and record["corpus"]["files"] > 100
+    assert json.loads((out / "infer_bench_preset.json").read_text())["preset"]["name"] == "tiny-trained"
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / HELDOUT_FILE).is_file()
