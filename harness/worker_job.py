@@ -132,9 +132,8 @@ class Worker:
             engine, just_loaded = self.loaded.get(options)
             if workload.reset_prefix_cache:
                 engine.reset_prefix_cache()
-            self.ctx.extra.update(workload_cfg=cfg, inputs=msg.inputs)
             engine.begin_point()
-            row = workload.run_point(engine, point, self.ctx)
+            row = workload.run_point(engine, point, self.ctx, cfg, msg.inputs)
             for k, v in engine.end_point().items():  # the workload's own fields (measured requests) win
                 row.setdefault(k, v)
             row.update(self._engine_fields(options, just_loaded))

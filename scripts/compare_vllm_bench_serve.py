@@ -57,11 +57,11 @@ def harness_round(engine, model_path: str, shape, args, key: str) -> dict:
                         output_len=args.output_len, warmup_requests=2)
     ctx = RunContext(shape=shape, dtype=args.dtype, device="cpu", model_path=model_path,
                      max_model_len=args.input_len + args.output_len, seed=args.seed, memory_sample_hz=0,
-                     token_low=4, token_high=shape.vocab_size, extra={"workload_cfg": cfg})
+                     token_low=4, token_high=shape.vocab_size)
     point = Point("serving", {"request_rate": args.rate, "num_requests": args.num_prompts, "round": key})
     engine.reset_prefix_cache()
     engine.begin_point()
-    row = Serving().run_point(engine, point, ctx)
+    row = Serving().run_point(engine, point, ctx, cfg)
     fields = engine.end_point()
     return {"ttft_ms": float(row["ttft_s"]) * 1e3, "itl_ms": float(row["itl_s"]) * 1e3,
             "itl_chunk_ms": float(fields["itl_chunk_s"]) * 1e3,

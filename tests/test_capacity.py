@@ -78,13 +78,12 @@ def search(cfg: CapacityConfig, ctx: RunContext) -> list[dict]:
     """What the runner does for one engine: the planned points, each probe's follow-up, and the
     conclusion computed in the harness."""
     wl, engine = Capacity(), FakeQueueEngine()
-    ctx.extra["workload_cfg"] = cfg
     queue, rows = wl.plan(cfg), []
     while queue:
         point = queue.pop(0)
         fields = wl.compute_in_harness(point, engine.name, rows, cfg)
         if fields is None:
-            fields = wl.run_point(engine, point, ctx)
+            fields = wl.run_point(engine, point, ctx, cfg)
         row = {"engine": engine.name, "workload": wl.name, "point": point.params, "point_key": point.key,
                "status": "ok", **fields}
         rows.append(row)
@@ -112,7 +111,6 @@ def test_rate_search_finds_the_known_capacity_within_its_resolution(ctx):
 def test_an_over_saturated_probe_stops_early_and_is_marked(ctx):
     cfg = ServingConfig(request_rates=[2 / S], num_requests=64, arrival="constant", input_len=8, output_len=4,
                         warmup_requests=1)
-    ctx.extra["workload_cfg"] = cfg
     row = Serving().measure(FakeQueueEngine(), cfg, ctx, {"request_rate": 2 / S, "num_requests": 64}, "k")
     assert row["saturated"] and row["stopped_early"]
     assert row["completed"] < row["offered_requests"] == 64
@@ -152,7 +150,6 @@ def test_closed_loop_keeps_n_in_flight_and_the_concurrency_search(ctx):
     # c requests in flight on one server: each waits for the c - 1 ahead of it, so TTFT = (c - 1/2) S
     cfg = ServingConfig(request_rates=[], concurrency=[4], num_requests=40, input_len=8, output_len=4,
                         warmup_requests=1)
-    ctx.extra["workload_cfg"] = cfg
     row = Serving().measure(FakeQueueEngine(), cfg, ctx, {"concurrency": 4, "num_requests": 40}, "k")
     assert row["load_mode"] == "closed" and row["completed"] == 40
     assert row["output_tok_s"] == pytest.approx(4 / S, rel=0.05)  # the server is never idle

@@ -61,9 +61,9 @@ def inproc(tiny_ckpt):
     eng.close()
 
 
-def ctx_for(ckpt: Path, cfg) -> RunContext:
+def ctx_for(ckpt: Path) -> RunContext:
     return RunContext(shape=load_preset("tiny"), dtype="float32", device="cpu", model_path=str(ckpt),
-                      max_model_len=MAX_LEN, memory_sample_hz=0, extra={"workload_cfg": cfg})
+                      max_model_len=MAX_LEN, memory_sample_hz=0)
 
 
 def greedy(engine, prompts, n):
@@ -87,7 +87,8 @@ def test_serving_workload_runs_unchanged_and_rows_carry_the_servers_identity(ser
     eng, run_dir = served
     cfg = ServingConfig(request_rates=[20.0], num_requests=6, input_len=24, output_len=8, warmup_requests=1)
     eng.begin_point()
-    row = Serving().run_point(eng, Point("serving", {"request_rate": 20.0, "num_requests": 6}), ctx_for(tiny_ckpt, cfg))
+    row = Serving().run_point(eng, Point("serving", {"request_rate": 20.0, "num_requests": 6}), ctx_for(tiny_ckpt),
+                              cfg)
     fields = eng.end_point()
     assert row["completed"] == 6 and row["total_output_tokens"] == 48
     assert row["ttft_s"] > 0 and row["tpot_s"] > 0 and row["e2el_s"] >= row["ttft_s"]
@@ -107,7 +108,7 @@ def test_sweep_workload_runs_unchanged(served, tiny_ckpt):
     cfg = SweepConfig(batch_sizes=[2], prompt_lens=[16], output_len=4, warmup=1, min_repeats=2, min_duration_s=0)
     eng.begin_point()
     row = Sweep().run_point(eng, Point("sweep", {"batch_size": 2, "prompt_len": 16, "output_len": 4}),
-                            ctx_for(tiny_ckpt, cfg))
+                            ctx_for(tiny_ckpt), cfg)
     fields = eng.end_point()
     assert row["repeats"] == 2 and row["decode_steps"] == 6 and row["prefill_latency_s"] > 0
     info = eng.kv_cache_info()  # from the server's /metrics
@@ -143,7 +144,7 @@ def test_options_relaunch_the_server_and_prefix_sharing_sees_its_cache(tiny_ckpt
             eng.load(spec(tiny_ckpt, tmp_path), {**options, "block_size": 32})
             eng.reset_prefix_cache()
             eng.begin_point()
-            row = wl.run_point(eng, point, ctx_for(tiny_ckpt, cfg))
+            row = wl.run_point(eng, point, ctx_for(tiny_ckpt), cfg)
             fields = eng.end_point()
             assert eng.kv_cache_info().block_size == 32
             assert "engine_options.block_size=32" in fields["launch_command"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from collections.abc import Iterable
@@ -159,7 +159,6 @@ class RunContext:
     token_low: int = 4  # prompts draw token ids from [token_low, token_high) minus avoid_ids
     token_high: int = 4096
     avoid_ids: tuple[int, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def prompts(self, batch: int, length: int, key: str) -> list[list[int]]:
         return synthetic_prompts(batch, length, self.token_low, self.token_high, self.avoid_ids,
@@ -239,5 +238,8 @@ class Workload(ABC):
         return ""
 
     @abstractmethod
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
-        """Measure one point; return the row's metric fields."""
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: Any,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Measure one point; return the row's metric fields. `cfg` is the workload's checked
+        config (an instance of `config_cls`); `inputs` is what the harness computed for this point
+        in its own process (`point_inputs`: parity's teacher tokens), else None."""

@@ -145,8 +145,8 @@ class Capacity(Serving):
         return Point(self.name, {"search": cfg.search, "value": _round(value, cfg.search), "probe": i,
                                  "num_requests": cfg.num_requests})
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
-        cfg: CapacityConfig = ctx.extra["workload_cfg"]
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: CapacityConfig,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         value = point.params["value"]
         load = {"concurrency": int(value)} if cfg.search == "concurrency" else {"request_rate": value}
         row = self.measure(engine, cfg, ctx, {**load, "num_requests": point.params["num_requests"]}, point.key)

@@ -64,8 +64,8 @@ class KVAblation(Workload):
             return {}
         return {"kv_cache": "none" if point.params["mode"] == "no_cache" else "on"}
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
-        cfg: KVAblationConfig = ctx.extra["workload_cfg"]
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: KVAblationConfig,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         b, n, steps = point.params["batch_size"], point.params["context_len"], point.params["decode_steps"]
 
         def once(i: int) -> tuple[float, list[float]]:

@@ -92,8 +92,8 @@ class KVMemory(Workload):
             out["kv_dtype"] = point.params["kv_dtype"]
         return out
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
-        cfg: KVMemoryConfig = ctx.extra["workload_cfg"]
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: KVMemoryConfig,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         dist, _ = parse_length(cfg.prompt_len, "workload.prompt_len")
         # the same sequences for every layout, dtype and block size, so their waste compares directly
         rng = np.random.default_rng(seed_for(ctx.seed, f"{self.name}/lengths"))

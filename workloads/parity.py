@@ -80,11 +80,12 @@ class Parity(Workload):
         base = _baseline(rows)
         return {"teacher": base["parity_tokens"], "baseline": base["engine"]} if base else None
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: ParityConfig,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         n, k = point.params["tokens"], point.params["top_k"]
         prompts = self.prompts(point, ctx)
         greedy = greedy_tokens(engine, prompts, n)
-        inputs = ctx.extra.get("inputs") or {}
+        inputs = inputs or {}
         teacher = inputs.get("teacher") or greedy
         row: dict[str, Any] = {"parity_tokens": greedy, "parity_prompt_lens": [len(p) for p in prompts],
                                "parity_teacher": inputs.get("baseline") or "own greedy tokens"}

@@ -62,7 +62,8 @@ class PrefixSharing(Workload):
     def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
         return {"prefix_caching": bool(point.params["prefix_caching"])} if caps.prefix_caching else {}
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: PrefixSharingConfig,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         p, r = point.params["prefix_len"], point.params["num_requests"]
         s, o = point.params["suffix_len"], point.params["output_len"]
         # warm up the engine on unrelated prompts, then forget them

@@ -147,8 +147,8 @@ class Quality(Workload):
             out["max_num_batched_tokens"] = point.params["chunk"]
         return out
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
-        cfg: QualityConfig = ctx.extra["workload_cfg"]
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: QualityConfig,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         p = point.params
         windows = windows_of(ctx.model_path, p["windows"], p["window_len"])
         scores = engine.score(windows, [1] * len(windows), p["top_k"])

@@ -398,8 +398,9 @@ class Serving(Workload):
                    **kv_memory_fields(info, peak=True))
         return row
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
-        return self.measure(engine, ctx.extra["workload_cfg"], ctx, point.params, point.key)
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: ServingConfig,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.measure(engine, cfg, ctx, point.params, point.key)
 
 
 def dataset_picks(entries: int, n: int, order: str, rng: np.random.Generator) -> list[int]:

@@ -132,8 +132,8 @@ class Sweep(Workload):
         ci, b, o = row.get("e2e_latency_s_ci"), row.get("batch_size"), row.get("output_len")
         row["output_tok_s_ci"] = [b * o / ci[1], b * o / ci[0]] if ci and b and o else None
 
-    def run_point(self, engine: Engine, point: Point, ctx: RunContext) -> dict[str, Any]:
-        cfg: SweepConfig = ctx.extra["workload_cfg"]
+    def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: SweepConfig,
+                  inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         b, s, o = point.params["batch_size"], point.params["prompt_len"], point.params["output_len"]
         for i in range(cfg.warmup):
             run_iteration(engine, ctx.prompts(b, s, f"{point.key}/warmup{i}"), o)
