@@ -181,7 +181,9 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
     else:
         cache = model_cache_dir(plan.settings.model_cache_dir)
         if not (cached_path(plan.shape, cache) / "config.json").exists():
-            say(f"model {plan.shape.name}: materialising random weights into {cache} (first use) ...")
+            say(f"model {plan.shape.name}: training it from scratch into {cache} (first use: minutes; "
+                f"infer-bench-model --train --preset {plan.shape.name} does it ahead) ..." if plan.shape.trained else
+                f"model {plan.shape.name}: materialising random weights into {cache} (first use) ...")
         model_path = str(ensure_checkpoint(plan.shape, cache))
     plan.token_range = prompt_token_range(shape_from_hf_config(model_path), model_path)
     redact = plan.redactor()
