@@ -26,8 +26,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
+
+from harness.core.schema import check as check_schema
 
 
 def now_ns() -> int:
@@ -288,6 +290,16 @@ class Engine(ABC):
 
     name: ClassVar[str]
     option_names: ClassVar[dict[str, str]] = {}  # standard option name -> this engine's name
+    # engine_options.<name>: a dataclass of harness.core.schema.spec() fields (type, default, range,
+    # help), checked by harness.core.schema.check as workloads' config_cls are. None: the adapter
+    # checks its options itself (the endpoint adapter).
+    options_cls: ClassVar[type | None] = None
+
+    @classmethod
+    def typed_options(cls, options: dict[str, Any] | None) -> tuple[Any, list[str]]:
+        """(options as an `options_cls` object, problems each naming `engine_options.<name>.<field>`).
+        With problems, the object holds the defaults."""
+        return parse_engine_options(cls.options_cls, cls.name, options)
 
     @classmethod
     def options_for(cls, standard: dict[str, Any]) -> dict[str, Any]:
@@ -313,6 +325,8 @@ class Engine(ABC):
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
         """Problems with `engine_options.<name>` for this model/device, each naming the field
         and the fix. Runs before anything is loaded. Subclasses extend it."""
+        if cls.options_cls is not None:
+            return cls.typed_options(options)[1]
         known = cls.capabilities(options).options
         return [f"engine_options.{cls.name}.{k}: unknown option. Known options: {', '.join(known) or 'none'}."
                 for k in options if k not in known]
@@ -371,15 +385,37 @@ def is_pos_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def option_type_problems(engine: str, options: dict[str, Any], bools: tuple[str, ...] = (),
-                         ints: tuple[str, ...] = ()) -> list[str]:
-    """Problems with boolean options and optional positive-integer options, named as
-    `engine_options.<engine>.<option>` (the checks every adapter's check_options starts with)."""
-    p = f"engine_options.{engine}."
-    problems = [f"{p}{k}={options[k]}: use true or false." for k in bools if not isinstance(options[k], bool)]
-    problems += [f"{p}{k}={options[k]}: must be a positive integer (or null)." for k in ints
-                 if options.get(k) is not None and not is_pos_int(options[k])]
-    return problems
+def option_names(options_cls: type) -> tuple[str, ...]:
+    """The option names an options dataclass declares (Capabilities.options)."""
+    return tuple(f.name for f in fields(options_cls))
+
+
+def parse_engine_options(options_cls: type, engine: str, options: Any) -> tuple[Any, list[str]]:
+    """`options` (a dict, or already an `options_cls` object) checked against `options_cls` by
+    harness.core.schema.check: (typed options, every problem at once, each naming
+    `engine_options.<engine>.<field>`). On problems the object holds the defaults. A class may
+    define `normalize(raw) -> raw` for what YAML reads differently from what was meant (a bare
+    `on` is true)."""
+    if isinstance(options, options_cls):
+        return options, []
+    raw = dict(options or {})
+    normalize = getattr(options_cls, "normalize", None)
+    if normalize is not None:
+        raw = normalize(raw)
+    known = option_names(options_cls)
+    problems = [f"engine_options.{engine}.{k}: unknown option. Known options: {', '.join(known)}."
+                for k in raw if k not in known]
+    typed, more = check_schema(options_cls, {k: v for k, v in raw.items() if k in known}, f"engine_options.{engine}")
+    problems += more
+    return (typed if typed is not None and not problems else options_cls()), problems
+
+
+def engine_options_or_raise(options_cls: type, engine: str, options: Any) -> Any:
+    """The typed options; ValueError naming every problem (for code past the harness's check)."""
+    typed, problems = parse_engine_options(options_cls, engine, options)
+    if problems:
+        raise ValueError(" ".join(problems))
+    return typed
 
 
 def wait_until(deadline_ns: int) -> None:

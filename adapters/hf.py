@@ -5,12 +5,7 @@ Prefill and every decode step are separate forward passes with the library's own
 Batches of unequal prompt lengths are left-padded, with an attention mask and position ids
 that skip the padding, exactly as `generate()` does it.
 
-Options (`engine_options.hf.<name>`):
-  attn_implementation  sdpa | eager            (default sdpa)
-  kv_cache             on | none               none: no cache, every step recomputes the whole
-                                               sequence (the "without KV cache" mode)
-  max_batch_size       serve(): most requests batched together (default 64)
-  num_threads          torch CPU threads (default: the run's equal share, ModelSpec.threads)
+Options (`engine_options.hf.<name>`): HFOptions below (conf/engine/hf.yaml is generated from it).
 
 serve() is static batching — what plain transformers offers: it takes every request that has
 arrived, runs the batch to completion, then takes the next.
@@ -21,20 +16,37 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns, option_type_problems, wait_until,
+    RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns, option_names, wait_until,
 )
 from harness.core.kvcalc import canonical_kv_dtype
+from harness.core.schema import spec
 
-OPTIONS = ("attn_implementation", "kv_cache", "max_batch_size", "num_threads")
+
+
+@dataclass
+class HFOptions:
+    """Hugging Face transformers, stepped forward pass by forward pass (adapters/hf.py)."""
+
+    attn_implementation: str = spec("sdpa", choices=("sdpa", "eager"), help="sdpa | eager")
+    kv_cache: str = spec("on", choices=("on", "none"), help=(
+        "on | none (no cache: every step recomputes the whole sequence, the \"without KV cache\" mode)"))
+    max_batch_size: int = spec(64, ge=1, help="serve(): static batches of at most this many requests")
+    num_threads: int | None = spec(None, ge=1, help=(
+        "torch CPU threads; null = the run's equal share (ModelSpec.threads), else torch's default"))
+
+
+OPTIONS = option_names(HFOptions)
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class HFEngine(Engine):
     name = "hf"
+    options_cls = HFOptions
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -50,16 +62,6 @@ class HFEngine(Engine):
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
         return Capabilities(kv_dtypes=("auto",), no_cache_mode=True, logits=True, scores=True, options=OPTIONS)
-
-    @classmethod
-    def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
-        problems = super().check_options(options, model)
-        if str(options.get("kv_cache", "on")) not in ("on", "none"):
-            problems.append(f"engine_options.hf.kv_cache={options['kv_cache']}: use on or none.")
-        if (options.get("attn_implementation") or "sdpa") not in ("sdpa", "eager"):
-            problems.append(f"engine_options.hf.attn_implementation={options['attn_implementation']}: "
-                            "use sdpa or eager.")
-        return problems + option_type_problems(cls.name, options, ints=("max_batch_size", "num_threads"))
 
     def __init__(self) -> None:
         self.model = None
@@ -77,15 +79,18 @@ class HFEngine(Engine):
 
         self.torch = torch
         self.device = torch.device(model.device)
-        self.use_cache = str(options.get("kv_cache", "on")) != "none"
-        self.max_batch_size = int(options.get("max_batch_size") or 64)
-        threads = options.get("num_threads") or model.threads
+        opts, problems = self.typed_options(options)
+        if problems:
+            raise ValueError(" ".join(problems))
+        self.use_cache = opts.kv_cache != "none"
+        self.max_batch_size = opts.max_batch_size
+        threads = opts.num_threads or model.threads
         if threads:
             torch.set_num_threads(int(threads))
         t0 = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(
             model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
-            attn_implementation=options.get("attn_implementation") or "sdpa",
+            attn_implementation=opts.attn_implementation,
         ).to(self.device).eval()
         self._sync()
         cfg = self.model.config

@@ -16,7 +16,7 @@ import yaml
 from adapters import engine_names
 from adapters.base import ModelSpec
 from adapters.reference import kv_cache
-from adapters.reference.config import EngineConfig, parse_options
+from adapters.reference.config import EngineConfig
 from adapters.reference.engine import ReferenceEngine
 from harness.core.kvcalc import bytes_per_token
 from harness.core.presets import load_preset
@@ -38,9 +38,9 @@ def test_yaml_lists_every_option_with_its_default():
 
 
 def test_defaults_and_overrides_parse():
-    cfg, problems = parse_options({})
+    cfg, problems = ReferenceEngine.typed_options({})
     assert not problems and cfg == EngineConfig()
-    cfg, problems = parse_options({"block_size": 32, "kv_cache": True, "kv_layout": "contiguous",
+    cfg, problems = ReferenceEngine.typed_options({"block_size": 32, "kv_cache": True, "kv_layout": "contiguous",
                                    "kv_dtype": "int8", "prefix_caching": False, "kv_cache_bytes": 1e9,
                                    "max_num_seqs": 8, "num_threads": None})
     assert not problems
@@ -212,5 +212,5 @@ def test_the_calibration_handicap_spins_its_fraction_of_every_step(tiny_ckpt, mo
     e.decode(3)
     e.close()
     assert len(asked) == 4 and all(a == 0.5 for a in asked)  # one per step: 0.5 x the 1 s the fake clock saw
-    _, problems = parse_options({"step_delay_frac": -1})
+    _, problems = ReferenceEngine.typed_options({"step_delay_frac": -1})
     assert problems and "step_delay_frac" in problems[0]

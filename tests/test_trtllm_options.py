@@ -5,6 +5,7 @@ TensorRT-LLM's own definitions in tests/test_trtllm_gpu.py, where it is installe
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import yaml
@@ -13,7 +14,7 @@ import adapters.trtllm.engine as trt_engine
 from adapters.base import ModelSpec
 from adapters.trtllm.engine import TRTLLMEngine
 from adapters.trtllm.options import (
-    DEFAULTS, OPTIONS, end_id_of, kv_cache_config_kwargs, llm_kwargs, python_problem, sampling_kwargs,
+    OPTIONS, TRTLLMOptions, end_id_of, kv_cache_config_kwargs, llm_kwargs, python_problem, sampling_kwargs,
     unavailable_text,
 )
 
@@ -22,8 +23,9 @@ GPU = ModelSpec(path="/m", name="tiny", dtype="bfloat16", device="cuda", max_mod
 
 
 def test_yaml_lists_every_option_with_the_adapter_default():
-    assert yaml.safe_load((REPO / "conf/engine/trtllm.yaml").read_text()) == DEFAULTS
-    assert set(OPTIONS) == set(DEFAULTS) == set(TRTLLMEngine.capabilities().options)
+    conf = yaml.safe_load((REPO / "conf/engine/trtllm.yaml").read_text())
+    assert conf == asdict(TRTLLMOptions())
+    assert list(OPTIONS) == list(conf) == list(TRTLLMEngine.capabilities().options)
 
 
 def test_nulls_leave_tensorrt_llms_defaults_in_place():

@@ -4,7 +4,7 @@ environment, thread policy, the GPU-memory check, option checks, the YAML defaul
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ import adapters.vllm.engine as vllm_engine
 from adapters.base import ModelSpec
 from adapters.vllm import introspect
 from adapters.vllm.options import (
-    DEFAULTS, OPTIONS, engine_env, engine_kwargs, first_node_cores, gpu_memory_problem, thread_plan,
+    OPTIONS, VLLMOptions, engine_env, engine_kwargs, first_node_cores, gpu_memory_problem, thread_plan,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,8 +31,8 @@ def cpu_build(monkeypatch):
 
 def test_yaml_lists_every_option_with_the_adapter_default():
     conf = yaml.safe_load((REPO / "conf/engine/vllm.yaml").read_text())
-    assert conf == DEFAULTS
-    assert set(OPTIONS) == set(DEFAULTS) == set(vllm_engine.VLLMEngine.capabilities().options)
+    assert conf == asdict(VLLMOptions())
+    assert list(OPTIONS) == list(conf) == list(vllm_engine.VLLMEngine.capabilities().options)
 
 
 def test_nulls_leave_vllms_own_defaults_in_place():

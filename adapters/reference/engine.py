@@ -39,7 +39,7 @@ from adapters.base import (
 )
 from adapters.reference import kernels
 from adapters.reference.block_manager import BlockManager
-from adapters.reference.config import CPU_DEFAULT_KV_BYTES, KV_DTYPES, OPTIONS, EngineConfig, parse_options
+from adapters.reference.config import CPU_DEFAULT_KV_BYTES, KV_DTYPES, OPTIONS, EngineConfig, cross_field_problems
 from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
 from adapters.reference.model import Model, ModelConfig
 from adapters.reference.runner import ModelRunner, StepOutput
@@ -118,6 +118,7 @@ def _spin(seconds: float) -> None:
 
 class ReferenceEngine(Engine):
     name = "reference"
+    options_cls = EngineConfig
 
     @classmethod
     def version(cls) -> str | None:
@@ -126,7 +127,7 @@ class ReferenceEngine(Engine):
 
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
-        cfg, _ = parse_options(options)
+        cfg, _ = cls.typed_options(options)
         paged = cfg.use_cache and not cfg.contiguous  # block size and prefix sharing apply
         return Capabilities(kv_dtypes=KV_DTYPES, prefix_caching=paged, chunked_prefill=cfg.use_cache,
                             no_cache_mode=True, contiguous_layout=True, continuous_batching=True,
@@ -134,7 +135,8 @@ class ReferenceEngine(Engine):
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
-        cfg, problems = parse_options(options)
+        cfg, problems = cls.typed_options(options)
+        problems += cross_field_problems(cfg) if not problems else []
         why = check_kv_dtype(cfg.kv_dtype, torch.device(model.device))
         if why:
             problems.append(f"engine_options.reference.kv_dtype={cfg.kv_dtype}: {why}. "
@@ -161,7 +163,8 @@ class ReferenceEngine(Engine):
     # ---- life cycle --------------------------------------------------------------------
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
         t0 = time.perf_counter()
-        cfg, problems = parse_options(options)
+        cfg, problems = self.typed_options(options)
+        problems += cross_field_problems(cfg) if not problems else []
         self.device = torch.device(model.device)
         why = check_kv_dtype(cfg.kv_dtype, self.device)
         if why:

@@ -61,7 +61,7 @@ from adapters.base import (
 )
 from adapters.trtllm import timing
 from adapters.trtllm.options import (
-    KV_DTYPES, OPTIONS, VERSION_CHECKED, check_problems, end_id_of, llm_kwargs, resolved_options,
+    KV_DTYPES, OPTIONS, VERSION_CHECKED, TRTLLMOptions, check_problems, end_id_of, llm_kwargs, typed,
     sampling_kwargs, this_python, unavailable_text,
 )
 from adapters.trtllm.streamer import WAIT_S, Stream, Streamer
@@ -123,6 +123,7 @@ class TRTLLMEngine(Engine):
     name = "trtllm"
     option_names = {"kv_dtype": "kv_cache_dtype", "prefix_caching": "enable_block_reuse",
                     "block_size": "tokens_per_block"}
+    options_cls = TRTLLMOptions
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -145,17 +146,17 @@ class TRTLLMEngine(Engine):
 
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
-        o = resolved_options(options)
+        o, _ = cls.typed_options(options)
         return Capabilities(
             dtypes=("bfloat16", "float16"), devices=("cuda",), kv_dtypes=KV_DTYPES,
-            prefix_caching=bool(o["enable_block_reuse"]), chunked_prefill=bool(o["enable_chunked_prefill"]),
+            prefix_caching=o.enable_block_reuse, chunked_prefill=o.enable_chunked_prefill,
             no_cache_mode=False, contiguous_layout=False, continuous_batching=True, paged=True,
             logits=False, scores=True, options=OPTIONS,
         )
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
-        return super().check_options(options, model) + check_problems(options, model)
+        return check_problems(options, model)
 
     def __init__(self) -> None:
         self._llm = None
@@ -177,14 +178,14 @@ class TRTLLMEngine(Engine):
         reason = self.unavailable_reason()
         if reason:
             raise EngineUnavailable(reason)
-        self.options = resolved_options(options)
+        self.options = typed(options)
         self.model_spec = model
         t_import = time.perf_counter()
         from tensorrt_llm import LLM, SamplingParams  # heavy, optional: only when the engine is used
         from tensorrt_llm.llmapi import KvCacheConfig
         self._SamplingParams = SamplingParams
         import_s = time.perf_counter() - t_import
-        kwargs = llm_kwargs(model, options)
+        kwargs = llm_kwargs(model, self.options)
         shown = dict(kwargs)
         kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
         if "scheduler_config" in kwargs:
@@ -220,7 +221,7 @@ class TRTLLMEngine(Engine):
         out = {}
         for k in ("max_batch_size", "max_num_tokens"):
             v = getattr(args, k, None)
-            out[k] = int(v) if isinstance(v, int) else self.options.get(k)
+            out[k] = int(v) if isinstance(v, int) else getattr(self.options, k)
         return out
 
     def close(self) -> None:
@@ -261,7 +262,7 @@ class TRTLLMEngine(Engine):
                              f"TensorRT-LLM would admit it over several iterations. Set {_PREFIX}max_batch_size>="
                              f"{len(prompts)}.")
         total = sum(len(p) for p in prompts)
-        if budget and not self.options["enable_chunked_prefill"] and total > budget:
+        if budget and not self.options.enable_chunked_prefill and total > budget:
             raise ValueError(f"this batch has {total} prompt tokens, more than {_PREFIX}max_num_tokens={budget}: "
                              f"TensorRT-LLM would prefill it over several iterations. Set {_PREFIX}max_num_tokens>="
                              f"{total}.")
@@ -426,8 +427,8 @@ class TRTLLMEngine(Engine):
         self._poll_stats()
         st = self._kv_stats
         o = self.options
-        kv = o["kv_cache_dtype"] if o["kv_cache_dtype"] != "auto" else self.model_spec.dtype
-        info = KVCacheInfo(kv_dtype=canonical_kv_dtype(kv), block_size=st.get("tokensPerBlock") or o["tokens_per_block"])
+        kv = o.kv_cache_dtype if o.kv_cache_dtype != "auto" else self.model_spec.dtype
+        info = KVCacheInfo(kv_dtype=canonical_kv_dtype(kv), block_size=st.get("tokensPerBlock") or o.tokens_per_block)
         info.num_blocks = st.get("maxNumBlocks")
         info.blocks_in_use = st.get("usedNumBlocks")
         reused, missed = st.get("reusedBlocks"), st.get("missedBlocks")

@@ -2,7 +2,8 @@
 `KvCacheConfig(...)`, `SchedulerConfig(...)` and `SamplingParams(...)` arguments. Pure: nothing
 here imports TensorRT-LLM (unit-tested without it).
 
-Options (`engine_options.trtllm.<name>`, defaults in conf/engine/trtllm.yaml):
+Options (`engine_options.trtllm.<name>`; types, defaults and ranges in TRTLLMOptions below, from
+which conf/engine/trtllm.yaml is generated):
   max_batch_size            most requests in flight (null: TensorRT-LLM's default)
   max_num_tokens            most tokens per iteration (null: TensorRT-LLM's default, 8192); a
                             prefill batch must fit in one iteration
@@ -24,32 +25,44 @@ max_seq_len comes from the workload (ModelSpec.max_model_len); the dtype from th
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-from adapters.base import ModelSpec, is_pos_int, option_type_problems
+from adapters.base import ModelSpec, engine_options_or_raise, option_names, parse_engine_options
 from harness.core.errors import UserError
 from harness.core.presets import shape_from_hf_config
+from harness.core.schema import spec
 
 VERSION_CHECKED = "1.2.1"  # the LLM API this adapter was written against (docs/engines/trtllm.md)
 PYTHONS = ((3, 10), (3, 12))  # the Python versions TensorRT-LLM 1.2.1's wheels are built for
-DEFAULTS: dict[str, Any] = {
-    "max_batch_size": None,
-    "max_num_tokens": None,
-    "tensor_parallel_size": 1,
-    "free_gpu_memory_fraction": 0.9,
-    "kv_cache_max_tokens": None,
-    "enable_block_reuse": True,
-    "tokens_per_block": 32,
-    "kv_cache_dtype": "auto",
-    "enable_chunked_prefill": False,
-    "cuda_graphs": True,
-    "disable_overlap_scheduler": False,
-    "capacity_scheduler_policy": None,
-}
-OPTIONS = tuple(DEFAULTS)
 KV_DTYPES = ("auto", "fp8")
 SCHEDULER_POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH")
-_BOOL_OPTIONS = ("enable_block_reuse", "enable_chunked_prefill", "cuda_graphs", "disable_overlap_scheduler")
+
+
+@dataclass
+class TRTLLMOptions:
+    """TensorRT-LLM through tensorrt_llm.LLM, PyTorch backend (adapters/trtllm/options.py documents
+    each option; docs/engines/trtllm.md what was checked). null means "TensorRT-LLM's own default".
+    max_seq_len comes from the workload; the dtype from the run (bfloat16 or float16)."""
+
+    max_batch_size: int | None = spec(None, ge=1, help="most requests in flight")
+    max_num_tokens: int | None = spec(None, ge=1, help="most tokens per iteration (TensorRT-LLM's default: 8192)")
+    tensor_parallel_size: int = spec(1, ge=1, help="GPUs to shard over")
+    free_gpu_memory_fraction: float = spec(0.9, gt=0, le=1, help=(
+        "KvCacheConfig: share of free GPU memory for the KV cache"))
+    kv_cache_max_tokens: int | None = spec(None, ge=1, help="KvCacheConfig.max_tokens: cap on KV-cache tokens")
+    enable_block_reuse: bool = spec(True, help="KvCacheConfig: prefix reuse across requests")
+    tokens_per_block: int = spec(32, ge=2, help="KvCacheConfig: tokens per KV block (a power of two)")
+    kv_cache_dtype: str = spec("auto", choices=KV_DTYPES, help="KvCacheConfig.dtype: auto (= model dtype) | fp8")
+    enable_chunked_prefill: bool = spec(False, help="TensorRT-LLM's default")
+    cuda_graphs: bool = spec(True, help="false: cuda_graph_config=None (no CUDA graphs)")
+    disable_overlap_scheduler: bool = spec(False, help="TensorRT-LLM's default")
+    capacity_scheduler_policy: str | None = spec(None, choices=SCHEDULER_POLICIES, help=(
+        "null = TensorRT-LLM's (GUARANTEED_NO_EVICT: KV for a request's whole output bound before "
+        "admission) | MAX_UTILIZATION | STATIC_BATCH"))
+
+
+OPTIONS = option_names(TRTLLMOptions)
 INSTALL_HINT = (f"TensorRT-LLM {VERSION_CHECKED} comes from NVIDIA's package index, not PyPI (PyPI's tensorrt-llm "
                 "is a stub that downloads from it): in a separate environment with Python 3.10 or 3.12, "
                 "CUDA and OpenMPI, run pip install --extra-index-url https://pypi.nvidia.com "
@@ -58,49 +71,48 @@ INSTALL_HINT = (f"TensorRT-LLM {VERSION_CHECKED} comes from NVIDIA's package ind
                 "engine_options.trtllm.python=PATH")
 
 
-def resolved_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    out = dict(DEFAULTS)
-    out.update({k: v for k, v in (options or {}).items() if k in DEFAULTS})
-    return out
+def typed(options: TRTLLMOptions | dict[str, Any] | None) -> TRTLLMOptions:
+    """The options as a TRTLLMOptions (defaults filled in); ValueError naming each bad field."""
+    return engine_options_or_raise(TRTLLMOptions, "trtllm", options)
 
 
-def kv_cache_config_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+def kv_cache_config_kwargs(options: TRTLLMOptions | dict[str, Any]) -> dict[str, Any]:
     """Fields of `tensorrt_llm.llmapi.KvCacheConfig(...)`."""
-    o = resolved_options(options)
+    o = typed(options)
     kw: dict[str, Any] = {
-        "free_gpu_memory_fraction": float(o["free_gpu_memory_fraction"]),
-        "enable_block_reuse": bool(o["enable_block_reuse"]),
-        "tokens_per_block": int(o["tokens_per_block"]),
-        "dtype": str(o["kv_cache_dtype"]),
+        "free_gpu_memory_fraction": float(o.free_gpu_memory_fraction),
+        "enable_block_reuse": bool(o.enable_block_reuse),
+        "tokens_per_block": int(o.tokens_per_block),
+        "dtype": str(o.kv_cache_dtype),
     }
-    if o["kv_cache_max_tokens"] is not None:
-        kw["max_tokens"] = int(o["kv_cache_max_tokens"])
+    if o.kv_cache_max_tokens is not None:
+        kw["max_tokens"] = int(o.kv_cache_max_tokens)
     return kw
 
 
-def llm_kwargs(model: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+def llm_kwargs(model: ModelSpec, options: TRTLLMOptions | dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments of `tensorrt_llm.LLM(...)`, with `kv_cache_config` as the dict of its
     fields (load() turns it into a KvCacheConfig), `scheduler_config` as the policy's name (into a
     SchedulerConfig) only when one is set, and `cuda_graph_config` present only when CUDA graphs
     are turned off (then None)."""
-    o = resolved_options(options)
+    o = typed(options)
     kw: dict[str, Any] = {
         "model": model.path,
         "skip_tokenizer_init": True,
         "dtype": model.dtype,
-        "tensor_parallel_size": int(o["tensor_parallel_size"]),
+        "tensor_parallel_size": int(o.tensor_parallel_size),
         "max_seq_len": int(model.max_model_len),
-        "enable_chunked_prefill": bool(o["enable_chunked_prefill"]),
-        "disable_overlap_scheduler": bool(o["disable_overlap_scheduler"]),
+        "enable_chunked_prefill": bool(o.enable_chunked_prefill),
+        "disable_overlap_scheduler": bool(o.disable_overlap_scheduler),
         "enable_iter_perf_stats": True,  # iteration stats: KV blocks, iteration latency
         "kv_cache_config": kv_cache_config_kwargs(o),
     }
     for k in ("max_batch_size", "max_num_tokens"):
-        if o[k] is not None:
-            kw[k] = int(o[k])
-    if o["capacity_scheduler_policy"] is not None:
-        kw["scheduler_config"] = str(o["capacity_scheduler_policy"])
-    if not o["cuda_graphs"]:
+        if getattr(o, k) is not None:
+            kw[k] = int(getattr(o, k))
+    if o.capacity_scheduler_policy is not None:
+        kw["scheduler_config"] = str(o.capacity_scheduler_policy)
+    if not o.cuda_graphs:
         kw["cuda_graph_config"] = None
     return kw
 
@@ -153,25 +165,14 @@ def end_id_of(model_path: str) -> int:
     return -1 if eos is None else eos
 
 
-def check_problems(options: dict[str, Any], model: ModelSpec) -> list[str]:
-    o = resolved_options(options)
-    p = "engine_options.trtllm."
-    problems = option_type_problems("trtllm", o, _BOOL_OPTIONS,
-                                    ("max_batch_size", "max_num_tokens", "kv_cache_max_tokens"))
-    if not is_pos_int(o["tensor_parallel_size"]):
-        problems.append(f"{p}tensor_parallel_size={o['tensor_parallel_size']}: must be a positive integer.")
-    tpb = o["tokens_per_block"]
-    if not is_pos_int(tpb) or tpb < 2 or tpb & (tpb - 1):
-        problems.append(f"{p}tokens_per_block={tpb}: TensorRT-LLM needs a power of two greater than 1 "
-                        "(e.g. 16, 32, 64).")
-    f = o["free_gpu_memory_fraction"]
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-        problems.append(f"{p}free_gpu_memory_fraction={f}: must be a fraction in (0, 1].")
-    if str(o["kv_cache_dtype"]) not in KV_DTYPES:
-        problems.append(f"{p}kv_cache_dtype={o['kv_cache_dtype']}: use one of {', '.join(KV_DTYPES)}.")
-    pol = o["capacity_scheduler_policy"]
-    if pol is not None and str(pol) not in SCHEDULER_POLICIES:
-        problems.append(f"{p}capacity_scheduler_policy={pol}: use null or one of {', '.join(SCHEDULER_POLICIES)}.")
+def check_problems(options: TRTLLMOptions | dict[str, Any], model: ModelSpec) -> list[str]:
+    """Problems with the options (harness.core.schema.check against TRTLLMOptions), then what no
+    field's spec says, then the device; each names the field and the fix."""
+    o, problems = parse_engine_options(TRTLLMOptions, "trtllm", options)
+    tpb = o.tokens_per_block
+    if not problems and tpb & (tpb - 1):
+        problems.append(f"engine_options.trtllm.tokens_per_block={tpb}: TensorRT-LLM needs a power of two "
+                        "greater than 1 (e.g. 16, 32, 64).")
     if not str(model.device).startswith("cuda"):
         problems.append(f"device={model.device}: TensorRT-LLM runs only on NVIDIA GPUs (device=cuda).")
     return problems

