@@ -160,6 +160,7 @@ def serving_load_rows(engines: dict[str, float], mode: str = "open", loads=(1.0,
     """FAKE serving rows with the load fields of issue 16: an open loop over request rates or a
     closed loop over concurrencies; every engine (name -> speed) at every load. Per-user speed
     falls and device throughput rises with the load; loads above `saturate_above` are saturated.
+    mode "trace": a replayed trace, each load its mean rate (offered_rate) after a time scale.
     `client_limited_at`: None, an in-process engine (no client fields); else the rows carry the
     load generator's fields, client-limited at those loads."""
     rows = []
@@ -167,10 +168,14 @@ def serving_load_rows(engines: dict[str, float], mode: str = "open", loads=(1.0,
         for load in loads:
             tpot, per_user, device = fake_load_point(load, speed, saturate_above)
             if client_limited_at is not None:
-                extra_client = fake_client_fields(load, load in client_limited_at, mode == "open")
+                extra_client = fake_client_fields(load, load in client_limited_at, mode != "closed")
             else:
                 extra_client = {}
-            point = {"request_rate": load} if mode == "open" else {"concurrency": load}
+            point = ({"request_rate": load} if mode == "open" else {"concurrency": load} if mode == "closed"
+                     else {"trace": "fake-trace.jsonl", "trace_time_scale": 1 / load})
+            if mode == "trace":
+                extra_client |= {"offered_rate": load, "trace": "fake-trace.jsonl", "trace_time_scale": 1 / load,
+                                 "trace_requests": 100}
             fields = {"load_mode": mode, "request_rate": load if mode == "open" else None,
                       "concurrency": int(load) if mode == "closed" else None,
                       "max_concurrency": None, "ramp_up_s": 0.0, "per_user_tok_s": per_user, "output_tok_s": device,

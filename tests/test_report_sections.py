@@ -503,3 +503,23 @@ def test_client_fields_are_defined_where_rows_carry_them(tmp_path: Path) -> None
     assert {"send lag", "loop lag", "client CPU", "achieved rate", "client-limited"} <= set(defined)
     assert "workload.client_processes" in defined["client-limited"]
     assert not table_rows(page(tmp_path, serving_load_rows({"hf": 1.0}), name="inproc"), "definitions-client")
+
+
+def test_replayed_traces_plot_at_their_mean_rate_not_all_at_once(tmp_path: Path) -> None:
+    rows = (serving_load_rows({"vllm-http": 1.0}, mode="trace", loads=(2.0, 8.0), client_limited_at=(8.0,))
+            + serving_load_rows({"vllm-http": 1.0}, loads=(1.0, 4.0), client_limited_at=()))
+    df = serving_frame(frame(rows))
+    trace = df[df["load_mode"] == "trace"]
+    assert list(trace["rate_x"]) == [2.0, 8.0] and list(trace["rate_label"]) == ["2", "8"]
+    html = page(tmp_path, rows)
+    assert figures(html, "serving-trace-ttft") and figures(html, "serving-ttft")
+    assert [r["trace req/s"] for r in by_header(html, "serving-trace-values")] == ["2", "8"]
+    assert [r["rate req/s"] for r in by_header(html, "serving-values")] == ["1", "4"]
+    assert "all at once" not in html
+    [note] = notes(html, "serving-client-limited")
+    assert "vllm-http at 8 req/s (trace) (" in note
+    [fig] = figures(html, "capacity-pareto")
+    traces = {t["name"]: t for t in fig["data"]}
+    assert traces["vllm-http · trace replay"]["text"] == ["trace 2 req/s", "trace 8 req/s"]
+    assert traces["vllm-http · request rate sweep"]["text"] == ["1 req/s", "4 req/s"]
+    assert traces["vllm-http · trace replay"]["marker"]["symbol"][1] == "cross"

@@ -64,6 +64,8 @@ def pareto_frame(rows: pd.DataFrame) -> pd.DataFrame:
             if p.get("result") or p.get("search") not in KIND:
                 continue
             kind, load, source = p["search"], _f(p.get("value")), f"capacity probe {p.get('probe', '')}".strip()
+        elif r.get("load_mode") == "trace":           # a replayed trace: at its mean rate (after its time scale)
+            kind, load, source = "rate", _f(r.get("offered_rate")), "serving (trace)"
         else:
             closed = r.get("load_mode") == "closed"
             kind = "concurrency" if closed else "rate"
@@ -80,7 +82,9 @@ def pareto_frame(rows: pd.DataFrame) -> pd.DataFrame:
         viol = r.get("slo_violations")
         out.append({"engine": r["engine"], "series": r["series"], "model": r.get("model") or "?", "kind": kind,
                     "curve": curve_of(kind, source),
-                    "load": load if load is not None else float("nan"), "load_label": load_label(kind, load),
+                    "load": load if load is not None else float("nan"),
+                    "load_label": load_label(kind, load) if source != "serving (trace)" else
+                    f"trace {'?' if load is None else f'{load:.3g}'} req/s",
                     "source": source, "per_user_tok_s": per_user, "per_user_derived": derived,
                     "output_tok_s": thr, "saturated": _bool(r.get("saturated")),
                     "client_limited": _bool(r.get("client_limited")),
@@ -97,7 +101,9 @@ def pareto_frame(rows: pd.DataFrame) -> pd.DataFrame:
 
 def curve_of(kind: str, source: str) -> str:
     """Which curve a point belongs to (besides its series): the serving sweep over rates, over
-    concurrencies, or the capacity search's probes over either."""
+    concurrencies, the capacity search's probes over either, or replayed traces."""
+    if source == "serving (trace)":
+        return "trace replay"
     return f"capacity probes ({KIND[kind][0]})" if source.startswith("capacity") else f"{KIND[kind][0]} sweep"
 
 

@@ -34,6 +34,12 @@ CLIENT_COLS = [  # what the load generator did during the point (endpoints): did
 LOAD = {  # load mode -> (x-axis title, what one panel's value is, load column)
     "open": ("request rate (req/s)", "req/s", "request_rate"),
     "closed": ("concurrent requests (closed loop)", "concurrent", "concurrency"),
+    "trace": ("trace's mean request rate (req/s)", "req/s (trace)", "offered_rate"),
+}
+MODE = {  # load mode -> (figure name prefix, "against" in captions, the table's load column)
+    "open": ("serving-", "request rate", "rate req/s"),
+    "closed": ("serving-closed-", "concurrency", "concurrency"),
+    "trace": ("serving-trace-", "the trace's mean request rate", "trace req/s"),
 }
 
 
@@ -47,7 +53,7 @@ def serving_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """Serving rows (ok) in point order, with `load_mode` ("open" when the row does not say),
     `rate_x` (the load to plot at: the request rate in an open loop, where a rate of infinity,
     stored as null, sits one step right of the largest finite rate; the concurrency in a closed
-    loop) and `rate_label`."""
+    loop; a replayed trace's mean rate after its time scale, `offered_rate`) and `rate_label`."""
     df = workload_rows(rows, "serving")
     if df.empty:
         return df
@@ -56,11 +62,14 @@ def serving_frame(rows: pd.DataFrame) -> pd.DataFrame:
     conc = pd.to_numeric(column(df, "concurrency"), errors="coerce")
     finite = rate[np.isfinite(rate) & (df["load_mode"] == "open")]
     top = float(finite.max()) * 2 if len(finite) else 1.0
-    closed = df["load_mode"] == "closed"
-    df["rate_x"] = rate.where(np.isfinite(rate), top).where(~closed, conc)
+    offered = pd.to_numeric(column(df, "offered_rate"), errors="coerce")
+    closed, trace = df["load_mode"] == "closed", df["load_mode"] == "trace"
+    df["rate_x"] = rate.where(np.isfinite(rate), top).where(~closed, conc).where(~trace, offered)
     df["rate_label"] = [(f"{c:g}" if np.isfinite(c) else "?") if m == "closed" else
+                        (f"{o:.3g}" if np.isfinite(o) else "?") if m == "trace" else
                         (f"{v:g}" if np.isfinite(v) else ALL_AT_ONCE)
-                        for m, v, c in zip(df["load_mode"], rate.fillna(np.inf), conc.fillna(np.nan))]
+                        for m, v, c, o in zip(df["load_mode"], rate.fillna(np.inf), conc.fillna(np.nan),
+                                              offered.fillna(np.nan))]
     df["saturated_text"] = column(df, "saturated").map(yes_no)
     df["stopped_early_text"] = column(df, "stopped_early").map(yes_no)
     df["client_limited_text"] = column(df, "client_limited").map(yes_no)   # null (in-process engine): "–"
@@ -107,8 +116,7 @@ def cdf_frame(df: pd.DataFrame, samples: str = "ttft_s_samples") -> pd.DataFrame
 
 def _mode_figures(df: pd.DataFrame, mode: str, colours: dict[str, str]) -> list[Block]:
     x_title, unit, _ = LOAD[mode]
-    prefix = "serving-" if mode == "open" else "serving-closed-"
-    against = "request rate" if mode == "open" else "concurrency"
+    prefix, against, load_header = MODE[mode]
     blocks: list[Block] = []
     for metric, label in SERVING_METRICS:
         long = serving_percentiles(df, metric)
@@ -132,7 +140,7 @@ def _mode_figures(df: pd.DataFrame, mode: str, colours: dict[str, str]) -> list[
             x_title=x_title, y_title="goodput (req/s)"), df), f"{prefix}goodput",
             "Requests per second meeting every SLO."))
     cols = [Col("engine", "series", text=True),
-            Col("rate req/s" if mode == "open" else "concurrency", "rate_label", text=True)]
+            Col(load_header, "rate_label", text=True)]
     for metric, label in SERVING_METRICS:
         cols += [Col(f"{label} {p} ms", f"{metric}_{p}", MS, None, "lower") for p in PERCENTILE_KEYS
                  if has(df, f"{metric}_{p}")]
@@ -153,7 +161,8 @@ def _mode_figures(df: pd.DataFrame, mode: str, colours: dict[str, str]) -> list[
 
 
 @section("serving", "Serving", "Requests arriving over time, at a given rate (open loop) or from a "
-         "fixed number of users who each send the next request when the last one ends (closed loop): "
+         "fixed number of users who each send the next request when the last one ends (closed loop), "
+         "or at a replayed trace's recorded times: "
          "TTFT, TPOT, ITL and E2EL percentiles against the load, the TTFT distribution, and goodput.")
 def serving(data: ReportData) -> list[Block]:
     df = serving_frame(data.rows)
@@ -166,8 +175,8 @@ def serving(data: ReportData) -> list[Block]:
             blocks += _mode_figures(part, mode, data.colours)
     sat = df[df["saturated_text"] == "yes"]
     if not sat.empty:
-        where = "; ".join(f"{s} at {', '.join(g['rate_label'])} {LOAD[g['load_mode'].iloc[0]][1]}"
-                          for s, g in sat.groupby("series", sort=False))
+        where = "; ".join(f"{s} at {', '.join(g['rate_label'])} {LOAD[m][1]}"
+                          for (s, m), g in sat.groupby(["series", "load_mode"], sort=False))
         blocks.append(Note(f"Saturated (the queue grew through the run, TTFT rising with arrival index: the load "
                            f"is past what the engine sustains): {where}."))
     limited = df[df["client_limited_text"] == "yes"]
@@ -185,9 +194,9 @@ def client_limited_text(limited: pd.DataFrame) -> str:
     """The note for points where the load generator did not keep up: each series with its loads
     and the rows' reasons (client_limited_reasons), and what to do about it."""
     parts = []
-    for s, g in limited.groupby("series", sort=False):
+    for (s, m), g in limited.groupby(["series", "load_mode"], sort=False):
         why = sorted({str(w) for v in column(g, "client_limited_reasons") if isinstance(v, (list, tuple)) for w in v})
-        parts.append(f"{s} at {', '.join(g['rate_label'])} {LOAD[g['load_mode'].iloc[0]][1]}"
+        parts.append(f"{s} at {', '.join(g['rate_label'])} {LOAD[m][1]}"
                      + (f" ({'; '.join(why)})" if why else ""))
     return ("Client-limited (the load generator did not keep up: send lag p99 or event-loop lag past its limit, or a "
             "client process near a full core; these points' latencies include the client's own delays, not only the "
