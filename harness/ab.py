@@ -51,21 +51,16 @@ import numpy as np
 from harness.checkpoint import ensure_checkpoint
 from harness.core.bootstrap import CONFIDENCE, mean_t_ci
 from harness.core.compare import parse_threshold, verdict
+from harness.core.compared import METRICS as METRIC_TABLE, Metric
 from harness.core.errors import EXIT_BAD_INPUT, UserError
 from harness.core.paths import REPO_ROOT, model_cache_dir
 from harness.core.presets import load_preset, preset_names
 from harness.core.results import ENVIRONMENT_FILE, RESULTS_FILE, atomic_write_text, read_rows
 
-# metric -> (row field of the run's median, better, inverse): throughput is compared through the
-# end-to-end latency it is computed from.
-METRICS: dict[str, tuple[str, str, bool]] = {
-    "decode_step_latency_s": ("decode_step_latency_s", "lower", False),
-    "prefill_latency_s": ("prefill_latency_s", "lower", False),
-    "output_tok_s": ("e2e_latency_s", "higher", True),
-    "ttft_s": ("ttft_s", "lower", False),
-    "tpot_s": ("tpot_s", "lower", False),
-    "e2el_s": ("e2el_s", "lower", False),
-}
+# The metrics A/B can compare: those of the one metric table (harness.core.compared.METRICS) with
+# a row field of the run's median (`median`); throughput is compared through the end-to-end
+# latency it is computed from.
+METRICS: dict[str, Metric] = {name: m for name, m in METRIC_TABLE.items() if m.median is not None}
 DEFAULT_METRICS = ("decode_step_latency_s", "prefill_latency_s", "output_tok_s")
 # Settings every run gets: no parity check, no roofline probe, no progress lines.
 FIXED = ["parity=false", "roofline=false", "quiet=true"]
@@ -198,7 +193,7 @@ def run_medians(results: Path, metrics: list[str]) -> Values:
                 err = (r.get("error") or "").strip().splitlines()
                 out[key] = (r.get("status") or "?") + (f" ({err[-1][:160]})" if err else "")
                 continue
-            v = r.get(METRICS[m][0])
+            v = r.get(METRICS[m].median)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v):
                 shown = r.get(m)
                 out[key] = (float(v), float(shown) if isinstance(shown, (int, float)) else float(v))
@@ -212,7 +207,7 @@ def _why_missing(values: Values, key: tuple) -> str:
     engine_status = values.get((key[0], None, None))
     if engine_status:
         return f"engine {engine_status}"
-    return f"no value (the row or its field {METRICS[key[2]][0]} is absent, None or <= 0)"
+    return f"no value (the row or its field {METRICS[key[2]].median} is absent, None or <= 0)"
 
 
 def paired(rounds: list[tuple[Values, Values]], metrics: list[str], threshold: float,
@@ -225,7 +220,7 @@ def paired(rounds: list[tuple[Values, Values]], metrics: list[str], threshold: f
     out = []
     for key in keys:
         engine, point, metric = key
-        better, inverse = METRICS[metric][1], METRICS[metric][2]
+        better, inverse = METRICS[metric].better, METRICS[metric].inverse
         base_vals = [a.get(key) for a, _ in rounds]
         cand_vals = [b.get(key) for _, b in rounds]
         common = dict(engine=engine, point=point, metric=metric, better=better)

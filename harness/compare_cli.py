@@ -37,6 +37,7 @@ from harness.core.compare import (
 from harness.core.errors import EXIT_BAD_INPUT, UserError
 from harness.core.results import SCHEMA_VERSION, RunFile, atomic_write_text, load_results
 from reports import write_report
+from workloads import load_all as load_workloads
 
 
 def _side(runs: list[RunFile]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -73,6 +74,7 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--json", default="compare.json", help="verdict file (default compare.json)")
     ap.add_argument("--html", help="also write the report's comparison section to this HTML file")
     args = ap.parse_args(argv)
+    load_workloads()  # each workload registers the metrics it is compared on
     threshold = parse_threshold(args.threshold)
     if not 0.5 < args.confidence < 1:
         raise UserError(f"--confidence {args.confidence}: give a value between 0.5 and 1, e.g. 0.95.")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.core.compare import DEFAULT_METRICS, METHOD, compare, machine_differences, machine_kind
+from harness.core.compare import METHOD, compare, machine_differences, machine_kind
 
 DEFAULT_THRESHOLD = 0.05   # infer-bench-compare's default (--threshold 5%)
 # metric -> (label, unit, display scale)
@@ -108,5 +108,5 @@ def machine_check(base_runs: list[Any], base_rows: pd.DataFrame | None, cur_runs
     return MachineCheck(None if unknown else True, [], unknown)
 
 
-__all__ = ["DEFAULT_METRICS", "DEFAULT_THRESHOLD", "LABELS", "MachineCheck", "compare_rows", "machine_check",
+__all__ = ["DEFAULT_THRESHOLD", "LABELS", "MachineCheck", "compare_rows", "machine_check",
            "method_text"]

@@ -1,7 +1,7 @@
 """The regression check: statistics on synthetic samples with known effects, and the CLI contract.
 
 Rows here are synthetic (hand-made results rows with drawn samples), used to test our own
-comparison logic; the real end-to-end checks live in test_compare_e2e.py."""
+comparison logic; the end-to-end check, real runs through infer-bench-ab, is in test_ab_e2e.py."""
 
 import json
 
@@ -218,3 +218,71 @@ def test_nothing_compared_fails(tmp_path):
     assert run(["--baseline", b, "--current", c, "--metric", "ttft_s", "--json", str(out)]) == 1
     doc = json.loads(out.read_text())
     assert doc["counts"]["no-data"] == 1 and any("no metric was compared" in w for w in doc["failed_because"])
+
+
+# ---- what each workload is compared on: its own declaration ----------------------------------
+
+def capacity_rows(engine, lo, hi, probes=(1.0, 2.0)):
+    """A capacity search's rows: probes (ok, with serving metrics) and the result row."""
+    rows = [{"schema_version": SCHEMA_VERSION, "engine": engine, "model": "tiny", "workload": "capacity",
+             "point_key": f'capacity:{{"probe":{i},"value":{v}}}', "dtype": "float32", "status": "ok",
+             "meets_slo": v <= lo} for i, v in enumerate(probes)]
+    rows.append({"schema_version": SCHEMA_VERSION, "engine": engine, "model": "tiny", "workload": "capacity",
+                 "point_key": 'capacity:{"result":true,"search":"rate"}', "dtype": "float32", "status": "ok",
+                 "capacity_rps": lo, "capacity_bracket": [lo, hi], "capacity_search": "rate"})
+    return rows
+
+
+def kv_rows(engine, bytes_per_token, waste):
+    return [{"schema_version": SCHEMA_VERSION, "engine": engine, "model": "tiny", "workload": "kv_memory",
+             "point_key": 'kv_memory:{"block_size":16}', "dtype": "float32", "status": "ok",
+             "kv_bytes_per_token": bytes_per_token, "kv_waste_frac": waste}]
+
+
+def test_workloads_declare_what_they_are_compared_on():
+    import workloads
+    from harness.core.compared import COMPARED_ON, METRICS
+    workloads.load_all()
+    assert COMPARED_ON["capacity"] and COMPARED_ON["kv_memory"] and COMPARED_ON["sweep"]
+    assert all(m in METRICS for ms in COMPARED_ON.values() for m in ms)
+    assert "parity" not in COMPARED_ON or not COMPARED_ON["parity"]  # a check, never compared
+
+
+def test_two_capacity_runs_compare_capacity_with_its_bracket(tmp_path):
+    base = write(tmp_path / "b.jsonl", capacity_rows("reference", 8.0, 9.0, probes=(4.0, 8.0, 9.0)))
+    same = write(tmp_path / "s.jsonl", capacity_rows("reference", 8.0, 9.0, probes=(4.0, 8.0, 9.0)))
+    # half the capacity, probed at other loads: the probes are not compared, the capacity is
+    half = write(tmp_path / "h.jsonl", capacity_rows("reference", 4.0, 4.5, probes=(4.0, 4.5)))
+    out = tmp_path / "v.json"
+    assert run(["--baseline", base, "--current", same, "--json", str(out)]) == 0
+    (cap,) = [c for c in json.loads(out.read_text())["comparisons"] if c["verdict"] != "no-data"]
+    # the interval runs from current low / baseline high to current high / baseline low
+    assert cap["metric"] == "capacity_rps" and cap["verdict"] == "unchanged"
+    assert (cap["ci_low"], cap["ci_high"]) == pytest.approx((8 / 9, 9 / 8))
+    assert run(["--baseline", base, "--current", half, "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "regressed" and doc["unmatched"] == {"baseline_only": [], "current_only": []}
+    (cap,) = [c for c in doc["comparisons"] if c["verdict"] == "regressed"]
+    assert cap["ratio"] == pytest.approx(0.5)
+
+
+def test_overlapping_capacity_brackets_are_not_a_regression():
+    # 8 of [8, 12) against 7 of [7, 9): the capacities may be equal, whatever the point values say
+    comps, _ = compare(capacity_rows("reference", 8.0, 12.0)[-1:], capacity_rows("reference", 7.0, 9.0)[-1:],
+                       None, 0.05)
+    (cap,) = [c for c in comps if c.metric == "capacity_rps"]
+    assert cap.ratio == pytest.approx(7 / 8) and cap.verdict == "unchanged"
+
+
+def test_two_kv_memory_runs_compare_bytes_per_token_and_waste(tmp_path):
+    base = write(tmp_path / "b.jsonl", kv_rows("reference", 4096, 0.0))
+    same = write(tmp_path / "s.jsonl", kv_rows("reference", 4096, 0.0))
+    bigger = write(tmp_path / "c.jsonl", kv_rows("reference", 8192, 0.25))
+    out = tmp_path / "v.json"
+    assert run(["--baseline", base, "--current", same, "--json", str(out)]) == 0
+    verdicts = {c["metric"]: c["verdict"] for c in json.loads(out.read_text())["comparisons"]}
+    assert verdicts == {"kv_bytes_per_token": "unchanged", "kv_waste_frac": "unchanged"}  # 0 waste -> 0: same
+    assert run(["--baseline", base, "--current", bigger, "--json", str(out)]) == 1
+    comps = {c["metric"]: c for c in json.loads(out.read_text())["comparisons"]}
+    assert comps["kv_bytes_per_token"]["ratio"] == pytest.approx(2.0)
+    assert comps["kv_bytes_per_token"]["verdict"] == comps["kv_waste_frac"]["verdict"] == "regressed"

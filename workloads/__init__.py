@@ -23,6 +23,13 @@ def workload_names() -> list[str]:
     return list(REGISTRY)
 
 
+def load_all() -> None:
+    """Import every workload's module: each class registers what it is compared on
+    (Workload.compared_metrics, in harness.core.compared)."""
+    for target in REGISTRY.values():
+        importlib.import_module(target.split(":")[0])
+
+
 def get_workload(name: str) -> Workload:
     module, cls = REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)()

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from collections.abc import Iterable
 
 from adapters.base import Capabilities, Engine, KVCacheInfo, Request, RequestFailed, TokenEvent
+from harness.core.compared import register_compared
 from harness.core.memory import MemorySampler
 from harness.core.metrics import RequestTrace
 from harness.core.presets import ModelShape
@@ -175,6 +176,14 @@ class Workload(ABC):
     roofline: ClassVar[bool] = False  # rows get the roofline fractions (decode/prefill vs the machine's ceilings)
     # (row field, column header, format) for the terminal summary
     summary_columns: ClassVar[list[tuple[str, str, str]]] = []
+    # What infer-bench-compare (and the report's baseline section) compares and gates this
+    # workload's rows on: names in harness.core.compare.METRICS. Empty: never compared (a check).
+    compared_metrics: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in vars(cls):
+            register_compared(cls.name, cls.compared_metrics)
 
     @abstractmethod
     def plan(self, cfg: Any) -> list[Point]:

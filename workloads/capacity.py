@@ -116,6 +116,7 @@ def next_value(probes: list[tuple[float, bool, bool]], cfg: CapacityConfig) -> f
 
 class Capacity(Serving):
     name = WORKLOAD
+    compared_metrics = ("capacity_rps", "capacity_concurrency")  # with the search's bracket
     config_cls = CapacityConfig
     summary_columns = [
         ("capacity_search", "search", "s"), ("value", "probe", "g"), ("meets_slo", "meets SLO", "s"),

@@ -36,6 +36,7 @@ class KVAblationConfig:
 
 class KVAblation(Workload):
     name = "kv_ablation"
+    compared_metrics = ("decode_step_latency_s",)
     config_cls = KVAblationConfig
     summary_columns = [
         ("mode", "mode", "s"), ("context_len", "context", "d"), ("batch_size", "batch", "d"),

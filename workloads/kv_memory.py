@@ -40,6 +40,7 @@ class KVMemoryConfig:
 
 class KVMemory(Workload):
     name = "kv_memory"
+    compared_metrics = ("kv_bytes_per_token", "kv_waste_frac")
     config_cls = KVMemoryConfig
     summary_columns = [
         ("kv_layout", "layout", "s"), ("kv_dtype", "kv dtype", "s"), ("block_size", "block", "d"),

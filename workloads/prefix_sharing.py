@@ -36,6 +36,7 @@ def _hits(engine: Engine) -> tuple[int | None, int | None]:
 
 class PrefixSharing(Workload):
     name = "prefix_sharing"
+    compared_metrics = ("ttft_s",)
     config_cls = PrefixSharingConfig
     reset_prefix_cache = True
     summary_columns = [

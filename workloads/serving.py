@@ -199,6 +199,7 @@ def saturated(arrivals_s: list[float], ttfts_s: list[float], total: int) -> bool
 
 class Serving(Workload):
     name = "serving"
+    compared_metrics = ("ttft_s", "tpot_s", "itl_s", "e2el_s")
     config_cls = ServingConfig
     reset_prefix_cache = True
     summary_columns = [

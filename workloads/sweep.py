@@ -105,6 +105,7 @@ def repeat_until(run, cfg: Any) -> list:
 
 class Sweep(Workload):
     name = "sweep"
+    compared_metrics = ("prefill_latency_s", "decode_step_latency_s", "output_tok_s", "peak_memory_bytes")
     config_cls = SweepConfig
     roofline = True
     summary_columns = [

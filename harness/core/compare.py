@@ -22,37 +22,30 @@ line refuses such a comparison unless asked (`--allow-other-machine`), and then 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from harness.core.bootstrap import RESAMPLES, ratio_ci
+from harness.core.compared import COMPARED_ON, METRICS, Metric, register_compared
 from harness.core.errors import UserError
 
 METHOD = ("ratio of medians (current / baseline) with a percentile-bootstrap confidence interval: each "
           f"side's repeat samples resampled independently with replacement, {RESAMPLES} resamples "
           "(scipy.stats.bootstrap)")
 
-# name: (samples field, better, the samples are the inverse of the metric). Throughputs are
-# compared through the latency samples they are computed from (throughput ratio = 1 / latency ratio).
-METRICS: dict[str, tuple[str | None, str, bool]] = {
-    "prefill_latency_s": ("prefill_latency_s_samples", "lower", False),
-    "decode_step_latency_s": ("decode_step_latency_s_samples", "lower", False),
-    "e2e_latency_s": ("e2e_latency_s_samples", "lower", False),
-    "output_tok_s": ("e2e_latency_s_samples", "higher", True),
-    "ttft_s": ("ttft_s_samples", "lower", False),
-    "tpot_s": ("tpot_s_samples", "lower", False),
-    "itl_s": ("itl_s_samples", "lower", False),
-    "e2el_s": ("e2el_s_samples", "lower", False),
-    "peak_memory_bytes": (None, "lower", False),
-}
-DEFAULT_METRICS = {
-    "sweep": ["prefill_latency_s", "decode_step_latency_s", "output_tok_s", "peak_memory_bytes"],
-    "kv_ablation": ["decode_step_latency_s"],
-    "serving": ["ttft_s", "tpot_s", "itl_s", "e2el_s"],
-    "prefix_sharing": ["ttft_s"],
-}
+
+
+def default_metrics(workload: str, rows: tuple[dict[str, Any], ...] = ()) -> list[str]:
+    """What `workload` is compared on: its declaration; in a process that never loaded the
+    workload (a report rendered on its own), every metric of the table that one of `rows` holds."""
+    if workload in COMPARED_ON:
+        return list(COMPARED_ON[workload])
+    return [m for m in METRICS if any(_has_metric(r, m) for r in rows)]
+
+
 KEY_FIELDS = ("engine", "model", "workload", "point_key", "dtype")
 # Workloads that are checks, not measurements: never compared.
 NOT_COMPARED = ("parity",)
@@ -102,14 +95,10 @@ def compare_metric(b: dict[str, Any], c: dict[str, Any], metric: str, confidence
                    seed: int = 0) -> tuple[float | None, float | None, float | None, str | None]:
     """(ratio, ci_low, ci_high, note) of current/baseline for one metric; with ref_b/ref_c, each
     side is first divided by a reference engine's metric from the same run."""
-    field, _, inverse = METRICS[metric]
+    field, _, inverse = METRICS[metric][:3]
     sets = [b, c] + ([ref_b, ref_c] if ref_b is not None else [])
-    if field is None:  # a single value per row: the ratio without an interval
-        vals = [r.get(metric) for r in sets]
-        if any(v is None or v == 0 for v in vals):
-            return None, None, None, "missing"
-        ratio = vals[1] / vals[0] if ref_b is None else (vals[1] / vals[3]) / (vals[0] / vals[2])
-        return ratio, ratio, ratio, "single value: no repeat samples, the ratio is its own interval"
+    if field is None:
+        return _single_value_ratio(sets, metric)
     samples = [np.asarray(r.get(field) or [], dtype=float) for r in sets]
     if any(s.size < 2 for s in samples):
         return None, None, None, f"fewer than 2 samples of {field}"
@@ -124,21 +113,43 @@ def compare_metric(b: dict[str, Any], c: dict[str, Any], metric: str, confidence
     return point, lo, hi, None
 
 
+def _single_value_ratio(sets: list[dict[str, Any]], metric: str) -> tuple[float | None, float | None, float | None,
+                                                                          str | None]:
+    """One value per row: the ratio is its own interval, unless the rows bracket their value
+    (a capacity search: the ratio lies between current low / baseline high and current high /
+    baseline low; an open end is 0 or infinity)."""
+    m = METRICS[metric]
+    vals = [r.get(metric) for r in sets]
+    if any(v is None for v in vals) or (not m.zero_ok and any(v == 0 for v in vals)):
+        return None, None, None, "missing"
+    if len(sets) == 2 and vals[0] == 0:  # zero_ok: 0 -> 0 is no change, 0 -> more is unbounded
+        ratio = 1.0 if vals[1] == 0 else math.inf
+        return ratio, ratio, ratio, "single value: the baseline is 0"
+    if any(v == 0 for v in vals):
+        return None, None, None, "a reference engine's value is 0: no normalised ratio"
+    ratio = vals[1] / vals[0] if len(sets) == 2 else (vals[1] / vals[3]) / (vals[0] / vals[2])
+    if m.bracket and len(sets) == 2:
+        (b_lo, b_hi), (c_lo, c_hi) = (list(r.get(m.bracket) or [None, None]) for r in sets)
+        lo = (c_lo or 0) / b_hi if b_hi else 0.0
+        hi = c_hi / (b_lo or vals[0]) if c_hi else math.inf
+        return ratio, min(lo, ratio), max(hi, ratio), "single value: the interval is from the search's brackets"
+    return ratio, ratio, ratio, "single value: no repeat samples, the ratio is its own interval"
+
+
 def compare(base_rows: list[dict[str, Any]], cur_rows: list[dict[str, Any]], metrics: list[str] | None,
             threshold: float, confidence: float = 0.95,
             normalize_by: str | None = None) -> tuple[list[Comparison], dict[str, list[str]]]:
     """Every matched (row, metric) with its ratio, interval and verdict; and the unmatched keys."""
     base = {row_key(r): r for r in base_rows if r.get("point_key") and r.get("workload") not in NOT_COMPARED}
     cur = {row_key(r): r for r in cur_rows if r.get("point_key") and r.get("workload") not in NOT_COMPARED}
-    unmatched = {"baseline_only": sorted(" ".join(map(str, k)) for k in base.keys() - cur.keys()),
-                 "current_only": sorted(" ".join(map(str, k)) for k in cur.keys() - base.keys())}
+    unmatched = {"baseline_only": _unmatched(base, cur, metrics), "current_only": _unmatched(cur, base, metrics)}
     out: list[Comparison] = []
     for i, k in enumerate(sorted(base.keys() & cur.keys(), key=str)):
         b, c = base[k], cur[k]
         engine, model, workload, point, dtype = k
         if normalize_by and engine == normalize_by:
             continue
-        names = metrics or DEFAULT_METRICS.get(workload, [])
+        names = metrics or default_metrics(workload, (b, c))
         common = dict(engine=engine, model=model, workload=workload, point=point, dtype=dtype,
                       normalized_by=normalize_by)
         if b.get("status") != "ok" or c.get("status") != "ok":
@@ -171,12 +182,26 @@ def compare(base_rows: list[dict[str, Any]], cur_rows: list[dict[str, Any]], met
     return out, unmatched
 
 
+def _unmatched(side: dict[tuple, dict[str, Any]], other: dict[tuple, dict[str, Any]],
+               metrics: list[str] | None) -> list[str]:
+    """The keys of `side` missing from `other`, except ok rows that hold none of the metrics their
+    workload is compared on (a capacity search's probes: only its result is compared)."""
+    out = []
+    for k in side.keys() - other.keys():
+        r = side[k]
+        names = metrics or default_metrics(k[2], (r,))
+        if r.get("status") != "ok" or any(_has_metric(r, m) for m in names):
+            out.append(" ".join(map(str, k)))
+    return sorted(out)
+
+
 def _has_metric(r: dict[str, Any], metric: str) -> bool:
     """Whether a row holds what `metric` is compared on: two or more samples, or a positive value."""
     field = METRICS[metric][0]
     if field is None:
         v = r.get(metric)
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+        return (isinstance(v, (int, float)) and not isinstance(v, bool)
+                and (v > 0 or (METRICS[metric].zero_ok and v == 0)))
     return len(r.get(field) or []) >= 2
 
 
