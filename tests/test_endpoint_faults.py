@@ -257,6 +257,9 @@ def test_concurrency_cap_holds_requests_back():
     ({"url": "http://127.0.0.1:8000/v1", "ca_bundle": "/nonexistent.pem"}, "no such file"),
     ({"url": "http://127.0.0.1:8000/v1", "api_key_env": "IB_SURELY_UNSET_VARIABLE"}, "not set"),
     ({"url": "http://127.0.0.1:8000/v1", "request_timeout_s": 0}, "greater than 0"),
+    ({"launch": ["s", "{port}"], "cpu_options": {"gpu_memory_utilization": 3}}, "cpu_options.gpu_memory_utilization=3"),
+    ({"launch": ["s", "{port}"], "cpu_options": {"foo": 1}}, "cpu_options.foo: unknown option"),
+    ({"url": "http://127.0.0.1:8000/v1", "dry_run": True}, "for a launched server"),
 ])
 def test_bad_endpoint_configs_are_problems_naming_the_field(raw, expect):
     cfg, problems = check_endpoint("mine", raw)
@@ -282,6 +285,10 @@ def test_options_an_attached_server_cannot_take_are_refused_with_the_reason():
     ("generic", {"block_size": 32}, "does not know how"),
     ("sglang", {"kv_cache_bytes": 1 << 30}, "does not know how"),
     ("trtllm", {"block_size": 48}, "power of two"),
+    ("vllm", {"gpu_memory_utilization": 1.5}, "0 < x <= 1"),
+    ("vllm", {"chunked_prefill": "yes"}, "use true or false"),
+    ("infer-bench", {"tensor_parallel_size": 2}, "does not know how"),
+    ("trtllm", {"chunked_prefill": False, "max_num_batched_tokens": 512}, "refuses every prompt longer"),
 ])
 def test_option_problems_per_kind(kind, options, expect):
     cfg, _ = check_endpoint("l", {"launch": ["server", "--port", "{port}"], "kind": kind})

@@ -54,7 +54,7 @@ from adapters.base import (
 from adapters.endpoint import telemetry
 from adapters.endpoint.config import EndpointConfig, template_fields
 from adapters.endpoint.launch import ServerError, ServerProcess, free_port, render
-from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind, prefers_threads_option
+from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
 from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
 from adapters.endpoint.client import (
     ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, correction, run_job, split_job,
@@ -328,8 +328,10 @@ class EndpointEngine(Engine):
                             kv_bytes_per_token=lambda kv: _kv_bytes_per_token(model, kv))
         extras = launch_extras(cfg.kind, used, ctx)
         command = render(cfg.launch or [], values) + (list(cfg.cpu_launch) if on_cpu else []) + extras.args
-        if prefers_threads_option(kind) and model.threads and not any("num_threads=" in a for a in command):
-            command.append(f"engine_options.num_threads={model.threads}")  # equal resources: the run's threads
+        if kind.threads_option and model.threads:  # equal resources: the run's threads, unless the template says
+            flag = kind.threads_option.split("{")[0]
+            if not any(a.startswith(flag) for a in command):
+                command.append(kind.threads_option.format(model.threads))
         fmt = {k2: v2 for k2, v2 in values.items() if k2 != "api_key"}
         env: dict[str, str | None] = {**{k: str(v).format_map(fmt) for k, v in cfg.env.items()},
                                       **({k: str(v).format_map(fmt) for k, v in cfg.cpu_env.items()} if on_cpu else {}),

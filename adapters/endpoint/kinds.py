@@ -91,6 +91,7 @@ class ServerKind:
     context_margin: int = 0  # tokens the server keeps back from the context length it is given
     eager_flags: tuple[str, ...] = ()  # launch arguments that turn graph capture off
     graphs: bool = False  # captures CUDA graphs by default on a GPU
+    threads_option: str | None = None  # an argument giving it the run's compute threads ({} is the count)
     metrics: Metrics | None = None
     option_checks: Callable[[str, dict[str, Any], str, str | None], list[str]] | None = None
     version_from_env: bool = True  # the package version of this environment says what runs
@@ -365,6 +366,7 @@ INFER_BENCH = ServerKind(
     ready_paths=("/health",), version_paths=("/version",), reset_path="/reset_prefix_cache", reset_hint="",
     prompt_ids=True, token_ids=True, continuous_usage=False, accepted_fields=None, scores=True,
     kv_dtypes=("auto", "int8", "fp8"), options=INFER_BENCH_OPTIONS, map_options=_infer_bench,
+    threads_option="engine_options.num_threads={}",  # equal resources: the run's threads
     # src: adapters/reference/config.py (this repository)
     defaults={"kv_dtype": "auto", "prefix_caching": True, "block_size": 16, "max_num_seqs": 256,
               "max_num_batched_tokens": 8192, "kv_cache_bytes": "CPU: at most 1 GiB"},
@@ -391,7 +393,3 @@ KIND_NAMES = tuple(KINDS)
 def kind_of(name: str) -> ServerKind:
     return KINDS[name]
 
-
-def prefers_threads_option(kind: ServerKind) -> bool:
-    """infer-bench-serve takes the run's compute threads as an engine option."""
-    return kind is INFER_BENCH
