@@ -374,3 +374,19 @@ def test_servers_each_at_their_own_defaults_raise_no_settings_warning(tmp_path):
     (warning,) = notes(page(tmp_path, rows_of("vllm-serve", {}) + rows_of("sglang-serve", {"chunked_prefill": False}),
                             name="chunk"), "http-settings-differ")
     assert "chunked prefill: vllm-serve True, sglang-serve False" in warning
+
+
+def test_every_kind_record_holds_together():
+    """A kind is one record: its options are standard ones, its launch defaults and its declared
+    defaults are about options it takes, the metric samples it reads by meaning are among those
+    it keeps, and its mapping runs on no options."""
+    from adapters.endpoint.kinds import KINDS, LaunchContext
+    from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS
+    for kind in KINDS.values():
+        assert set(kind.options) <= set(STANDARD_ENDPOINT_OPTIONS), kind.name
+        assert set(kind.launch_defaults) <= set(kind.options) and set(kind.defaults) <= set(kind.options), kind.name
+        assert kind.ready_paths and all(p.startswith("/") for p in kind.ready_paths + kind.version_paths)
+        if kind.metrics is not None:
+            read = {kind.metrics.usage, kind.metrics.hits, kind.metrics.queries, kind.metrics.preemptions} - {None}
+            assert read <= set(kind.metrics.series), kind.name
+        kind.map_options({}, LaunchContext("/tmp/unused.yaml"))
