@@ -1,7 +1,7 @@
 """The capacity search, closed-loop load and saturation, with a fake engine of known service time
 (FakeQueueEngine, named as such: a single FIFO server simulated on a virtual clock, so its capacity
-is exact and nothing depends on this machine's speed). The real engines' capacity runs are in
-test_capacity_e2e.py."""
+is exact and nothing depends on this machine's speed). No test here runs a real engine's capacity
+search: scripts/readme_figures.py runs one on every in-process engine for the README."""
 
 from __future__ import annotations
 
