@@ -180,7 +180,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _resolve_device(device: str, problems: list[str]) -> str:
+def resolve_device(device: str, problems: list[str]) -> str:
+    """auto | cpu | cuda | cuda:N resolved to the device used (problems appended to `problems`);
+    the run's and infer-bench-serve's one resolver."""
     if device == "auto":
         return "cuda" if _cuda_available() else "cpu"
     if device == "cpu":
@@ -193,7 +195,9 @@ def _resolve_device(device: str, problems: list[str]) -> str:
     return "cpu"
 
 
-def _resolve_dtype(dtype: str, shape: ModelShape, device: str, problems: list[str]) -> str:
+def resolve_dtype(dtype: str, shape: ModelShape, device: str, problems: list[str]) -> str:
+    """auto: the checkpoint's own dtype (float16 becomes bfloat16 on CPU); a named dtype as given,
+    after checking that the GPU can run it."""
     if dtype == "auto":
         stored = shape.dtype if shape.dtype in DTYPES else "float32"
         return "bfloat16" if stored == "float16" and device == "cpu" else stored
@@ -226,10 +230,11 @@ def resolve_cpus(value: Any, problems: list[str]) -> list[int]:
     return allowed
 
 
-def _check_checkpoint(path: str, problems: list[str]) -> None:
+def check_checkpoint(path: str, problems: list[str]) -> None:
+    """A local checkpoint directory holds weights (*.safetensors or *.bin)."""
     p = Path(path).expanduser()
     if not (any(p.glob("*.safetensors")) or any(p.glob("*.bin"))):
-        problems.append(f"model.path={path}: no weights (*.safetensors) in the directory. "
+        problems.append(f"model.path={path}: no weights (*.safetensors or *.bin) in the directory. "
                         "Point to a complete Hugging Face checkpoint.")
 
 
@@ -291,14 +296,14 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     try:
         shape = resolve_shape(model_cfg)
         if model_cfg.get("path") not in (None, "???"):
-            _check_checkpoint(model_cfg["path"], problems)
+            check_checkpoint(model_cfg["path"], problems)
     except UserError as e:
         problems += e.problems
     except TypeError as e:  # a preset file with fields of the wrong kind
         problems.append(f"model: the preset is malformed ({e}). Known presets: {', '.join(preset_names())}.")
 
-    device = _resolve_device(settings.device, problems)
-    dtype = _resolve_dtype(settings.dtype, shape, device, problems) if shape else "float32"
+    device = resolve_device(settings.device, problems)
+    dtype = resolve_dtype(settings.dtype, shape, device, problems) if shape else "float32"
 
     # workloads: the main one, then parity
     planned: list[PlannedWorkload] = []

@@ -531,6 +531,7 @@ def build_plan(cfg: dict[str, Any]) -> ServePlan:
     """Every problem of the composed config at once (UserError), or the plan."""
     from adapters.base import ModelSpec
     from adapters.reference.engine import ReferenceEngine
+    from harness.config import check_checkpoint, resolve_device, resolve_dtype
     from harness.core.presets import resolve_shape
 
     problems: list[str] = []
@@ -542,22 +543,12 @@ def build_plan(cfg: dict[str, Any]) -> ServePlan:
     shape = None
     try:
         shape = resolve_shape(model_cfg)
-        if model_cfg.get("path") not in (None, "???") and not any(Path(model_cfg["path"]).expanduser().glob("*.safetensors")):
-            problems.append(f"model.path={model_cfg['path']}: no weights (*.safetensors) in the directory.")
+        if model_cfg.get("path") not in (None, "???"):
+            check_checkpoint(model_cfg["path"], problems)
     except UserError as e:
         problems += e.problems
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if _cuda() else "cpu"
-    elif device.startswith("cuda") and not _cuda():
-        problems.append(f"device={device}: no CUDA device is usable here. Use device=cpu (or auto).")
-    elif device != "cpu" and not device.startswith("cuda"):
-        problems.append(f"device={device}: unknown device. Use auto, cpu, cuda or cuda:N.")
-    dtype = settings.dtype
-    if dtype == "auto" and shape is not None:
-        dtype = shape.dtype if shape.dtype in ("float32", "bfloat16", "float16") else "float32"
-        if dtype == "float16" and device == "cpu":
-            dtype = "bfloat16"
+    device = resolve_device(settings.device, problems)
+    dtype = resolve_dtype(settings.dtype, shape, device, problems) if shape is not None else settings.dtype
     max_len = settings.max_model_len or (shape.max_position_embeddings if shape else 2048)
     if shape is not None and max_len > shape.max_position_embeddings:
         problems.append(f"max_model_len={max_len}: more than the model's {shape.max_position_embeddings} positions.")
@@ -576,11 +567,6 @@ def build_plan(cfg: dict[str, Any]) -> ServePlan:
     if problems:
         raise UserError(list(dict.fromkeys(problems)))
     return ServePlan(settings, shape, model_cfg, dtype, device, options, max_len, api_key)
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def bind(host: str, port: int) -> socket.socket:

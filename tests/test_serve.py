@@ -79,6 +79,24 @@ def test_bad_input_exits_2_naming_the_field(args, expect):
     assert expect in r.stderr and "Traceback" not in r.stderr
 
 
+def test_plan_takes_a_bin_checkpoint_and_names_a_directory_without_weights(tiny_ckpt, tmp_path):
+    """infer-bench-serve resolves the checkpoint, device and dtype as a run does (harness.config)."""
+    import shutil
+
+    from harness.core.errors import UserError
+    from harness.serve import build_plan, compose
+    for name in ("bin", "empty"):
+        (tmp_path / name).mkdir()
+        shutil.copy(tiny_ckpt / "config.json", tmp_path / name / "config.json")
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    plan = build_plan(compose(["model=local", f"model.path={tmp_path / 'bin'}", "device=cpu"]))
+    assert (plan.device, plan.dtype) == ("cpu", "float32")
+    with pytest.raises(UserError) as e:
+        build_plan(compose(["model=local", f"model.path={tmp_path / 'empty'}", "device=tpu"]))
+    assert any("no weights" in p for p in e.value.problems), e.value.problems
+    assert any(p.startswith("device=tpu: unknown device") for p in e.value.problems), e.value.problems
+
+
 # ---- the API --------------------------------------------------------------------------------------------
 
 def test_v1_needs_the_key_and_health_does_not(server, tiny_ckpt):
