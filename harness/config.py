@@ -22,6 +22,7 @@ from harness.core.paths import REPO_ROOT
 from harness.core.presets import ModelShape, preset_names, resolve_shape
 from harness.core.redact import Redactor
 from harness.core.schema import check, spec
+from harness.engines import capability_problems, resolve_engine
 from workloads import get_workload, workload_names
 from workloads.base import Point, Workload
 from workloads.parity import ParityConfig
@@ -345,7 +346,7 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
             if name in engine_names():
                 classes[name] = engine_class(name)
             elif name in endpoints_raw:
-                cls, probs = _endpoint_class(name, endpoints_raw[name])
+                cls, probs = resolve_engine(name, endpoints_raw[name])
                 problems += probs
                 if cls is None:
                     continue
@@ -387,11 +388,7 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
             problems += cls.check_options(options[name], spec_)
             if name in envs:  # the engine lives elsewhere: its worker checks what needs its packages
                 continue
-            caps = cls.capabilities(options[name])
-            if dtype not in caps.dtypes:
-                problems.append(f"dtype={dtype}: engine {name} cannot run it. Use one of {', '.join(caps.dtypes)}.")
-            if device.split(":")[0] not in caps.devices:
-                problems.append(f"device={device}: engine {name} runs only on {', '.join(caps.devices)}.")
+            problems += capability_problems(cls, options[name], name, dtype, device)
 
     if problems:
         raise UserError(list(dict.fromkeys(problems)))
@@ -402,10 +399,3 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
                 engine_options=options, engine_envs=envs, endpoints=endpoints,
                 max_batch=(max(b[0] for b in batch), max(b[1] for b in batch)))
 
-
-def _endpoint_class(name: str, raw: dict[str, Any]) -> tuple[type[Engine] | None, list[str]]:
-    """The engine class of an HTTP endpoint, or the problems with its config."""
-    from adapters.endpoint import endpoint_engine_class  # the HTTP client only where endpoints are used
-    from adapters.endpoint.config import check_endpoint
-    cfg, problems = check_endpoint(name, raw)
-    return (endpoint_engine_class(name, cfg) if cfg is not None else None), problems

@@ -10,10 +10,10 @@ import traceback
 from dataclasses import asdict
 from typing import Any
 
-from adapters import engine_class
 from adapters.base import Engine, EngineUnavailable, ModelSpec
 from harness.core.presets import ModelShape
 from harness.core.schema import check
+from harness.engines import capability_problems, resolve_engine
 from harness.protocol import PointDone, PointStarted, RunPoint
 from workloads import get_workload
 from workloads.base import Point, RunContext, is_oom
@@ -21,18 +21,6 @@ from workloads.base import Point, RunContext, is_oom
 
 def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".strip()
-
-
-def resolve_engine(job: dict[str, Any]) -> type[Engine]:
-    """The engine class of a job: a registered engine, or an HTTP endpoint bound to its config."""
-    if job.get("endpoint") is not None:
-        from adapters.endpoint import endpoint_engine_class  # only endpoint jobs need the HTTP client
-        from adapters.endpoint.config import check_endpoint
-        cfg, problems = check_endpoint(job["engine"], job["endpoint"])
-        if cfg is None:
-            raise ValueError("; ".join(problems))
-        return endpoint_engine_class(job["engine"], cfg)
-    return engine_class(job["engine"])
 
 
 class _Loaded:
@@ -81,7 +69,10 @@ class _Loaded:
 class Worker:
     def __init__(self, job: dict[str, Any], send):
         self.send = send
-        self.cls = resolve_engine(job)
+        cls, problems = resolve_engine(job["engine"], job.get("endpoint"))
+        if cls is None:
+            raise ValueError("; ".join(problems))
+        self.cls = cls
         self.options: dict[str, Any] = job["options"]
         self.spec = ModelSpec(**{**job["model_spec"], "cpus": tuple(job["model_spec"]["cpus"])
                                  if job["model_spec"].get("cpus") else None})
@@ -105,12 +96,7 @@ class Worker:
         if reason is not None:
             return reason
         problems = self.cls.check_options(self.options, self.spec)
-        caps = self.cls.capabilities(self.options)
-        if self.spec.dtype not in caps.dtypes:
-            problems.append(f"dtype={self.spec.dtype}: engine {self.cls.name} cannot run it here "
-                            f"(it runs {', '.join(caps.dtypes)})")
-        if self.spec.device.split(":")[0] not in caps.devices:
-            problems.append(f"device={self.spec.device}: engine {self.cls.name} runs only on {', '.join(caps.devices)} here")
+        problems += capability_problems(self.cls, self.options, self.cls.name, self.spec.dtype, self.spec.device)
         return "; ".join(problems) or None
 
     def run(self, msg: RunPoint) -> None:
