@@ -2,7 +2,8 @@
 
 An engine's environment (another venv, a conda env, a container image) does not have
 infer-bench installed. Before a run starts its workers, the harness copies the packages a
-worker imports - `harness/core`, `harness/protocol.py`, `harness/worker.py`, `harness/worker_job.py`, `adapters`,
+worker imports - `harness/core`, `harness/protocol.py`, `harness/worker.py`, `harness/worker_job.py`,
+`harness/engines.py`, `adapters`,
 `workloads` and the configs in `conf` - into `<run_dir>/.worker-src/`, with a small start
 script that puts that directory first on `sys.path`. A worker is then started as
 `<interpreter or launch prefix> <run_dir>/.worker-src/infer_bench_worker.py`; a container needs
@@ -48,7 +49,7 @@ def ship(run_dir: Path) -> Path:
         shutil.rmtree(dest)
     src = _package_dir(harness)
     (dest / "harness").mkdir(parents=True)
-    for name in ("__init__.py", "protocol.py", "worker.py", "worker_job.py"):
+    for name in ("__init__.py", "protocol.py", "worker.py", "worker_job.py", "engines.py"):
         shutil.copy2(src / name, dest / "harness" / name)
     shutil.copytree(src / "core", dest / "harness" / "core", ignore=_IGNORE)
     for pkg in (adapters, workloads, conf):
