@@ -114,3 +114,19 @@ def test_vllm_not_found_says_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.setattr("harness.config.REPO_ROOT", tmp_path)
     why = _plan("engines=[reference,vllm]").unavailable["vllm"]
     assert str(tmp_path / ".venv-vllm" / "bin" / "python") in why and "engine_options.vllm.python=PATH" in why
+
+
+def test_an_endpoint_without_token_ids_is_unverified_not_failed():
+    # trtllm-serve streams text with token id -1: greedy agreement would "fail" for the wrong reason
+    from workloads.parity import Parity
+    point = {"prompt_lens": [4, 4], "tokens": 3, "top_k": 8}
+    base = {"workload": "parity", "engine": "reference", "status": "ok", "dtype": "float32", "point": point,
+            "parity_tokens": [[1, 2, 3], [4, 5, 6]], "parity_scores": None}
+    Parity().finalize_row(base, [])
+    row = {"workload": "parity", "engine": "trtllm-serve", "status": "ok", "dtype": "float32", "point": point,
+           "parity_tokens": [[-1, -1, -1], [-1, -1, -1]], "parity_scores": None}
+    Parity().finalize_row(row, [base])
+    assert row["status"] == "unverified" and "no token ids" in row["error"], row
+    short = {**row, "status": "ok", "parity_tokens": [[1, 2, 3], [4, 5]]}  # a real shortfall still fails
+    Parity().finalize_row(short, [base])
+    assert short["status"] == "failed" and "compared 5 of the 6 positions" in short["error"], short

@@ -117,6 +117,13 @@ class Parity(Workload):
                 row["positions_compared"] = sum(len(s["target_logprobs"]) for s in row["parity_scores"])
             else:
                 row["positions_compared"] = got
+        elif any(t < 0 for seq in row["parity_tokens"] for t in seq) and row.get("parity_scores") is None:
+            # a server that streams text without token ids (trtllm-serve gives -1): nothing to compare
+            row.update(parity_baseline=base["engine"], agreement=None, first_divergence=None, positions_compared=0)
+            unverified = (f"{row['engine']} returns no token ids (-1) and cannot be scored teacher-forced: "
+                          "its output cannot be compared token by token. Use an endpoint kind that returns token "
+                          "ids or log-probabilities")
+            expected = 0  # not a shortfall of compared positions: nothing could be compared at all
         else:
             row["parity_baseline"] = base["engine"]
             row.update(greedy_agreement(base["parity_tokens"], row["parity_tokens"]))
