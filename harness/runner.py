@@ -212,6 +212,16 @@ class WorkerInfo:
         return out
 
 
+@dataclass
+class WorkerStart:
+    """What starting an engine's worker gave: the worker after a good handshake, or None and
+    why it failed; its identity either way (what is known of it)."""
+
+    worker: WorkerProcess | None
+    info: WorkerInfo
+    failure: str | None = None
+
+
 class Runner:
     def __init__(self, plan: Plan, model_path: str, out_dir: Path, env: dict[str, Any],
                  previous: list[dict[str, Any]] | None = None):
@@ -279,15 +289,15 @@ class Runner:
                                          model=self.model_path)
         return [*prefix, str(self._script)]
 
-    def _start_worker(self, engine: str, log_path: Path) -> tuple[WorkerProcess | None, WorkerInfo, str | None]:
-        """(worker, its identity, None) after a good handshake, else (None, info, why it failed)."""
+    def _start_worker(self, engine: str, log_path: Path) -> WorkerStart:
+        """The worker and its identity after a good handshake, else no worker and why it failed."""
         cmd = self._command(engine)
         launch = self.plan.launch_prefix(engine) if self.plan.engine_envs.get(engine) else None
         info = WorkerInfo(launch=launch)
         try:
             worker = WorkerProcess(cmd, log_path, self.redact)
         except OSError as e:
-            return None, info, f"the worker command could not start ({e}): {' '.join(cmd)}"
+            return WorkerStart(None, info, f"the worker command could not start ({e}): {' '.join(cmd)}")
         self._worker = worker
         worker.send(Hello(PROTOCOL_VERSION, self._job(engine)))
         deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT_S, self.plan.settings.point_timeout_s)
@@ -295,17 +305,17 @@ class Runner:
             msg = worker.recv(min(0.5, deadline - time.monotonic()))
             if isinstance(msg, Ready) and msg.protocol != PROTOCOL_VERSION:
                 self._end_worker()
-                return None, info, (f"worker protocol mismatch: the harness speaks version "
-                                    f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version {msg.protocol}")
+                return WorkerStart(None, info, f"worker protocol mismatch: the harness speaks version "
+                                   f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version {msg.protocol}")
             if isinstance(msg, Ready):
                 info.python, info.versions = msg.python, msg.versions
                 info.sees_processes = msg.pid in worker.pids()
-                return worker, info, None
+                return WorkerStart(worker, info)
             if isinstance(msg, Incompatible):
                 self._end_worker()
-                return None, info, (f"worker protocol mismatch: the harness speaks version "
-                                    f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version "
-                                    f"{msg.protocol}: {msg.message}")
+                return WorkerStart(None, info, f"worker protocol mismatch: the harness speaks version "
+                                   f"{PROTOCOL_VERSION}, the worker ({' '.join(cmd)}) version "
+                                   f"{msg.protocol}: {msg.message}")
             if msg is _EOF or (msg is None and worker.proc.poll() is not None) or time.monotonic() > deadline:
                 why = ("did not answer the handshake within "
                        f"{min(HANDSHAKE_TIMEOUT_S, self.plan.settings.point_timeout_s):g} s"
@@ -313,8 +323,8 @@ class Runner:
                        f"died during the handshake ({_exit_text(worker.proc.wait(10))})")
                 self._end_worker()
                 tail = _tail(log_path)
-                return None, info, (f"the engine's worker {why}. Command: {' '.join(cmd)}"
-                                    + (f"\nlast lines of logs/{log_path.name}:\n{tail}" if tail else ""))
+                return WorkerStart(None, info, f"the engine's worker {why}. Command: {' '.join(cmd)}"
+                                   + (f"\nlast lines of logs/{log_path.name}:\n{tail}" if tail else ""))
 
     def _end_worker(self, grace_s: float = 30.0) -> None:
         if self._worker is not None:
@@ -359,9 +369,10 @@ class Runner:
                         self.progress.finish(engine, point, row["status"])
                     else:
                         if worker is None:
-                            worker, info, reason = self._start_worker(engine, log_path)
+                            start = self._start_worker(engine, log_path)
+                            worker, info = start.worker, start.info
                             if worker is None:  # could not start: this point and the rest fail with the reason
-                                self._fail_all(engine, [point, *queue], reason or "the worker failed", info)
+                                self._fail_all(engine, [point, *queue], start.failure or "the worker failed", info)
                                 return
                         try:
                             row, alive = self._run_point(engine, worker, info, point, log_path)
