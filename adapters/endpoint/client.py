@@ -272,18 +272,18 @@ class ClientProcesses:
         assert p.stdout is not None
         try:
             while True:
-                kind, payload = pickle.load(p.stdout)
-                if kind == "first":
+                message, payload = pickle.load(p.stdout)
+                if message == "first":
                     d = self.shifts[i]
                     with self._lock:
                         self._first += [(a - d, f - d) for a, f in payload]
-                elif kind == "pong":
+                elif message == "pong":
                     self._pong[i] = (payload, now_ns())
-                elif kind == "ready":
+                elif message == "ready":
                     self._ready[i].set()
-                elif kind == "done":
+                elif message == "done":
                     self.results[i] = payload
-                elif kind == "error":
+                elif message == "error":
                     self.errors.append(f"client process {i}: {payload}")
         except (EOFError, pickle.UnpicklingError, OSError):
             return
@@ -467,9 +467,9 @@ def child_main() -> None:
     out = sys.stdout.buffer
     lock = threading.Lock()
 
-    def send(kind: str, payload: Any) -> None:
+    def send(message: str, payload: Any) -> None:
         with lock:
-            pickle.dump((kind, payload), out)
+            pickle.dump((message, payload), out)
             out.flush()
 
     job: Job = pickle.load(sys.stdin.buffer)

@@ -1,7 +1,7 @@
 """One streamed completion over HTTP: the request body, the Server-Sent Events it answers
 with, and what the client saw (tokens with their arrival times, chunks, the server's usage).
 
-Token counting (METRICS.md, "Over HTTP"): tokens, not chunks. Per chunk, in this order:
+Token counting (docs/metrics.md, "Over HTTP"): tokens, not chunks. Per chunk, in this order:
   1. `choices[0].token_ids` (vLLM and infer-bench-serve with `return_token_ids: true`);
   2. the entries of `choices[0].logprobs.tokens` (servers that return logprobs);
   3. the growth of `usage.completion_tokens` (servers that send usage on every chunk:
