@@ -19,7 +19,7 @@ from adapters import engine_class, engine_names
 from adapters.base import Engine, ModelSpec
 from harness.core.errors import UserError
 from harness.core.paths import REPO_ROOT
-from harness.core.presets import ModelShape, preset_names, resolve_shape
+from harness.core.presets import ModelShape, TokenRange, preset_names, resolve_shape
 from harness.core.redact import Redactor
 from harness.core.schema import check, spec
 from harness.engines import capability_problems, resolve_engine
@@ -83,7 +83,7 @@ class Plan:
     engine_envs: dict[str, EngineEnv] = field(default_factory=dict)
     endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> endpoint config (raw)
     max_batch: tuple[int, int] = (1, 0)  # largest prefill batch: (sequences, prompt tokens)
-    token_range: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+    token_range: TokenRange = TokenRange()
     _redactor: Redactor | None = field(default=None, repr=False)
 
     @property
@@ -113,11 +113,10 @@ class Plan:
 
     def context(self, model_path: str) -> dict[str, Any]:
         """The workload context a worker builds its RunContext from (plain data)."""
-        low, high, avoid = self.token_range
         return {"shape": asdict(self.shape), "dtype": self.dtype, "device": self.device, "model_path": model_path,
                 "max_model_len": self.max_model_len, "seed": self.settings.seed,
-                "memory_sample_hz": self.settings.memory_sample_hz, "token_low": low, "token_high": high,
-                "avoid_ids": list(avoid)}
+                "memory_sample_hz": self.settings.memory_sample_hz, "token_low": self.token_range.low,
+                "token_high": self.token_range.high, "avoid_ids": list(self.token_range.avoid)}
 
     def launch_prefix(self, engine: str, **placeholders: str) -> list[str]:
         """The command that starts the engine's worker, before the worker's start script."""

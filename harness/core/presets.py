@@ -250,7 +250,16 @@ def _first_id(v: Any) -> int | None:
     return int(v) if isinstance(v, int) else None
 
 
-def prompt_token_range(shape: ModelShape, path: str | Path) -> tuple[int, int, tuple[int, ...]]:
+@dataclass(frozen=True)
+class TokenRange:
+    """Token ids synthetic prompts may use: [low, high) minus `avoid` (sorted)."""
+
+    low: int = 0
+    high: int = 0
+    avoid: tuple[int, ...] = ()
+
+
+def prompt_token_range(shape: ModelShape, path: str | Path) -> TokenRange:
     """Token ids synthetic prompts may use: [0, vocab_size) minus the special tokens (the
     config's bos/eos/pad and the tokenizer's added tokens)."""
     avoid = {i for i in (shape.bos_token_id, shape.eos_token_id, shape.pad_token_id) if i is not None}
@@ -259,7 +268,7 @@ def prompt_token_range(shape: ModelShape, path: str | Path) -> tuple[int, int, t
         avoid |= {int(i) for i in (tok.get("added_tokens_decoder") or {})}
     except (OSError, ValueError, AttributeError):
         pass
-    return 0, shape.vocab_size, tuple(sorted(i for i in avoid if 0 <= i < shape.vocab_size))
+    return TokenRange(0, shape.vocab_size, tuple(sorted(i for i in avoid if 0 <= i < shape.vocab_size)))
 
 
 def resolve_shape(model_cfg: dict[str, Any]) -> ModelShape:
