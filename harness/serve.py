@@ -85,6 +85,37 @@ class Sink:
             pass
 
 
+@dataclass
+class AddRequest:
+    """Admit `request`; its tokens (or its error) go to `sink`."""
+
+    request: Any
+    sink: Sink
+
+
+@dataclass
+class AbortRequest:
+    """Drop a request (its client left)."""
+
+    request_id: str
+
+
+@dataclass
+class CallEngine:
+    """Run `fn(engine)` when the engine is idle; its result (or error) goes to `future`."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass
+class Wake:
+    """Nothing to do: wakes the loop (to see that it is stopping)."""
+
+
+Command = AddRequest | AbortRequest | CallEngine | Wake
+
+
 class EngineThread(threading.Thread):
     """Owns the engine: admits requests, steps while there is work, runs calls (scores, prefix
     resets) when the engine is idle, and keeps a snapshot of its state for /metrics."""
@@ -95,8 +126,8 @@ class EngineThread(threading.Thread):
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Sink] = {}
         self.first_token: set[str] = set()
-        self.calls: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
-        self.waiting_adds: list[tuple] = []
+        self.calls: list[CallEngine] = []
+        self.waiting_adds: list[AddRequest] = []
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         self.stats: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "hits": 0, "queries": 0,
@@ -105,39 +136,38 @@ class EngineThread(threading.Thread):
 
     # called from the HTTP side
     def add(self, request: Any, sink: Sink) -> None:
-        self.inbox.put(("add", request, sink))
+        self.inbox.put(AddRequest(request, sink))
 
     def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
+        self.inbox.put(AbortRequest(request_id))
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.inbox.put(("call", fn, fut))
+        self.inbox.put(CallEngine(fn, fut))
         return fut
 
     def stop(self) -> None:
         self.stopping.set()
-        self.inbox.put(("wake",))
+        self.inbox.put(Wake())
 
     # the loop
-    def _handle(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
+    def _handle(self, cmd: Command) -> None:
+        if isinstance(cmd, AddRequest):
             if self.calls:  # a pending call runs first, on an idle engine
                 self.waiting_adds.append(cmd)
                 return
-            _, request, sink = cmd
             try:
-                self.engine.add_request(request)
+                self.engine.add_request(cmd.request)
             except Exception as e:
-                sink.put(e)
+                cmd.sink.put(e)
                 return
-            self.live[request.request_id] = sink
-        elif cmd[0] == "abort":
-            if self.live.pop(cmd[1], None) is not None:
-                self.engine.abort(cmd[1])
-            self.first_token.discard(cmd[1])
-        elif cmd[0] == "call":
-            self.calls.append((cmd[1], cmd[2]))
+            self.live[cmd.request.request_id] = cmd.sink
+        elif isinstance(cmd, AbortRequest):
+            if self.live.pop(cmd.request_id, None) is not None:
+                self.engine.abort(cmd.request_id)
+            self.first_token.discard(cmd.request_id)
+        elif isinstance(cmd, CallEngine):
+            self.calls.append(cmd)
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -152,16 +182,16 @@ class EngineThread(threading.Thread):
             if self.engine.has_work():
                 self._step()
             elif self.calls:
-                for fn, fut in self.calls:
+                for call in self.calls:
                     try:
-                        fut.set_result(fn(self.engine))
+                        call.future.set_result(call.fn(self.engine))
                     except Exception as e:
-                        fut.set_exception(e)
+                        call.future.set_exception(e)
                 self.calls = []
                 self._snapshot(force=True)
                 adds, self.waiting_adds = self.waiting_adds, []
-                for cmd in adds:
-                    self._handle(cmd)
+                for add in adds:
+                    self._handle(add)
             else:
                 self._snapshot(force=True)
         for sink in self.live.values():
