@@ -16,6 +16,7 @@ from markupsafe import Markup
 from harness.core.results import SCHEMA_VERSION, atomic_write_text
 from reports.blocks import Block, Figure, KeyValues, Note, Pre, Table
 from reports.data import ReportData, load_report_data
+from reports.sections.registry import load_sections
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True,
@@ -62,9 +63,8 @@ def figure_json(fig: Any) -> Markup:
 
 
 def build_sections(data: ReportData) -> list[RenderedSection]:
-    from reports.sections import SECTIONS
     out = []
-    for s in SECTIONS:
+    for s in load_sections():
         blocks = s.build(data)
         if blocks:
             out.append(RenderedSection(s.id, s.title, s.intro, blocks))

@@ -14,7 +14,7 @@ from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num
 from reports.comparison import MachineCheck, compare_rows, machine_check, method_text
 from reports.data import ReportData
 from reports.figures import base_layout, esc
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import point_label
 
 VERDICT_CLASS = {"regressed": "bad", "failed": "bad", "improved": "good", "unchanged": "", "new": "muted", "no-data": "muted"}

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num, nice
 from reports.data import ReportData
 from reports.figures import base_layout, esc, series_styles
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import MS, Col, present, values_table
 
 KIND = {"rate": ("request rate", "req/s"), "concurrency": ("concurrency", "concurrent")}

@@ -7,7 +7,7 @@ from harness.core.stats import PERCENTILE_METHOD, PERCENTILES
 from reports import definitions as d
 from reports.blocks import Block, Cell, Table
 from reports.data import ReportData
-from reports.sections import section
+from reports.sections.registry import section
 
 
 def _table(items: list[tuple[str, str]], caption: str, name: str) -> Table:

@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num
 from reports.data import ReportData
 from reports.figures import base_layout, esc, series_styles
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import column, point_label, present
 
 TELEMETRY_MAX_POINTS = 40   # points offered in the selector

@@ -8,7 +8,7 @@ import pandas as pd
 from reports.blocks import Block, Note
 from reports.data import ReportData
 from reports.sections.common import Col, column, int_columns, point_label, present, values_table
-from reports.sections import section
+from reports.sections.registry import section
 
 ENERGY_FIELDS = ("energy_j", "joules_per_output_token", "output_tokens_per_joule", "energy_source", "energy_note")
 

@@ -11,7 +11,7 @@ from harness.core.results import SCHEMA_VERSION
 from reports.blocks import Block, Cell, KeyValues, Note, Pre, Table, fmt_num
 from reports.comparison import machine_check
 from reports.data import ReportData, RunInfo
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.resources import resource_blocks
 
 MAX_CONFIGS = 8

@@ -15,7 +15,7 @@ from harness.core.history import run_series_anchors
 from harness.core.results import read_rows
 from reports.blocks import Block, Cell, Note, Table
 from reports.data import ReportData, RunInfo
-from reports.sections import section
+from reports.sections.registry import section
 
 TRENDS_FILE = "trends.html"
 

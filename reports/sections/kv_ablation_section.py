@@ -9,7 +9,7 @@ from harness.core.stats import fit_slope
 from reports.blocks import Block, Figure
 from reports.data import ReportData
 from reports.figures import facet_lines
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import MS, Col, column, facet_if_varies, values_table, workload_rows
 
 

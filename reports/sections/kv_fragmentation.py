@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from reports.blocks import Block, Figure
 from reports.data import ReportData
 from reports.figures import base_layout, esc, series_styles
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import MIB, Col, column, values_table, varying_labels, workload_rows
 
 

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from reports.blocks import Block, Figure, Note
 from reports.data import ReportData
 from reports.figures import base_layout, esc, facet_lines, series_styles
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import (MIB, POOL_COUNTED_SOURCES, Col, add_memory_columns, column, has, int_columns,
                                      point_label, present, values_table)
 from reports.sections.summary import sweep_frame

@@ -12,7 +12,7 @@ import pandas as pd
 from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num
 from reports.data import ReportData
 from reports.figures import bars
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import column, int_columns, point_label, present
 
 # teacher-forced metric -> (threshold key, which way passes, header)

@@ -13,7 +13,7 @@ import pandas as pd
 from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num
 from reports.data import ReportData
 from reports.figures import bars
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import column, present
 
 KV_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2, "int8": 3, "fp8": 4}

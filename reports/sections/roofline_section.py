@@ -8,7 +8,7 @@ import pandas as pd
 from reports.blocks import Block, Figure, Note, fmt_num
 from reports.data import ReportData
 from reports.figures import bars, facet_lines
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import Col, column, facet_if_varies, has, int_columns, point_label, values_table
 
 

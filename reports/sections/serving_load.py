@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from reports.blocks import Block, Figure, Note
 from reports.data import ReportData
 from reports.figures import facet_lines
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import MS, Col, column, has, values_table, workload_rows
 
 PERCENTILE_KEYS = ("p50", "p90", "p99")

@@ -8,7 +8,7 @@ import pandas as pd
 
 from reports.blocks import Block, Cell, Note, Table
 from reports.data import ReportData
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import (MIB, MS, Col, add_memory_columns, column, has, int_columns, inverse_ci,
                                      point_label, values_table)
 

@@ -9,7 +9,7 @@ import pandas as pd
 from reports.blocks import Block, Figure, Note
 from reports.data import ReportData
 from reports.figures import facet_lines, heatmap
-from reports.sections import section
+from reports.sections.registry import section
 from reports.sections.common import MS, Col, column, has, values_table
 from reports.sections.summary import sweep_frame
 
