@@ -136,12 +136,15 @@ def http_figure(out: Path) -> str:
     rows = ok(infer_bench(out / "http", *args), "serving")
     by = {r["engine"]: r for r in rows}
     lines = ["| | TTFT p50 | TPOT p50 | E2EL p50 | output tok/s |", "|---|---|---|---|---|"]
+    ms = (lambda v, spec: "-" if v is None else f"{v * 1e3:{spec}} ms")
     for e in ("reference", "infer-bench-serve"):
         r = by.get(e)
         if r:
-            lines.append(f"| {e} | {r['ttft_s'] * 1e3:.1f} ms | {r['tpot_s'] * 1e3:.2f} ms | {r['e2el_s'] * 1e3:.0f} ms | "
-                         f"{r['output_tok_s']:.1f} |")
-    if len(by) == 2:
+            lines.append(f"| {e} | {ms(r.get('ttft_s'), '.1f')} | {ms(r.get('tpot_s'), '.2f')} | "
+                         f"{ms(r.get('e2el_s'), '.0f')} | {fmt(r.get('output_tok_s'))} |"
+                         + (" saturated |" if r.get("saturated") else "")
+                         + (" client-limited |" if r.get("client_limited") else ""))
+    if len(by) == 2 and all(by[e].get("ttft_s") for e in by):
         a, b = by["reference"], by["infer-bench-serve"]
         lines.append(f"\nHTTP / in-process: TTFT {b['ttft_s'] / a['ttft_s']:.2f}x, TPOT {b['tpot_s'] / a['tpot_s']:.2f}x, "
                      f"output tok/s {b['output_tok_s'] / a['output_tok_s']:.2f}x.")
