@@ -203,7 +203,7 @@ def kv_memory_figure(out: Path, vllm: str | None) -> str:
         p = r.get("point") or {}
         lines.append(f"| {r['engine']} | {r.get('kv_layout')} | {r.get('kv_dtype')} | {p.get('block_size', '-')} | "
                      f"{r.get('kv_bytes_per_token', '-')} | {r.get('kv_est_bytes_per_token', '-')} | "
-                     f"{fmt((r.get('kv_waste_frac') or 0) * 100, '.1f')} % |")
+                     f"{fmt(r['kv_waste_frac'] * 100 if r.get('kv_waste_frac') is not None else None, '.1f')} % |")
     return section("KV memory and waste: small, bf16, 16 sequences of uniform 64-2048 tokens", args, "\n".join(lines))
 
 
