@@ -523,3 +523,16 @@ def test_replayed_traces_plot_at_their_mean_rate_not_all_at_once(tmp_path: Path)
     assert traces["vllm-http · trace replay"]["text"] == ["trace 2 req/s", "trace 8 req/s"]
     assert traces["vllm-http · request rate sweep"]["text"] == ["1 req/s", "4 req/s"]
     assert traces["vllm-http · trace replay"]["marker"]["symbol"][1] == "cross"
+
+
+def test_a_capacity_not_found_keeps_its_column_narrow(tmp_path: Path) -> None:
+    # a conclusion without a capacity holds NaN in the frame: its long reason was drawn as a
+    # right-aligned number cell and pushed the other engines' capacities out of view
+    missed = capacity_rows("vllm-http", probes=((1, False, False),), capacity=None)
+    missed[-1]["capacity_note"] = "no probed load met the SLOs; the load generator did not keep up at 1"
+    rows = missed + capacity_rows("hf")
+    html = page(tmp_path, rows)
+    t = {r["engine"]: r for r in by_header(html, "capacity")}
+    assert t["vllm-http"]["capacity"] == "not found: no probed load met the SLOs"
+    assert 'title="not found: no probed load met the SLOs; the load generator did not keep up at 1"' in html
+    assert t["hf"]["capacity"].startswith("8")

@@ -240,7 +240,9 @@ def capacity_table(cap: pd.DataFrame) -> Table:
         rows.append([
             Cell(str(r["series"])), *([Cell(str(r["model"]))] if several_models else []),
             Cell(KIND[r["search"]][0]),
-            Cell(r["capacity_text"], r["capacity"], cls="num" if r["capacity"] is not None else ""),
+            (Cell(r["capacity_text"], r["capacity"], cls="num") if _f(r["capacity"]) is not None else
+             # why none was found: its first clause here (the column stays narrow), the whole on hover
+             Cell(r["capacity_text"].split(";")[0], None, title=r["capacity_text"])),
             Cell(r["slo_text"], cls="wrap"),
             Cell(r["bracket"], cls="num"),
             Cell(fmt_num(nice(r["resolution"])) if r["resolution"] is not None else "–", r["resolution"], cls="num"),
