@@ -28,7 +28,7 @@ from harness.core.env import cpu_model  # noqa: E402
 from harness.core.parity import THRESHOLDS  # noqa: E402
 from harness.core.results import read_rows  # noqa: E402
 
-BROKEN = "rope_off=broken_engines:RopeOff,shifted=broken_engines:ShiftedBlockReads"
+BROKEN = "rope_off=broken_engines:RopeOff,shifted=broken_engines:ChunkedShiftedBlockReads"
 HONEST = ("reference", "hf", "vllm")
 
 

@@ -19,7 +19,7 @@ from harness.core.paths import REPO_ROOT
 from harness.core.results import read_rows
 
 PLUGINS = Path(__file__).parent / "plugins"
-BROKEN = ("shifted=broken_engines:ShiftedBlockReads,cannot_score=broken_engines:CannotScore,"
+BROKEN = ("shifted=broken_engines:ChunkedShiftedBlockReads,cannot_score=broken_engines:CannotScore,"
           "scores_too_few=broken_engines:ScoresTooFew,setup_raises=broken_engines:SetupRaises")
 QUICK = ["workload.batch_sizes=[1]", "workload.prompt_lens=[16]", "workload.output_len=4", "workload.warmup=1",
          "workload.min_repeats=1", "workload.min_duration_s=0", "roofline=false", "quiet=true"]

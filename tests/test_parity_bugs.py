@@ -26,6 +26,8 @@ from harness.core.presets import load_preset
 from workloads.parity import ParityConfig, greedy_tokens
 from workloads.prompts import synthetic_prompts
 
+from plugins.broken_engines import ShiftedBlockReads
+
 pytestmark = pytest.mark.slow
 
 
@@ -110,23 +112,6 @@ def test_a_missing_bias_fails(tiny_with_bias, tmp_path, dtype):
     _, bad = parity(HFEngine, broken, dtype, prompts, teacher=greedy)
     fields, why = check(base, bad, dtype)
     assert why is not None and fields["parity_top1_agreement"] < 0.5, fields
-
-
-class ShiftedBlockReads(ReferenceEngine):
-    """A broken engine (a fault put in on purpose): the reference engine whose KV pool, when it
-    reads a sequence's cached context back, takes every block after the first from the slot of the
-    block before it - a KV block read from the wrong offset. Writes are untouched."""
-
-    def load(self, model, options):
-        info = super().load(model, options)
-        pool, gather = self.pool, self.pool.gather
-
-        def shifted(layer, block_tables, length, *args, **kwargs):
-            wrong = block_tables.clone()
-            wrong[:, 1:] = block_tables[:, :-1]
-            return gather(layer, wrong, length)
-        pool.gather = shifted
-        return info
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

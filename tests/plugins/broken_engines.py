@@ -18,12 +18,12 @@ CHUNKED = {"max_num_batched_tokens": 64}
 
 
 class ShiftedBlockReads(ReferenceEngine):
-    """The reference engine whose KV pool, when it reads a sequence's cached context back, takes
-    every block after the first from the slot of the block before it: a KV block read from the
-    wrong offset. Writes are untouched. Prefill is chunked so that the fault shows in scoring."""
+    """A broken engine (a fault put in on purpose): the reference engine whose KV pool, when it
+    reads a sequence's cached context back, takes every block after the first from the slot of the
+    block before it - a KV block read from the wrong offset. Writes are untouched."""
 
     def load(self, model, options):
-        info = super().load(model, {**options, **CHUNKED})
+        info = super().load(model, options)
         pool, gather = self.pool, self.pool.gather
 
         def shifted(layer, block_tables, length, *args, **kwargs):
@@ -32,6 +32,14 @@ class ShiftedBlockReads(ReferenceEngine):
             return gather(layer, wrong, length)
         pool.gather = shifted
         return info
+
+
+class ChunkedShiftedBlockReads(ShiftedBlockReads):
+    """ShiftedBlockReads with chunked prefill, so that the fault shows in scoring: later chunks read
+    their context back from the pool."""
+
+    def load(self, model, options):
+        return super().load(model, {**options, **CHUNKED})
 
 
 class RopeOff(ReferenceEngine):
