@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 from harness.core.errors import UserError
 
@@ -53,8 +54,9 @@ def read_dataset(path: str | Path, fmt: str = "auto", field: str = "workload.dat
     return entries
 
 
-def _read_jsonl(p: Path, field: str) -> list[DatasetEntry]:
-    out, problems = [], []
+def _json_objects(p: Path, field: str, problems: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, object) for every non-blank line of a JSONL file that is a JSON object; a line that is
+    not one adds a problem naming the file and line."""
     for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
@@ -67,6 +69,12 @@ def _read_jsonl(p: Path, field: str) -> list[DatasetEntry]:
         if not isinstance(obj, dict):
             problems.append(f"{where}: not a JSON object.")
             continue
+        yield where, obj
+
+
+def _read_jsonl(p: Path, field: str) -> list[DatasetEntry]:
+    out, problems = [], []
+    for where, obj in _json_objects(p, field, problems):
         ids, text, out_n = obj.get("input_ids"), obj.get("prompt"), obj.get("output_tokens")
         if ids is None and text is None:
             problems.append(f"{where}: needs \"input_ids\" (token ids) or \"prompt\" (text).")
@@ -155,18 +163,7 @@ def read_trace(path: str | Path, field: str = "workload.trace") -> list[TraceEnt
         raise UserError(f"{field}={path}: no such file. Give a JSONL trace with timestamp, input_length, "
                         "output_length (and optionally hash_ids) on every line.")
     out, problems = [], []
-    for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{field}={p} line {n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"{where}: not valid JSON ({e.msg}). Each line must be one JSON object.")
-            continue
-        if not isinstance(obj, dict):
-            problems.append(f"{where}: not a JSON object.")
-            continue
+    for where, obj in _json_objects(p, field, problems):
         ts, i, o, h = obj.get("timestamp"), obj.get("input_length"), obj.get("output_length"), obj.get("hash_ids", [])
         if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
             problems.append(f"{where}: \"timestamp\" must be a non-negative number of milliseconds (got {ts!r}).")
