@@ -33,3 +33,15 @@ def tiny_ckpt(model_cache: Path) -> Path:
 def small_ckpt(model_cache: Path) -> Path:
     """The `small` preset (~125 M parameters, bf16)."""
     return ensure_checkpoint(load_preset("small"), model_cache)
+
+
+@pytest.fixture(scope="module")
+def driver():
+    """Headless Chromium for the browser tests (reports.browser); skipped, saying why, where none runs."""
+    from reports import browser
+    why = browser.missing()
+    if why:
+        pytest.skip(f"no headless browser: {why}")
+    d = browser.chromium(1400, 1000)
+    yield d
+    d.quit()

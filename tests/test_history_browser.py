@@ -20,16 +20,6 @@ from test_history import MACHINE_A, MACHINE_B, series_runs
 pytestmark = pytest.mark.browser
 
 
-@pytest.fixture(scope="module")
-def driver():
-    why = browser.missing()
-    if why:
-        pytest.skip(f"no headless browser: {why}")
-    d = browser.chromium(1400, 1000)
-    yield d
-    d.quit()
-
-
 def test_trend_page_draws_series_and_change_points(driver: Any, tmp_path: Path) -> None:
     store = tmp_path / "h.duckdb"
     h.ingest(store, series_runs(tmp_path / "a", [0.010] * 4 + [0.012] * 4, repeats=3, noise=0.02, cpu=MACHINE_A))

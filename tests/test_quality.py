@@ -161,28 +161,21 @@ def test_quality_section_in_the_report(quality_runs: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.browser
-def test_quality_section_draws_in_chromium(quality_runs: dict[str, Any], tmp_path: Path) -> None:
+def test_quality_section_draws_in_chromium(driver: Any, quality_runs: dict[str, Any], tmp_path: Path) -> None:
     from reports import browser, write_report
     from test_report_browser import console_errors, drawn_figures, table
-    why = browser.missing()
-    if why:
-        pytest.skip(f"no headless browser: {why}")
     report = write_report([str(d) for d in quality_runs["dirs"]], tmp_path / "quality-report.html")
-    driver = browser.chromium(1400, 1000)
-    try:
-        browser.open_report(driver, report)
-        assert console_errors(driver) == []
-        sections = driver.execute_script("return Array.from(document.querySelectorAll('section')).map(s => s.id)")
-        assert "quality" in sections
-        figs = {f["name"]: f for f in drawn_figures(driver)}
-        assert figs["quality"]["plotted"] and figs["quality"]["drawn"] > 0
-        t = table(driver, "quality-values")
-        assert t is not None and "Δ perplexity vs fp32" in t["headers"]
-        ok_rows = [r for r in quality_runs["fp32"] + quality_runs["bf16"]
-                   if r["workload"] == "quality" and r["status"] == "ok"]
-        assert len([r for r in t["rows"] if not r[-1]["text"].startswith("skipped")]) == len(ok_rows)
-        ppl_col = t["headers"].index("perplexity")
-        shown = sorted(float(r[ppl_col]["value"]) for r in t["rows"] if r[ppl_col]["value"] is not None)
-        assert shown == pytest.approx(sorted(r["quality_perplexity"] for r in ok_rows))
-    finally:
-        driver.quit()
+    browser.open_report(driver, report)
+    assert console_errors(driver) == []
+    sections = driver.execute_script("return Array.from(document.querySelectorAll('section')).map(s => s.id)")
+    assert "quality" in sections
+    figs = {f["name"]: f for f in drawn_figures(driver)}
+    assert figs["quality"]["plotted"] and figs["quality"]["drawn"] > 0
+    t = table(driver, "quality-values")
+    assert t is not None and "Δ perplexity vs fp32" in t["headers"]
+    ok_rows = [r for r in quality_runs["fp32"] + quality_runs["bf16"]
+               if r["workload"] == "quality" and r["status"] == "ok"]
+    assert len([r for r in t["rows"] if not r[-1]["text"].startswith("skipped")]) == len(ok_rows)
+    ppl_col = t["headers"].index("perplexity")
+    shown = sorted(float(r[ppl_col]["value"]) for r in t["rows"] if r[ppl_col]["value"] is not None)
+    assert shown == pytest.approx(sorted(r["quality_perplexity"] for r in ok_rows))

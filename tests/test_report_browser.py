@@ -42,16 +42,6 @@ PAYLOAD = ('<script>window.__pwned = "script"; document.title = "pwned"</script>
            '<b>bold</b><a href="javascript:window.__pwned=\'link\'">link</a>')
 
 
-@pytest.fixture(scope="module")
-def driver():
-    why = browser.missing()
-    if why:
-        pytest.skip(f"no headless browser: {why}")
-    d = browser.chromium(1400, 1000)
-    yield d
-    d.quit()
-
-
 def console_errors(driver: Any) -> list[dict[str, Any]]:
     return [e for e in driver.get_log("browser") if e.get("level") in ("SEVERE", "ERROR")]
 
