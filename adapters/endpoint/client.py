@@ -52,6 +52,18 @@ TICK_S = 0.002  # the loop-lag timer's period
 PROGRESS_S = 0.1  # how often a client process reports first tokens (for the saturation check)
 
 
+def tls_context(verify_tls: bool, ca_bundle: str | None) -> bool | ssl.SSLContext:
+    """How a client checks the server's certificate: False (not checked), True (the system's CAs),
+    or a context trusting `ca_bundle` as well."""
+    if not verify_tls:
+        return False
+    if not ca_bundle:
+        return True
+    ctx = ssl.create_default_context()
+    ctx.load_verify_locations(cafile=str(Path(ca_bundle).expanduser()))
+    return ctx
+
+
 @dataclass
 class ClientSpec:
     """How to reach the server: what a client process needs (picklable)."""
@@ -65,13 +77,8 @@ class ClientSpec:
 
     def session(self) -> aiohttp.ClientSession:
         """An aiohttp session (call inside the running loop): no connection limit, keep-alive."""
-        ctx: Any = None
-        if not self.verify_tls:
-            ctx = False
-        elif self.ca_bundle:
-            ctx = ssl.create_default_context()
-            ctx.load_verify_locations(cafile=str(Path(self.ca_bundle).expanduser()))
-        conn = aiohttp.TCPConnector(limit=0, ssl=ctx if ctx is not None else True, enable_cleanup_closed=True)
+        conn = aiohttp.TCPConnector(limit=0, ssl=tls_context(self.verify_tls, self.ca_bundle),
+                                    enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         return aiohttp.ClientSession(connector=conn, headers=self.headers, timeout=timeout, trust_env=False)
 

@@ -34,7 +34,6 @@ import importlib.util
 import os
 import queue
 import shlex
-import ssl
 import sys
 import threading
 import time
@@ -57,7 +56,7 @@ from adapters.endpoint.launch import ServerError, ServerProcess, free_port, rend
 from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
 from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
 from adapters.endpoint.client import (
-    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, correction, run_job, split_job,
+    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, correction, run_job, split_job, tls_context,
 )
 from adapters.endpoint.stream import ITL_CHUNKING, ReqState, dumps, http_reason, stream_completion
 from harness.core.kvcalc import bytes_per_token, kv_dtype_of
@@ -264,13 +263,7 @@ class EndpointEngine(Engine):
         key = self._key()
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        verify: Any = True
-        if not cfg.verify_tls:
-            verify = False
-        elif cfg.ca_bundle:
-            ctx = ssl.create_default_context()
-            ctx.load_verify_locations(cafile=str(Path(cfg.ca_bundle).expanduser()))
-            verify = ctx
+        verify = tls_context(cfg.verify_tls, cfg.ca_bundle)
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s, pool=None)
         return {"headers": headers, "verify": verify, "timeout": timeout, "trust_env": False}
 
