@@ -35,7 +35,7 @@ class HFOptions:
     attn_implementation: str = spec("sdpa", choices=("sdpa", "eager"), help="sdpa | eager")
     kv_cache: str = spec("on", choices=("on", "none"), help=(
         "on | none (no cache: every step recomputes the whole sequence, the \"without KV cache\" mode)"))
-    max_batch_size: int = spec(64, ge=1, help="serve(): static batches of at most this many requests")
+    max_batch_size: int = spec(64, ge=1, tune=[4, 8, 16, 32, 64], help="serve(): static batches of at most this many requests")
     num_threads: int | None = spec(None, ge=1, help=(
         "torch CPU threads; null = the run's equal share (ModelSpec.threads), else torch's default"))
 

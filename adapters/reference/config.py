@@ -22,12 +22,12 @@ class EngineConfig:
     """Our own paged-KV engine (adapters/reference/): its options, each with its type, default,
     range and meaning (checked by harness.core.schema.check)."""
 
-    block_size: int = spec(16, ge=1, le=4096, help="tokens per KV block (paged layout)")
+    block_size: int = spec(16, ge=1, le=4096, tune=[8, 16, 32, 64], help="tokens per KV block (paged layout)")
     kv_cache: str = spec("on", choices=KV_CACHE_MODES,
                          help="on | none (no KV cache: every step recomputes every sequence whole)")
     kv_layout: str = spec("paged", choices=KV_LAYOUTS,
                           help="paged | contiguous (each sequence reserves max_model_len slots up front)")
-    kv_dtype: str = spec("auto", choices=KV_DTYPES,
+    kv_dtype: str = spec("auto", choices=KV_DTYPES, tune=list(KV_DTYPES),
                          help="auto (the model's dtype) | int8 (per-token, per-head scales) | fp8 (e4m3)")
     prefix_caching: bool = spec(True, help="share full blocks of common prefixes (paged layout only)")
     kv_cache_bytes: int | None = spec(None, ge=1, help=(
@@ -37,8 +37,8 @@ class EngineConfig:
         "CUDA, kv_cache_bytes null: the engine may fill this share of the device's TOTAL memory; the pool "
         "gets it minus what is in use after the weights (by anyone) minus an activation reserve "
         "(vLLM's meaning)"))
-    max_num_seqs: int = spec(256, ge=1, help="most sequences running at once")
-    max_num_batched_tokens: int = spec(8192, ge=1, help=(
+    max_num_seqs: int = spec(256, ge=1, tune=[4, 8, 16, 32, 64, 128, 256], help="most sequences running at once")
+    max_num_batched_tokens: int = spec(8192, ge=1, tune=[512, 1024, 2048, 4096, 8192], help=(
         "token budget of one step; longer prompts are prefilled in chunks"))
     num_threads: int | None = spec(None, ge=1, help=(
         "torch CPU threads; null: the run's share of threads, else torch's default"))

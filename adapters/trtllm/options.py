@@ -45,16 +45,16 @@ class TRTLLMOptions:
     each option; docs/engines/trtllm.md what was checked). null means "TensorRT-LLM's own default".
     max_seq_len comes from the workload; the dtype from the run (bfloat16 or float16)."""
 
-    max_batch_size: int | None = spec(None, ge=1, help="most requests in flight")
-    max_num_tokens: int | None = spec(None, ge=1, help="most tokens per iteration (TensorRT-LLM's default: 8192)")
+    max_batch_size: int | None = spec(None, ge=1, tune=[4, 8, 16, 32, 64, 128, 256], help="most requests in flight")
+    max_num_tokens: int | None = spec(None, ge=1, tune=[1024, 2048, 4096, 8192, 16384], help="most tokens per iteration (TensorRT-LLM's default: 8192)")
     tensor_parallel_size: int = spec(1, ge=1, help="GPUs to shard over")
     free_gpu_memory_fraction: float = spec(0.9, gt=0, le=1, help=(
         "KvCacheConfig: share of free GPU memory for the KV cache"))
     kv_cache_max_tokens: int | None = spec(None, ge=1, help="KvCacheConfig.max_tokens: cap on KV-cache tokens")
     enable_block_reuse: bool = spec(True, help="KvCacheConfig: prefix reuse across requests")
-    tokens_per_block: int = spec(32, ge=2, help="KvCacheConfig: tokens per KV block (a power of two)")
+    tokens_per_block: int = spec(32, ge=2, tune=[16, 32, 64], help="KvCacheConfig: tokens per KV block (a power of two)")
     kv_cache_dtype: str = spec("auto", choices=KV_DTYPES, help="KvCacheConfig.dtype: auto (= model dtype) | fp8")
-    enable_chunked_prefill: bool = spec(False, help="TensorRT-LLM's default")
+    enable_chunked_prefill: bool = spec(False, tune=[False, True], help="TensorRT-LLM's default")
     cuda_graphs: bool = spec(True, help="false: cuda_graph_config=None (no CUDA graphs)")
     disable_overlap_scheduler: bool = spec(False, help="TensorRT-LLM's default")
     capacity_scheduler_policy: str | None = spec(None, choices=SCHEDULER_POLICIES, help=(

@@ -59,15 +59,15 @@ class VLLMOptions:
     """vLLM, V1 engine in-process, stepped by the harness (adapters/vllm/options.py documents each
     option; docs/engines/vllm.md what was checked). null means "vLLM's own default" unless said."""
 
-    block_size: int | None = spec(None, ge=1, help=(
+    block_size: int | None = spec(None, ge=1, tune=[32, 64, 128], help=(
         "tokens per KV block; null = vLLM's default (128 on CPU, 16 on GPU); CPU: a multiple of 32"))
     kv_cache_dtype: str = spec("auto", help=(
         "auto (= model dtype) | fp8 | fp8_e4m3 | fp8_e5m2; GPU also bfloat16 | float16"))
     enable_prefix_caching: bool = spec(True, help="vLLM's automatic prefix caching")
     enable_chunked_prefill: bool = spec(True, help="vLLM's default for generative models")
-    max_num_seqs: int | None = spec(None, ge=1, help=(
+    max_num_seqs: int | None = spec(None, ge=1, tune=[4, 8, 16, 32, 64, 128, 256], help=(
         "most sequences per step; null = vLLM's default (256 on CPU)"))
-    max_num_batched_tokens: int | None = spec(None, ge=1, help=(
+    max_num_batched_tokens: int | None = spec(None, ge=1, tune=[512, 1024, 2048, 4096, 8192], help=(
         "most tokens per step; null = vLLM's default (4096 on CPU); a prefill batch must fit"))
     gpu_memory_utilization: float | None = spec(None, gt=0, le=1, help=(
         "GPU: share of TOTAL device memory, checked against FREE memory at load (null = 0.92, vLLM's); "

@@ -18,9 +18,11 @@ T = TypeVar("T")
 
 
 def spec(default: Any = MISSING, *, help: str = "", ge: float | None = None, gt: float | None = None,
-         le: float | None = None, choices: tuple | None = None, nonempty: bool = False) -> Any:
-    """A dataclass field with its documentation and constraints."""
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices, "nonempty": nonempty}
+         le: float | None = None, choices: tuple | None = None, nonempty: bool = False,
+         tune: list | dict | None = None) -> Any:
+    """A dataclass field with its documentation and constraints. `tune`: the values `workload=tune`
+    searches for this option by default ([choices] or {low, high, log}); None: not searched."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices, "nonempty": nonempty, "tune": tune}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: list(d) if isinstance(d, list) else dict(d),
                      metadata=meta)
@@ -145,4 +147,11 @@ def describe(cls: type) -> list[tuple[str, str, Any, str]]:
     return out
 
 
-__all__ = ["spec", "check", "describe", "dataclass"]
+def tune_space(cls: type | None) -> dict[str, Any]:
+    """The default search space a schema declares: {field: its `tune` values}, in field order."""
+    if cls is None:
+        return {}
+    return {f.name: f.metadata["tune"] for f in dataclasses.fields(cls) if f.metadata.get("tune") is not None}
+
+
+__all__ = ["spec", "check", "describe", "tune_space", "dataclass"]
