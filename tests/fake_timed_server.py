@@ -6,13 +6,28 @@ answering `POST /v1/completions` (stream: true) with one SSE chunk every `--gap-
 first-token delay of `--first-ms`, `--tokens-per-chunk` tokens per chunk (token k of a request
 is `1000 + k`, sent as `token_ids`), then a usage chunk and `data: [DONE]`. Chunk j of a request
 received at t0 is written at t0 + first + j * gap on an absolute schedule (no drift); gap 0 writes
-as fast as the socket takes them. `GET /v1/models`, `/version` and `/health` answer; `/metrics`
+as fast as the socket takes them.
+
+**Pacing to a fraction of a millisecond.** asyncio's timers wake up to 1 ms late on Linux (epoll
+waits in whole milliseconds, rounded up): likely the main part of the server's own gaps at 20 ms
+reading p99 21.0-21.8 ms in a quiet run. So a chunk's wait is done in two parts (`wait_until`):
+`asyncio.sleep` until `COARSE_S` before its due time (the loop is free for the other streams), then, holding the loop,
+`time.sleep` until `SPIN_S` before it and a busy-wait for the rest (the thread's timer slack is
+set to 1 us where Linux allows, so `time.sleep` ends within tens of microseconds). Streams due
+within `COARSE_S` of each other are served in due order, each when due; the cost is that the
+loop accepts a new request up to `COARSE_S` late while it holds a wait (what the client sees as
+TTFT then carries that much of the server's delay, still never less than `--first-ms`), and
+at most `SPIN_S` of busy CPU per paced chunk (64 streams at 20 ms: about 10 % of the server's
+core, measured beside other work).
+Gap 0 never waits, so the ceiling experiment (gap 0, first token at once) runs exactly as it did:
+no busy-wait, the server writing as fast as the socket takes it. `--coarse` turns the fine part
+off (asyncio.sleep only), to compare. `GET /v1/models`, `/version` and `/health` answer; `/metrics`
 is 404 (no telemetry). `GET /stats` answers what the server actually did since the last
 `/stats` (and starts over): how late its chunk writes were against their schedule, and the gaps
-between the writes of one stream (p50 / p99 / max, ms) - the truth the client's ITL is read
+between the writes of one stream (min / p50 / p99 / max, ms) - the truth the client's ITL is read
 against, so a late server is told apart from a slow client.
 
-    python tests/fake_timed_server.py --port 0 --gap-ms 20 --first-ms 50 [--cpu 0]
+    python tests/fake_timed_server.py --port 0 --gap-ms 20 --first-ms 50 [--cpu 0] [--coarse]
 
 prints `READY <port>` on stdout once it listens. `--cpu N` pins it to core N.
 """
@@ -22,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -31,6 +47,9 @@ import time
 from collections.abc import Iterator
 
 BATCH = 64  # gap 0: chunks per write (the server's own cost per token stays far below a client's)
+COARSE_S = 0.0015  # a wait ends holding the loop from this long before its due time (asyncio: up to 1 ms late)
+SPIN_S = 0.0001  # ... and busy-waits the last this long (time.sleep's own lateness stays below it)
+PR_SET_TIMERSLACK = 29  # prctl(2): how late the kernel may end this thread's sleeps, in ns (default 50 us)
 _HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
          b"transfer-encoding: chunked\r\n\r\n")
 
@@ -55,9 +74,33 @@ def _event(tokens: range, finish: str | None) -> bytes:
             % (text.encode(), ids.encode(), fin.encode()))
 
 
+def fine_timer_slack() -> bool:
+    """Ask Linux to end this thread's sleeps within 1 us of their time (False: not available)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+async def wait_until(due: float, fine: bool = True) -> None:
+    """Return at `due` (time.perf_counter() seconds), never before it: asyncio.sleep while it is
+    more than COARSE_S away, then (fine) time.sleep and a busy-wait holding the loop."""
+    wait = due - time.perf_counter()
+    if wait > COARSE_S or (wait > 0 and not fine):
+        await asyncio.sleep(wait - COARSE_S if fine else wait)
+    if not fine:
+        return
+    wait = due - time.perf_counter()
+    if wait > SPIN_S:
+        time.sleep(wait - SPIN_S)
+    while time.perf_counter() < due:
+        pass
+
+
 class TimedServer:
-    def __init__(self, gap_s: float, first_s: float, tokens_per_chunk: int):
+    def __init__(self, gap_s: float, first_s: float, tokens_per_chunk: int, fine: bool = True):
         self.gap_s, self.first_s, self.per_chunk = gap_s, first_s, max(1, tokens_per_chunk)
+        self.fine = fine  # pace with wait_until's busy-wait (False: asyncio.sleep alone, up to 1 ms late)
         self.late_ns: list[int] = []  # each chunk write minus its scheduled time
         self.gaps_ns: list[int] = []  # between consecutive chunk writes of one stream
 
@@ -65,9 +108,9 @@ class TimedServer:
         def pct(xs: list[int]) -> dict:
             xs = sorted(xs)
             if not xs:
-                return {"p50": None, "p99": None, "max": None}
+                return {"min": None, "p50": None, "p99": None, "max": None}
             at = lambda q: xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] / 1e6  # noqa: E731
-            return {"p50": at(0.5), "p99": at(0.99), "max": xs[-1] / 1e6}
+            return {"min": xs[0] / 1e6, "p50": at(0.5), "p99": at(0.99), "max": xs[-1] / 1e6}
         out = {"chunks": len(self.late_ns), "late_ms": pct(self.late_ns), "gap_ms": pct(self.gaps_ns)}
         self.late_ns, self.gaps_ns = [], []
         return out
@@ -111,9 +154,8 @@ class TimedServer:
         while sent < n:
             k = min(self.per_chunk, n - sent)
             due = t0 + self.first_s + j * self.gap_s
-            wait = due - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            if due > time.perf_counter():
+                await wait_until(due, self.fine)
             finish = "length" if sent + k == n else None
             frame = _frame(_event(range(sent, sent + k), finish))
             now = time.perf_counter_ns()
@@ -143,10 +185,11 @@ class TimedServer:
 
 @contextlib.contextmanager
 def running(gap_ms: float = 20.0, first_ms: float = 0.0, tokens_per_chunk: int = 1,
-            cpu: int | None = None) -> Iterator[str]:
+            cpu: int | None = None, coarse: bool = False) -> Iterator[str]:
     """Start the server in its own process; yields its API base URL (`http://127.0.0.1:P/v1`)."""
     cmd = [sys.executable, __file__, "--gap-ms", str(gap_ms), "--first-ms", str(first_ms),
            "--tokens-per-chunk", str(tokens_per_chunk)] + ([] if cpu is None else ["--cpu", str(cpu)])
+    cmd += ["--coarse"] if coarse else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""
@@ -163,7 +206,9 @@ def running(gap_ms: float = 20.0, first_ms: float = 0.0, tokens_per_chunk: int =
 
 
 async def _main(args: argparse.Namespace) -> None:
-    srv = TimedServer(args.gap_ms / 1000, args.first_ms / 1000, args.tokens_per_chunk)
+    srv = TimedServer(args.gap_ms / 1000, args.first_ms / 1000, args.tokens_per_chunk, fine=not args.coarse)
+    if srv.fine:
+        fine_timer_slack()
     server = await asyncio.start_server(srv.handle, args.host, args.port, backlog=4096)
     port = server.sockets[0].getsockname()[1]
     print(f"READY {port}", flush=True)
@@ -183,6 +228,8 @@ def main() -> None:
     ap.add_argument("--first-ms", type=float, default=0.0)
     ap.add_argument("--tokens-per-chunk", type=int, default=1)
     ap.add_argument("--cpu", type=int, default=None, help="pin the server to this core")
+    ap.add_argument("--coarse", action="store_true",
+                    help="pace with asyncio.sleep alone (up to 1 ms late), not the busy-wait: to compare")
     args = ap.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
