@@ -98,12 +98,21 @@ def test_rows_say_the_client_kept_up_and_measure_the_truth(timed_20ms):
 
 
 def test_verdict_names_each_reason_and_tightens_with_the_slo():
-    ok = {"send_lag_s_p99": 0.001, "loop_lag_s_max": 0.003, "client_cpu_frac": 0.3}
+    ok = {"send_lag_s_p99": 0.001, "loop_lag_s_p99": 0.003, "loop_lag_s_max": 0.004, "client_cpu_frac": 0.3}
     assert client_limited(ok, SLO()) == []
-    # 5 % of a 40 ms TPOT SLO is 2 ms: a 3 ms loop lag is too much for it
-    assert client_limited(ok, SLO(tpot_s=0.040)) == ["loop lag 3.0 ms > 2.0 ms"]
-    bad = client_limited({"send_lag_s_p99": 0.009, "loop_lag_s_max": 0.001, "client_cpu_frac": 0.97}, SLO())
+    # 5 % of a 40 ms TPOT SLO is 2 ms: a 3 ms loop lag p99 is too much for it
+    assert client_limited(ok, SLO(tpot_s=0.040)) == ["loop lag p99 3.0 ms > 2.0 ms"]
+    bad = client_limited({"send_lag_s_p99": 0.009, "loop_lag_s_p99": 0.001, "client_cpu_frac": 0.97}, SLO())
     assert bad == ["send lag p99 9.0 ms > 5.0 ms", "a client process used 97% of a core"]
+
+
+def test_one_short_loop_stall_does_not_void_a_point_but_a_long_one_does():
+    # a 50 ms SLO: the limit is 2.5 ms; one 2.7 ms stall among ticks that were otherwise on time
+    one_stall = {"send_lag_s_p99": 0.0004, "loop_lag_s_p99": 0.0006, "loop_lag_s_max": 0.0027, "client_cpu_frac": 0.4}
+    assert client_limited(one_stall, SLO(ttft_s=0.050)) == []
+    # ... but a stall of ten times the limit is the client's, whatever the other ticks did
+    long_stall = {**one_stall, "loop_lag_s_max": 0.030}
+    assert client_limited(long_stall, SLO(ttft_s=0.050)) == ["a loop stall of 30.0 ms > 25.0 ms"]
 
 
 def _busy(stop: threading.Event) -> None:
