@@ -60,6 +60,7 @@ from adapters.endpoint.client import (
 )
 from adapters.endpoint.stream import ITL_CHUNKING, ReqState, dumps, http_reason, stream_completion
 from harness.core.kvcalc import bytes_per_token, kv_dtype_of
+from harness.core.loop_thread import LoopThread
 from harness.core.metrics import RequestTrace
 from harness.core.presets import shape_from_hf_config
 from harness.core.redact import Redactor
@@ -83,24 +84,13 @@ def split_url(url: str) -> tuple[str, str]:
     return url, root
 
 
-class _Loop:
-    """An asyncio loop in a daemon thread; coroutines are submitted from the caller's thread."""
+class _Loop(LoopThread):
+    """The loop thread of the streams, with the aiohttp session they share (opened on first use,
+    in the loop thread; closed with the loop)."""
 
     def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.session: aiohttp.ClientSession | None = None  # the streams' client (opened on first use)
-        self.thread = threading.Thread(target=self._run, name=f"endpoint-{name}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Any) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Any, timeout: float | None = None) -> Any:
-        return self.submit(coro).result(timeout)
+        self.session: aiohttp.ClientSession | None = None
+        super().__init__(f"endpoint-{name}")
 
     def streams(self, spec: ClientSpec) -> aiohttp.ClientSession:
         """The aiohttp session the streams use (in the loop thread)."""
@@ -108,27 +98,14 @@ class _Loop:
             self.session = spec.session()
         return self.session
 
+    async def _close_session(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
     def close(self) -> None:
-        if self.loop.is_closed():
-            return
-
-        async def _cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if self.session is not None:
-                await self.session.close()
-                self.session = None
-
-        try:
-            self.submit(_cancel_all()).result(10)
-        except Exception:
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        if not self.thread.is_alive():
-            self.loop.close()
+        """End the loop (LoopThread.close), closing the session once the streams are cancelled."""
+        super().close(self._close_session)
 
 
 class EndpointEngine(Engine):

@@ -13,7 +13,6 @@ the harness thread waits on their results.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 
 from adapters.base import now_ns
 from adapters.trtllm.timing import parse_iteration_stats
+from harness.core.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
 WAIT_S = 600.0  # longest wait for one token before the adapter gives up
@@ -50,15 +50,14 @@ class Streamer:
     every request (the LLM API's documented streaming path), its aborts and its stats."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
         self.cond = threading.Condition()
         self.events: queue.Queue = queue.Queue()  # (stream, first_index, count) for serve()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="trtllm-streams", daemon=True)
-        self.thread.start()
+        self.loop_thread = LoopThread("trtllm-streams")
+        self.loop = self.loop_thread.loop
 
     def call(self, coro: Coroutine, timeout: float = CALL_S) -> Any:
         """Run a coroutine on the loop and wait for its result (from the harness thread)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.loop_thread.run(coro, timeout)
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, llm: Any, ids: list[int], params: Any, key: str) -> Stream:
@@ -188,16 +187,6 @@ class Streamer:
 
     def stop(self) -> None:
         """Cancel what still waits on the loop (streams of a shut-down engine), then end the thread."""
-        async def cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        try:
-            self.call(cancel_all(), timeout=10)
-        except Exception as e:
-            log.warning("TensorRT-LLM: streams still pending at close: %r", e)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.thread.is_alive():
-            self.loop.close()
+        error = self.loop_thread.close()
+        if error is not None:
+            log.warning("TensorRT-LLM: streams still pending at close: %r", error)
