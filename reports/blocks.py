@@ -28,6 +28,7 @@ class Table:
     name: str = ""               # data-table attribute (tests and links find tables by it)
     row_classes: list[str] = field(default_factory=list)
     note: str = ""
+    sortable: bool = False       # a click on a column's header sorts the rows by it (data-value, else text)
 
 
 @dataclass

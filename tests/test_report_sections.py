@@ -50,7 +50,7 @@ def notes(html: str, name: str) -> list[str]:
 
 
 def table_rows(html: str, name: str) -> list[list[str]]:
-    m = re.search(rf'<table data-table="{name}">(.*?)</table>', html, re.S)
+    m = re.search(rf'<table data-table="{name}"[^>]*>(.*?)</table>', html, re.S)
     if not m:
         return []
     body = m.group(1).split("<tbody>")[1]
@@ -59,7 +59,7 @@ def table_rows(html: str, name: str) -> list[list[str]]:
 
 
 def table_headers(html: str, name: str) -> list[str]:
-    m = re.search(rf'<table data-table="{name}">(.*?)</thead>', html, re.S)
+    m = re.search(rf'<table data-table="{name}"[^>]*>(.*?)</thead>', html, re.S)
     return [htmllib.unescape(h) for h in re.findall(r"<th scope=\"col\">(.*?)</th>", m.group(1))] if m else []
 
 
