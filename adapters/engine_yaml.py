@@ -13,6 +13,7 @@ import json
 import textwrap
 from pathlib import Path
 
+from adapters import REGISTRY, engine_class
 from adapters.base import Engine
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "engine"
@@ -42,9 +43,11 @@ def render(engine: type[Engine]) -> str:
 
 
 def in_process_engines() -> list[type[Engine]]:
-    """The engines with an options_cls (imports the adapters' option modules only, not the engines)."""
-    from adapters import engine_class
-    return [engine_class(n) for n in ("reference", "hf", "vllm", "trtllm")]
+    """Every engine of the adapters' REGISTRY that declares an options_cls, in registry order
+    (importing an engine's module imports its options, not its engine package). Engines added
+    through $INFER_BENCH_ENGINES are not this repository's: no file is written for them."""
+    engines = [engine_class(name) for name in REGISTRY]
+    return [e for e in engines if e.options_cls is not None]
 
 
 def main() -> None:

@@ -5,12 +5,14 @@ and conf/engine/<engine>.yaml generated from it."""
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
+import types
+from dataclasses import asdict, dataclass
 
 import pytest
 import yaml
 
-from adapters.base import ModelSpec
+import adapters
+from adapters.base import Engine, ModelSpec
 from adapters.engine_yaml import CONF, in_process_engines, render
 from harness import cli
 from harness.cli import check_jobs
@@ -61,3 +63,29 @@ def test_the_command_exits_2_naming_both_fields(monkeypatch, capsys):
     assert exit_.value.code == 2
     assert "engine_options.reference.block_size=0" in err and "engine_options.vllm.max_num_seqs=-1" in err
     assert "Traceback" not in err
+
+
+def test_a_registered_engine_with_options_gets_its_file_without_another_edit(monkeypatch):
+    """The generated files follow the adapters' REGISTRY: an engine registered there with an
+    options_cls is rendered; one without options, or one added through the environment, is not."""
+    @dataclass
+    class NewOptions:
+        """Options of an engine registered by this test."""
+        depth: int = 3
+
+    class NewEngine(Engine):  # never instantiated: only its class attributes are read
+        name = "new_engine"
+        options_cls = NewOptions
+
+    class NoOptions(Engine):
+        name = "no_options"
+
+    module = types.ModuleType("engine_registered_by_test")
+    module.NewEngine, module.NoOptions = NewEngine, NoOptions  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(adapters.REGISTRY, "new_engine", f"{module.__name__}:NewEngine")
+    monkeypatch.setitem(adapters.REGISTRY, "no_options", f"{module.__name__}:NoOptions")
+    monkeypatch.setenv(adapters.EXTRA_ENGINES_ENV, f"plugin={module.__name__}:NewEngine")
+    engines = in_process_engines()
+    assert engines == ENGINES + [NewEngine]
+    assert "\ndepth: 3" in render(NewEngine)
