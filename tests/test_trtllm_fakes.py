@@ -1,4 +1,4 @@
-"""The TensorRT-LLM adapter against FAKE TensorRT-LLM modules, one fake per failure seen in issue 18:
+"""The TensorRT-LLM adapter against FAKE TensorRT-LLM modules, one fake per failure seen on a real GPU:
 no TensorRT-LLM, no GPU. These test OUR logic; tests/test_trtllm_gpu.py runs the real engine.
 
 `FakeLLM` stands in for `tensorrt_llm.LLM`. Like the real LLM API it

@@ -1,4 +1,4 @@
-"""The vLLM adapter's GPU behaviours (issue 18) against FAKE vLLM modules: no vLLM needed, no GPU.
+"""The vLLM adapter's GPU behaviours against FAKE vLLM modules: no vLLM needed, no GPU.
 
 `FakeLLM` stands in for `vllm.LLM` with the object shapes the adapter reads (llm_engine,
 vllm_config, engine_core.engine_core with batch_queue/step_fn/scheduler). `FakeEngineCore`

@@ -1,4 +1,4 @@
-"""The TensorRT-LLM adapter (issue 12: one module per job).
+"""The TensorRT-LLM adapter, one module per job:
 
   options.py   option defaults, checks, the mapping to LLM(...)/KvCacheConfig/SamplingParams (pure)
   streamer.py  the asyncio loop thread that does every call into the executor (submit, abort, stats)

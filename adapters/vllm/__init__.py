@@ -1,4 +1,4 @@
-"""The vLLM adapter (issue 12: one module per job).
+"""The vLLM adapter, one module per job:
 
   options.py     option defaults, checks, the mapping to `vllm.LLM(...)` and its environment (pure)
   engine.py      VLLMEngine: load, the step loop (prefill/decode/serve/score), release, close

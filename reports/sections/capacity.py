@@ -1,4 +1,4 @@
-"""The capacity section (issue 16): per model, throughput per device against per-user speed (a
+"""The capacity section: per model, throughput per device against per-user speed (a
 Pareto figure, one curve per engine over its rate or concurrency sweep: serving rows and the
 capacity search's probes), and the capacity each engine was found to have under the SLOs
 (workload `capacity`, one conclusion row per engine). In-process engines and HTTP endpoints alike:

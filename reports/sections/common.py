@@ -152,7 +152,7 @@ def facet_if_varies(df: pd.DataFrame, col: str) -> str | None:
     return col if col in df.columns and df[col].nunique() > 1 else None
 
 
-# ---- memory accounting (issue 15) ------------------------------------------------------------
+# ---- memory accounting: KV reserved up front apart from KV in use ----------------------------
 # A pre-reserved KV pool (the reference engine, vLLM, TensorRT-LLM) sits in an engine's process
 # peak from the start; transformers holds only the live cache. Compared raw, the two read as
 # "needs 116× more memory". Like with like: each row's KV reserved up front apart from what its

@@ -1,4 +1,4 @@
-"""The HTTP endpoints section (issue 14): engines run as OpenAI-compatible servers. Who answered
+"""The HTTP endpoints section: engines run as OpenAI-compatible servers. Who answered
 (server version, model, launch command, TLS verification, how requests authenticated - never a
 key), every point where the server's token count and the client's differ or requests failed,
 and the server's own telemetry (KV-cache usage, requests running and waiting) over each point."""

@@ -1,4 +1,4 @@
-"""The energy section (issue 16): joules per output token where the row measured energy (NVML on a
+"""The energy section: joules per output token where the row measured energy (NVML on a
 GPU, RAPL on a CPU), and why it is absent where it is not (the row's `energy_note`)."""
 
 from __future__ import annotations

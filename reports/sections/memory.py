@@ -1,5 +1,5 @@
 """Memory: per engine, the process peak, the KV cache reserved up front and the KV in use kept
-apart, with a working memory that compares like with like (issue 15); peak memory per point; the
+apart, with a working memory that compares like with like; peak memory per point; the
 engine's KV figures beside the estimator's; and the memory timeline of a chosen point (a selector
 switches points)."""
 
