@@ -39,6 +39,7 @@ engine's, like a saturated one.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +47,11 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Engine, ListSource, Request, RequestSource, now_ns
+from harness.core.errors import UserError
 from harness.core.metrics import SLO, RequestTrace, serving_metrics
 from harness.core.schema import spec
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
+from workloads.datasets import read_dataset, read_trace, tokenize_entries
 from workloads.lengths import LengthDist, parse_length
 from workloads.prompts import seed_for
 
@@ -231,20 +234,15 @@ class Serving(Workload):
         _, p2 = parse_length(cfg.output_len, "workload.output_len")
         problems += p1 + p2
         if cfg.dataset:
-            from harness.core.errors import UserError
-            from workloads.datasets import read_dataset
             try:
                 read_dataset(cfg.dataset, cfg.dataset_format)
             except UserError as e:
                 problems += e.problems
         if cfg.client_backend == "ray":
-            import importlib.util
             if importlib.util.find_spec("ray") is None:
                 problems.append("workload.client_backend=ray: Ray is not installed here. pip install 'ray>=2.9' "
                                 "(or infer-bench[ray]), or use client_backend=local.")
         if cfg.trace:
-            from harness.core.errors import UserError
-            from workloads.datasets import read_trace
             try:
                 read_trace(cfg.trace)
             except UserError as e:
@@ -253,7 +251,6 @@ class Serving(Workload):
 
     def max_model_len(self, cfg: LoadShape) -> int:
         if cfg.trace:
-            from workloads.datasets import read_trace
             try:
                 return max(e.input_length + e.output_length for e in read_trace(cfg.trace))
             except Exception:
@@ -280,7 +277,6 @@ class Serving(Workload):
             return self.trace_requests(cfg, ctx, key, n)
         n = cfg.num_requests if n is None else n
         if cfg.dataset:
-            from workloads.datasets import read_dataset, tokenize_entries
             pairs = tokenize_entries(read_dataset(cfg.dataset, cfg.dataset_format), ctx.model_path,
                                      ctx.shape.vocab_size)
             limit = cfg.max_len or ctx.max_model_len or ctx.shape.max_position_embeddings
@@ -302,7 +298,6 @@ class Serving(Workload):
         """The trace's requests (the first n: warm-up, all at once): arrivals at the recorded
         offsets times trace_time_scale; prompt = one block of trace_block_size tokens per hash id
         (the same block for the same id), cut to input_length or filled with tokens of its own."""
-        from workloads.datasets import read_trace
         entries = read_trace(cfg.trace)  # type: ignore[arg-type]
         t0 = min(e.timestamp_ms for e in entries)
         blocks: dict[Any, list[int]] = {}
@@ -337,42 +332,11 @@ class Serving(Workload):
         check_saturation = not closed and cfg.stop_when_saturated and not math.isinf(rate)
         slo = cfg.goodput_slo()
         sampler = ctx.sampler().start()
-        is_saturated = False
-        serve_load = getattr(engine, "serve_load", None)  # an endpoint: the load generator
-        client: dict[str, Any] = {}
-        if serve_load is not None:
-            def should_stop(firsts: list[tuple[int, int]], start_ns: int) -> bool:
-                nonlocal is_saturated
-                if check_saturation and saturated([(a - start_ns) / 1e9 for a, _ in firsts],
-                                                  [(f - a) / 1e9 for a, f in firsts], len(reqs)):
-                    is_saturated = True
-                return is_saturated
-
-            out = serve_load(reqs, closed=closed, concurrency=params.get("concurrency") or 1,
-                             max_concurrency=None if closed else cfg.max_concurrency, ramp_up_s=cfg.ramp_up_s,
-                             processes=cfg.client_processes, should_stop=should_stop,
-                             backend=cfg.client_backend, ray_address=cfg.ray_address)
-            traces, client, start = out["traces"], out["client"], out["start_ns"]
-            sent = {t.request_id for t in traces}
-            traces += [RequestTrace(r.request_id, start + round(r.arrival_s * 1e9), len(r.prompt_ids),
-                                    error="not sent (the point stopped early)") for r in reqs if r.request_id not in sent]
+        if getattr(engine, "serve_load", None) is not None:  # an endpoint: the load generator
+            traces, sent, is_saturated, client = self._serve_load(engine, reqs, cfg, params, check_saturation)
         else:
-            start = now_ns() + 5_000_000  # the schedule starts 5 ms from now
-            source = (ClosedLoopSource(reqs, start, params["concurrency"], cfg.ramp_up_s) if closed
-                      else ListSource(reqs, start, cfg.max_concurrency))
-            collector = Collector(reqs, start, source)
-            events = engine.serve(source, start)
-            try:
-                for ev in events:
-                    if collector.feed(ev) and check_saturation:
-                        arrivals, ttfts = collector.first_token_delays()
-                        if saturated(arrivals, ttfts, len(reqs)):
-                            is_saturated = True
-                            break
-            finally:
-                events.close()  # an engine's serve() cancels what it still runs
-            traces = collector.traces()
-            sent = {t.request_id for t in traces if t.token_times_ns or t.error}
+            traces, sent, is_saturated = self._serve_in_process(engine, reqs, cfg, params, check_saturation)
+            client = {}
         mem = sampler.stop()
         if is_saturated:  # the cancelled requests are not failures of the engine: left out
             traces = [t for t in traces if t.token_times_ns and t.n_out == expected[t.request_id]]
@@ -383,12 +347,8 @@ class Serving(Workload):
         # engine's capacity here; a capacity search reads it as a miss), its latencies empty
         info = engine.kv_cache_info()
         limited = client_limited(client, slo, cfg.client_lag_limit_s, cfg.client_cpu_limit) if client else []
-        offered = None if closed else rate
-        if trace and len(reqs) > 1:
-            span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
-            offered = (len(reqs) - 1) / span if span > 0 else math.inf
         row.update(client, client_limited=bool(limited) if client else None, client_limited_reasons=limited or None,
-                   offered_rate=offered)
+                   offered_rate=offered_rate(reqs, rate, closed, trace))
         if self.entry_of:
             row.update(dataset_order=cfg.dataset_order, dataset_entries=self.dataset_entries,
                        dataset_entries_sent=len({e for rid, e in self.entry_of.items() if rid in sent}))
@@ -405,9 +365,63 @@ class Serving(Workload):
                    **kv_memory_fields(info, peak=True))
         return row
 
+    def _serve_load(self, engine: Engine, reqs: list[Request], cfg: LoadShape, params: dict[str, Any],
+                    check_saturation: bool) -> tuple[list[RequestTrace], set[str], bool, dict[str, Any]]:
+        """The point through an endpoint's load generator: (traces - the requests it never sent
+        as failed ones -, the ids sent, saturated, the client's own fields)."""
+        closed = params.get("concurrency") is not None
+        is_saturated = False
+
+        def should_stop(firsts: list[tuple[int, int]], start_ns: int) -> bool:
+            nonlocal is_saturated
+            if check_saturation and saturated([(a - start_ns) / 1e9 for a, _ in firsts],
+                                              [(f - a) / 1e9 for a, f in firsts], len(reqs)):
+                is_saturated = True
+            return is_saturated
+
+        out = engine.serve_load(reqs, closed=closed, concurrency=params.get("concurrency") or 1,  # type: ignore[attr-defined]
+                                max_concurrency=None if closed else cfg.max_concurrency, ramp_up_s=cfg.ramp_up_s,
+                                processes=cfg.client_processes, should_stop=should_stop,
+                                backend=cfg.client_backend, ray_address=cfg.ray_address)
+        traces, start = out["traces"], out["start_ns"]
+        sent = {t.request_id for t in traces}
+        traces += [RequestTrace(r.request_id, start + round(r.arrival_s * 1e9), len(r.prompt_ids),
+                                error="not sent (the point stopped early)") for r in reqs if r.request_id not in sent]
+        return traces, sent, is_saturated, out["client"]
+
+    def _serve_in_process(self, engine: Engine, reqs: list[Request], cfg: LoadShape, params: dict[str, Any],
+                          check_saturation: bool) -> tuple[list[RequestTrace], set[str], bool]:
+        """The point through the engine's own `serve()`, the schedule kept by a request source:
+        (traces, the ids sent, saturated)."""
+        start = now_ns() + 5_000_000  # the schedule starts 5 ms from now
+        source = (ClosedLoopSource(reqs, start, params["concurrency"], cfg.ramp_up_s)
+                  if params.get("concurrency") is not None else ListSource(reqs, start, cfg.max_concurrency))
+        collector = Collector(reqs, start, source)
+        is_saturated = False
+        events = engine.serve(source, start)
+        try:
+            for ev in events:
+                if collector.feed(ev) and check_saturation:
+                    arrivals, ttfts = collector.first_token_delays()
+                    if saturated(arrivals, ttfts, len(reqs)):
+                        is_saturated = True
+                        break
+        finally:
+            events.close()  # an engine's serve() cancels what it still runs
+        traces = collector.traces()
+        return traces, {t.request_id for t in traces if t.token_times_ns or t.error}, is_saturated
+
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: ServingConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.measure(engine, cfg, ctx, point.params, point.key)
+
+
+def offered_rate(reqs: list[Request], rate: float, closed: bool, trace: bool) -> float | None:
+    """The rate asked for: for a trace, its requests over their span; none for a closed loop."""
+    if trace and len(reqs) > 1:
+        span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
+        return (len(reqs) - 1) / span if span > 0 else math.inf
+    return None if closed else rate
 
 
 def dataset_picks(entries: int, n: int, order: str, rng: np.random.Generator) -> list[int]:
