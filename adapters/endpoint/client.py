@@ -119,84 +119,97 @@ class ClientStats:
     pid: int = 0
 
 
-async def run_job(job: Job, session: aiohttp.ClientSession, states: list[ReqState],
-                  stats: ClientStats) -> None:
-    """Send the job's requests and read their streams; every request's record is appended to
-    `states` as it is sent. Cancelling the task stops the point: streams close, records stay."""
-    active = [0]
-    url, timeout = job.spec.url, job.spec.request_timeout_s
-    wall0, cpu0 = time.perf_counter(), time.thread_time()
+async def sleep_until(t_ns: int) -> None:
+    """Sleep until `t_ns` of time.perf_counter_ns() (at once if it has passed)."""
+    delay = (t_ns - time.perf_counter_ns()) / 1e9
+    if delay > 0:
+        await asyncio.sleep(delay)
 
-    async def send(it: Item, st: ReqState) -> None:
-        active[0] += 1
+
+class JobRun:
+    """One job running on the current loop: its sends (open or closed loop), the loop-lag ticker,
+    and the records appended to `states` as requests are sent."""
+
+    def __init__(self, job: Job, session: aiohttp.ClientSession, states: list[ReqState], stats: ClientStats):
+        self.job, self.session, self.states, self.stats = job, session, states, stats
+        self.active = 0  # streams in flight (the ticker records lag only while there are)
+
+    async def send(self, it: Item, st: ReqState) -> None:
+        self.active += 1
         try:
-            await stream_completion(session, url, it.body, st, None, timeout)
+            await stream_completion(self.session, self.job.spec.url, it.body, st, None,
+                                    self.job.spec.request_timeout_s)
         finally:
-            active[0] -= 1
+            self.active -= 1
 
-    async def ticker() -> None:
+    async def ticker(self) -> None:
+        """Loop lag: how late each TICK_S timer fires while streams are active."""
         period = int(TICK_S * 1e9)
-        lags = stats.loop_lags_s
+        lags = self.stats.loop_lags_s
         while True:
             t0 = time.perf_counter_ns()
             await asyncio.sleep(TICK_S)
-            if active[0]:
+            if self.active:
                 lags.append(max(0, time.perf_counter_ns() - t0 - period) / 1e9)
 
-    async def sleep_until(t_ns: int) -> None:
-        delay = (t_ns - time.perf_counter_ns()) / 1e9
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-    def state(it: Item, scheduled: int) -> ReqState:
+    def state(self, it: Item, scheduled: int) -> ReqState:
         st = ReqState(it.request_id, it.prompt_len, it.expected, scheduled_ns=scheduled, ready_ns=scheduled)
-        states.append(st)
+        self.states.append(st)
         return st
 
-    async def open_loop() -> None:
+    async def open_loop(self) -> None:
+        """Each request at its arrival time; under a cap, when a slot frees (first in, first out)."""
+        job = self.job
         sem = asyncio.Semaphore(job.max_concurrency) if job.max_concurrency else None
         tasks = []
-
-        async def capped(it: Item, st: ReqState) -> None:
-            try:
-                await send(it, st)
-            finally:
-                sem.release()  # type: ignore[union-attr]
-
         try:
             for it in sorted(job.items, key=lambda i: i.arrival_s):
                 at = job.start_ns + round(it.arrival_s * 1e9)
                 await sleep_until(at)
-                st = state(it, at)
+                st = self.state(it, at)
                 if sem is not None:
                     await sem.acquire()
                     st.ready_ns = max(at, time.perf_counter_ns())
-                    tasks.append(asyncio.ensure_future(capped(it, st)))
+                    tasks.append(asyncio.ensure_future(self._capped(it, st, sem)))
                 else:
-                    tasks.append(asyncio.ensure_future(send(it, st)))
+                    tasks.append(asyncio.ensure_future(self.send(it, st)))
             await asyncio.gather(*tasks)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def closed_loop() -> None:
-        pending = collections.deque(job.items)
+    async def _capped(self, it: Item, st: ReqState, sem: asyncio.Semaphore) -> None:
+        try:
+            await self.send(it, st)
+        finally:
+            sem.release()
 
-        async def slot(i: int) -> None:
-            at = job.start_ns + int(job.ramp_up_s * 1e9 * i / max(job.slots, 1))
-            await sleep_until(at)
-            while pending:
-                it = pending.popleft()
-                st = state(it, at)
-                await send(it, st)
-                at = st.token_times[-1] if st.token_times and st.error is None else time.perf_counter_ns()
+    async def closed_loop(self) -> None:
+        """`slots` requests in flight, each slot sending its next when its last one ends."""
+        pending = collections.deque(self.job.items)
+        await asyncio.gather(*(self._slot(i, pending) for i in range(min(self.job.slots, len(self.job.items)))))
 
-        await asyncio.gather(*(slot(i) for i in range(min(job.slots, len(job.items)))))
+    async def _slot(self, i: int, pending: collections.deque) -> None:
+        job = self.job
+        at = job.start_ns + int(job.ramp_up_s * 1e9 * i / max(job.slots, 1))
+        await sleep_until(at)
+        while pending:
+            it = pending.popleft()
+            st = self.state(it, at)
+            await self.send(it, st)
+            at = st.token_times[-1] if st.token_times and st.error is None else time.perf_counter_ns()
 
-    tick = asyncio.ensure_future(ticker())
+
+async def run_job(job: Job, session: aiohttp.ClientSession, states: list[ReqState],
+                  stats: ClientStats) -> None:
+    """Send the job's requests and read their streams; every request's record is appended to
+    `states` as it is sent. Cancelling the task stops the point: streams close, records stay."""
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    run = JobRun(job, session, states, stats)
+    tick = asyncio.ensure_future(run.ticker())
     try:
-        await (closed_loop() if job.closed else open_loop())
+        await (run.closed_loop() if job.closed else run.open_loop())
     finally:
         tick.cancel()
         stats.wall_s = time.perf_counter() - wall0
@@ -469,66 +482,72 @@ class RayClients:
         self.actors = []
 
 
-def child_main() -> None:
-    """A client process: run one Job, reporting first tokens as they come."""
-    out = sys.stdout.buffer
-    lock = threading.Lock()
+class ChildProcess:
+    """A client process's side (`CHILD`): its Job from stdin, the harness's control lines read on
+    a thread, its messages pickled to stdout, and the job run on its own loop."""
 
-    def send(message: str, payload: Any) -> None:
-        with lock:
-            pickle.dump((message, payload), out)
-            out.flush()
+    def __init__(self) -> None:
+        self.out = sys.stdout.buffer
+        self.lock = threading.Lock()
+        self.job: Job = pickle.load(sys.stdin.buffer)
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.started = threading.Event()
+        self.task: asyncio.Task | None = None  # the running point (cancelled by "stop")
+        self.stopped_before_start = False
+        self.states: list[ReqState] = []
+        self.stats = ClientStats()
 
-    job: Job = pickle.load(sys.stdin.buffer)
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    started = threading.Event()
-    holder: dict[str, Any] = {}
+    def send(self, message: str, payload: Any) -> None:
+        with self.lock:
+            pickle.dump((message, payload), self.out)
+            self.out.flush()
 
-    def control() -> None:  # the harness's lines: ping, start <ns>, stop (or EOF)
+    def control(self) -> None:
+        """The harness's lines: ping, start <ns>, stop (or EOF)."""
         for line in sys.stdin.buffer:
             word = line.split()
             if not word:
                 continue
             if word[0] == b"ping":
-                send("pong", now_ns())
+                self.send("pong", now_ns())
             elif word[0] == b"start":
-                job.start_ns = int(word[1])
-                loop.call_soon_threadsafe(started.set)
+                self.job.start_ns = int(word[1])
+                self.loop.call_soon_threadsafe(self.started.set)
             elif word[0] == b"stop":
                 break
-        task = holder.get("task")
-        loop.call_soon_threadsafe(lambda: task.cancel() if task is not None else holder.update(stop=True))
-        started.set()
+        task = self.task
+        self.loop.call_soon_threadsafe(lambda: task.cancel() if task is not None else self._stop_before_start())
+        self.started.set()
 
-    threading.Thread(target=control, daemon=True).start()
-    states: list[ReqState] = []
-    stats = ClientStats()
+    def _stop_before_start(self) -> None:
+        self.stopped_before_start = True
 
-    async def main() -> None:
-        session = job.spec.session()
-        send("ready", None)
+    async def progress(self) -> None:
+        """Every PROGRESS_S, the (scheduled, first token) times not reported yet."""
+        states = self.states
+        seen, reported = 0, set()
+        while True:
+            await asyncio.sleep(PROGRESS_S)
+            new = [(i, s) for i, s in enumerate(states[seen:], seen) if s.token_times and i not in reported]
+            if new:
+                reported.update(i for i, _ in new)
+                self.send("first", [(s.scheduled_ns, s.token_times[0]) for _, s in new])
+            while seen < len(states) and seen in reported:
+                seen += 1
+
+    async def main(self) -> None:
+        session = self.job.spec.session()
+        self.send("ready", None)
         try:
-            while not started.is_set():
+            while not self.started.is_set():
                 await asyncio.sleep(0.001)
-            if holder.get("stop"):
+            if self.stopped_before_start:
                 return
-            holder["task"] = asyncio.current_task()
-
-            async def progress() -> None:
-                seen, reported = 0, set()
-                while True:
-                    await asyncio.sleep(PROGRESS_S)
-                    new = [(i, s) for i, s in enumerate(states[seen:], seen) if s.token_times and i not in reported]
-                    if new:
-                        reported.update(i for i, _ in new)
-                        send("first", [(s.scheduled_ns, s.token_times[0]) for _, s in new])
-                    while seen < len(states) and seen in reported:
-                        seen += 1
-
-            prog = asyncio.ensure_future(progress())
+            self.task = asyncio.current_task()
+            prog = asyncio.ensure_future(self.progress())
             try:
-                await run_job(job, session, states, stats)
+                await run_job(self.job, session, self.states, self.stats)
             except asyncio.CancelledError:
                 pass
             finally:
@@ -536,11 +555,15 @@ def child_main() -> None:
         finally:
             await session.close()
 
+
+def child_main() -> None:
+    """A client process: run one Job, reporting first tokens as they come."""
+    child = ChildProcess()
+    threading.Thread(target=child.control, daemon=True).start()
     gc.freeze()
     try:
-        loop.run_until_complete(main())
-        send("done", (states, stats))
+        child.loop.run_until_complete(child.main())
+        child.send("done", (child.states, child.stats))
     except Exception as e:  # reported to the harness, which names the process
-        send("error", f"{type(e).__name__}: {e}")
+        child.send("error", f"{type(e).__name__}: {e}")
     os._exit(0)  # the control thread may still block on stdin
-
