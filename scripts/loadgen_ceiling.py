@@ -1,30 +1,41 @@
 """How fast and how true the harness's load generator is, against `vllm bench serve`, on a server
 whose timing is known exactly (tests/fake_timed_server.py: one token per SSE chunk, a fixed gap).
 
-    python scripts/loadgen_ceiling.py [--streams 64] [--ceiling-tokens 1024] [--itl-tokens 256]
-        [--runs 2] [--itl-runs 3] [--server-cpu 0] [--client-cpus 1] [--no-vllm] [--profile]
+How to run it: on a quiet machine (nothing else running: every figure is a timing), from the
+repository root, with the project's environment (.venv) and, for the comparison, vLLM's own
+environment at .venv-vllm (without it, or with --no-vllm, vllm bench serve is skipped):
+
+    .venv/bin/python scripts/loadgen_ceiling.py [--streams 64] [--ceiling-tokens 1024]
+        [--itl-tokens 256] [--runs 2] [--itl-runs 3] [--server-cpu 0] [--client-cpus 1]
+        [--no-vllm] [--profile]
 
 The server runs pinned to --server-cpu, the clients (this process, its client processes, and
-vllm bench in its own environment .venv-vllm) to --client-cpus, one at a time. Measured, in one
-sitting:
+vllm bench in its own environment) to --client-cpus, one at a time; on a 2-core machine the
+defaults give each its own core. Measured, in one sitting:
+  0. the fake server's own pacing at a 20 ms gap (--streams raw aiohttp streams of 100 tokens):
+     the gaps between its writes as it measured them, with its busy-wait pacing and with
+     asyncio.sleep alone (--coarse) - how much of an ITL error is the server's;
   1. the ceiling: output tokens/s ingested from a server with gap 0 (closed loop, --streams
      streams of --ceiling-tokens tokens), --runs runs per tool;
   2. ITL at a true gap of 20 ms (--streams streams of --itl-tokens tokens): p50, p99 and the
-     largest ITL seen, --itl-runs runs of the harness, one of vllm bench;
+     largest ITL seen, --itl-runs runs of the harness, one of vllm bench; the p99 error is printed
+     against the nominal 20 ms and against the gaps the server itself measured in the same run;
   3. the harness with workload.client_processes=2 against 1: on two free client cores where
      there are, else on the one client core (it should lose less than 10 %);
   4. a Mooncake-style trace (50 requests, Poisson at 25/s, shared prefixes) replayed by the
      harness: its send lag;
 beside each, what the fake server actually did (its own gaps between writes: a late server is
 not a slow client), each client's CPU per output token, and for every harness run what the row
-says about the client (send lag, loop lag, client CPU, client_limited). --profile adds a cProfile of the harness's client loop at gap 0 (the path
-socket -> row). Total: about 3-5 minutes. Timing figures from a machine others use are noisy:
-say so when quoting them.
+says about the client (send lag, loop lag, client CPU, client_limited). --profile adds a cProfile
+of the harness's client loop at gap 0 (the path socket -> row). Total: about 1-2 minutes. It
+prints the table of docs/metrics.md ("Client distortion") and the goals it is judged on. Timing
+figures from a machine others use are noisy: say so when quoting them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import io
 import json
@@ -36,6 +47,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -117,6 +130,7 @@ def harness_run(eng, streams: int, tokens: int, processes: int, key: str) -> dic
             "server_late_max_ms": server["late_ms"]["max"],"output_tok_s": row["output_tok_s"], "itl_p50_ms": row["itl_s"] * 1e3, "itl_p99_ms": row["itl_s_p99"] * 1e3,
             "itl_max_ms": row["itl_s_max"] * 1e3, "completed": row["completed"],
             "send_lag_p99_ms": (row["send_lag_s_p99"] or 0) * 1e3, "loop_lag_max_ms": (row["loop_lag_s_max"] or 0) * 1e3,
+            "loop_lag_p99_ms": (row["loop_lag_s_p99"] or 0) * 1e3,
             "client_cpu_frac": row["client_cpu_frac"], "client_limited": row["client_limited"],
             "client_processes": row["client_processes"]}
 
@@ -180,19 +194,152 @@ async def _disable(prof: cProfile.Profile) -> None:
     prof.disable()
 
 
-def main() -> int:
+async def _raw_streams(url: str, streams: int, tokens: int) -> dict:
+    """`streams` streams of `tokens` tokens read by bare aiohttp; what the server says it did."""
+    root = url[: -len("/v1")]
+    async with aiohttp.ClientSession() as session:
+        async def one() -> None:
+            body = {"model": "fake-model", "prompt": "a b", "max_tokens": tokens, "stream": True}
+            async with session.post(url + "/completions", json=body) as resp:
+                async for _ in resp.content.iter_any():
+                    pass
+
+        await (await session.get(root + "/stats")).read()
+        await asyncio.gather(*(one() for _ in range(streams)))
+        async with session.get(root + "/stats") as resp:
+            return await resp.json()
+
+
+def server_pacing(server_cpu: int, streams: int, tokens: int = 100) -> dict[str, dict]:
+    """Step 0: the fake server's own gaps at 20 ms, paced with its busy-wait and with asyncio.sleep
+    alone (--coarse), read by bare aiohttp (the client does not matter here: the server measures)."""
+    from fake_timed_server import running
+    out = {}
+    for name, coarse in (("busy-wait", False), ("asyncio.sleep alone", True)):
+        with running(gap_ms=20, cpu=server_cpu, coarse=coarse) as url:
+            out[name] = asyncio.run(_raw_streams(url, streams, tokens))
+    return out
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--ceiling-tokens", type=int, default=1024)
-    ap.add_argument("--itl-tokens", type=int, default=256)
-    ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--itl-runs", type=int, default=3)
-    ap.add_argument("--server-cpu", type=int, default=0)
+    ap.add_argument("--streams", type=int, default=64, help="concurrent streams (closed loop) in every step")
+    ap.add_argument("--ceiling-tokens", type=int, default=1024, help="output tokens per stream at gap 0")
+    ap.add_argument("--itl-tokens", type=int, default=256, help="output tokens per stream at the 20 ms gap")
+    ap.add_argument("--runs", type=int, default=2, help="ceiling runs per tool (and per client_processes)")
+    ap.add_argument("--itl-runs", type=int, default=3, help="harness runs at the 20 ms gap (vllm bench: one)")
+    ap.add_argument("--server-cpu", type=int, default=0, help="the core the fake server is pinned to")
     ap.add_argument("--client-cpus", default="1", help="comma-separated cores for the clients")
     ap.add_argument("--no-vllm", action="store_true", help="skip vllm bench serve")
     ap.add_argument("--profile", action="store_true", help="also profile the harness's client at gap 0")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def harness_steps(args: argparse.Namespace, url0: str, url20: str, tmp: str) -> dict[str, list[dict]]:
+    """Steps 1-4 for the harness: the ceiling, the 20 ms ITL, client_processes=2 against 1, a trace."""
+    eng0, eng20 = engine_at(url0), engine_at(url20)
+    try:
+        res = {"ceiling": [harness_run(eng0, args.streams, args.ceiling_tokens, 1, f"c{i}") for i in range(args.runs)]}
+        print("harness ceiling runs:", json.dumps(res["ceiling"]), flush=True)
+        res["itl"] = [harness_run(eng20, args.streams, args.itl_tokens, 1, f"i{i}") for i in range(args.itl_runs)]
+        print("harness 20 ms runs:", json.dumps(res["itl"]), flush=True)
+        res["two"] = [harness_run(eng0, args.streams, args.ceiling_tokens, 2, f"p{i}") for i in range(args.runs)]
+        res["one"] = [harness_run(eng0, args.streams, args.ceiling_tokens, 1, f"q{i}") for i in range(args.runs)]
+        print("harness client_processes=2 / 1 runs:", json.dumps(res["two"]), json.dumps(res["one"]), flush=True)
+        res["trace"] = [trace_run(eng20, tmp)]
+        print("harness trace replay:", json.dumps(res["trace"][0]), flush=True)
+    finally:
+        eng0.close()
+        eng20.close()
+    return res
+
+
+def vllm_steps(args: argparse.Namespace, url0: str, url20: str, tmp: str, tokenizer: str,
+               client_cpus: set[int]) -> dict[str, list[dict]]:
+    """Steps 1-2 for vllm bench serve, in its own environment, on the client cores."""
+    root0, root20 = url0[: -len("/v1")], url20[: -len("/v1")]
+    jobs = [{"root": root0, "tokenizer": tokenizer, "tokens": args.ceiling_tokens, "streams": args.streams,
+             "dir": tmp, "name": f"c{i}.json"} for i in range(args.runs)]
+    jobs.append({"root": root20, "tokenizer": tokenizer, "tokens": args.itl_tokens, "streams": args.streams,
+                 "dir": tmp, "name": "i.json"})
+    out = vllm_runs(jobs, client_cpus)
+    print("vllm bench serve runs:", json.dumps(out), flush=True)
+    return {"ceiling": out[:-1], "itl": out[-1:]}
+
+
+def fmt(xs: list[dict], k: str, f: str = "{:,.0f}") -> str:
+    return " / ".join(f.format(x[k]) for x in xs if x.get(k) is not None) or "-"
+
+
+def print_pacing(pacing: dict[str, dict]) -> None:
+    print("\nthe fake server's own gaps between writes at a nominal 20 ms (what it measured, ms):")
+    for name, st in pacing.items():
+        g, late = st["gap_ms"], st["late_ms"]
+        print(f"    {name}: gap min {g['min']:.3f}, p50 {g['p50']:.3f}, p99 {g['p99']:.3f}, max {g['max']:.3f}; "
+              f"writes late p50 {late['p50']:.3f}, p99 {late['p99']:.3f}, never early: {late['min'] >= 0}")
+
+
+def print_table(args: argparse.Namespace, h: dict[str, list[dict]], v: dict[str, list[dict]]) -> None:
+    print("\n| | harness | vllm bench serve |\n|---|---|---|")
+    print(f"| ceiling: output tokens/s ingested, gap 0 ({args.runs} runs) | {fmt(h['ceiling'], 'output_tok_s')} | "
+          f"{fmt(v['ceiling'], 'output_tok_s')} |")
+    print(f"| client CPU per output token at gap 0 (what the ceiling is when the server is not the limit) | "
+          f"{fmt(h['ceiling'], 'cpu_us_per_token', '{:.2f} us')} | "
+          f"{fmt(v['ceiling'], 'cpu_us_per_token', '{:.2f} us')} |")
+    print(f"| ITL p50 at a true gap of 20 ms | {fmt(h['itl'], 'itl_p50_ms', '{:.2f} ms')} | "
+          f"{fmt(v['itl'], 'itl_p50_ms', '{:.2f} ms')} |")
+    print(f"| ITL p99 at a true gap of 20 ms | {fmt(h['itl'], 'itl_p99_ms', '{:.2f} ms')} | "
+          f"{fmt(v['itl'], 'itl_p99_ms', '{:.2f} ms')} |")
+    print(f"| largest ITL seen at a 20 ms gap ({args.itl_runs} / 1 runs) | {fmt(h['itl'], 'itl_max_ms', '{:.1f} ms')} | "
+          f"{fmt(v['itl'], 'itl_max_ms', '{:.1f} ms')} (p99.9: {fmt(v['itl'], 'itl_p999_ms', '{:.1f} ms')}) |")
+    print(f"| the server's own gaps between writes in those runs: p99 / max (truth) | "
+          f"{fmt(h['itl'], 'server_gap_p99_ms', '{:.2f}')} / {fmt(h['itl'], 'server_gap_max_ms', '{:.1f} ms')} | "
+          f"{fmt(v['itl'], 'server_gap_p99_ms', '{:.2f}')} / {fmt(v['itl'], 'server_gap_max_ms', '{:.1f} ms')} |")
+
+
+def itl_errors(runs: list[dict]) -> tuple[float, float]:
+    """The largest ITL p99 error of the runs: against the nominal 20 ms, and against the p99 of
+    the gaps the server itself measured between its writes in the same run."""
+    return (max(abs(x["itl_p99_ms"] - 20.0) for x in runs),
+            max(abs(x["itl_p99_ms"] - x["server_gap_p99_ms"]) for x in runs))
+
+
+def print_done_when(args: argparse.Namespace, h: dict[str, list[dict]], v: dict[str, list[dict]],
+                    client_cpus: set[int], all_cpus: set[int]) -> None:
+    print("\nDone when:")
+    best_h = max(x["output_tok_s"] for x in h["ceiling"])
+    if v["ceiling"]:
+        best_v = max(x["output_tok_s"] for x in v["ceiling"])
+        print(f"- ceiling ratio harness / vllm bench (best runs): {best_h / best_v:.2f}x (goal >= 1.0); client CPU "
+              f"per token, vllm bench / harness (best runs): "
+              f"{min(x['cpu_us_per_token'] for x in v['ceiling']) / min(x['cpu_us_per_token'] for x in h['ceiling']):.2f}x")
+    nominal, server = itl_errors(h["itl"])
+    top = max(x["itl_max_ms"] for x in h["itl"])
+    print(f"- ITL p99 error at 20 ms, at most: {nominal:.2f} ms against the nominal gap (goal <= 1.5), {server:.2f} ms "
+          f"against the server's own measured gaps; largest ITL {top:.1f} ms (goal <= 40)")
+    if v["itl"]:
+        v_nominal, v_server = itl_errors(v["itl"])
+        print(f"    vllm bench serve: {v_nominal:.2f} ms against the nominal gap, {v_server:.2f} ms against the server's")
+    two, one = max(x["output_tok_s"] for x in h["two"]), max(x["output_tok_s"] for x in h["one"])
+    free = len(all_cpus - {args.server_cpu}) - len(client_cpus)
+    where = ("on the same client core" if len(client_cpus) < 2 else f"on {len(client_cpus)} client cores")
+    print(f"- client_processes=2 {where}: {two:,.0f} tok/s against {one:,.0f} with 1 ({two / one - 1:+.1%}; "
+          f"goal on one core: better than -10 %)" + ("" if len(client_cpus) > 1 or free > 0 else
+                                                     "; this machine has no free core for a second client"))
+    tr = h["trace"][0]
+    print(f"- trace replay ({tr['requests']} requests at {tr['offered_rate']:.1f}/s, achieved "
+          f"{tr['achieved_rate']:.1f}/s): send lag p50 {tr['send_lag_p50_ms']:.2f} ms, p99 "
+          f"{tr['send_lag_p99_ms']:.2f} ms (goal <= 5), max {tr['send_lag_max_ms']:.2f} ms")
+    print("- what the rows said about the client (send lag p99 / loop lag p99 / loop lag max ms / CPU / "
+          "client_limited):")
+    for name, runs in (("ceiling", h["ceiling"]), ("20 ms", h["itl"]), ("2 processes", h["two"])):
+        print(f"    {name}: " + "; ".join(f"{x['send_lag_p99_ms']:.1f} / {x['loop_lag_p99_ms']:.1f} / "
+                                          f"{x['loop_lag_max_ms']:.1f} / {x['client_cpu_frac']:.0%} / "
+                                          f"{x['client_limited']}" for x in runs))
+
+
+def main() -> int:
+    args = parse_args()
     from fake_timed_server import running
     from harness.checkpoint import ensure_checkpoint
     from harness.core.paths import model_cache_dir
@@ -209,77 +356,19 @@ def main() -> int:
     if not use_vllm:
         print(f"vllm bench serve: skipped ({'--no-vllm' if args.no_vllm else f'{VLLM_PY} not found'})")
     t_start = time.perf_counter()
-    res: dict = {"harness": {}, "vllm": {}}
+    os.sched_setaffinity(0, client_cpus)
+    pacing = server_pacing(args.server_cpu, args.streams)
+    v: dict[str, list[dict]] = {"ceiling": [], "itl": []}
     with tempfile.TemporaryDirectory() as tmp, \
             running(gap_ms=0, cpu=args.server_cpu) as url0, running(gap_ms=20, cpu=args.server_cpu) as url20:
-        os.sched_setaffinity(0, client_cpus)
-        eng0, eng20 = engine_at(url0), engine_at(url20)
-        try:
-            h_ceiling = [harness_run(eng0, args.streams, args.ceiling_tokens, 1, f"c{i}") for i in range(args.runs)]
-            print("harness ceiling runs:", json.dumps(h_ceiling), flush=True)
-            h_itl = [harness_run(eng20, args.streams, args.itl_tokens, 1, f"i{i}") for i in range(args.itl_runs)]
-            print("harness 20 ms runs:", json.dumps(h_itl), flush=True)
-            h_two = [harness_run(eng0, args.streams, args.ceiling_tokens, 2, f"p{i}") for i in range(args.runs)]
-            h_one = [harness_run(eng0, args.streams, args.ceiling_tokens, 1, f"q{i}") for i in range(args.runs)]
-            print("harness client_processes=2 / 1 runs:", json.dumps(h_two), json.dumps(h_one), flush=True)
-            h_trace = trace_run(eng20, tmp)
-            print("harness trace replay:", json.dumps(h_trace), flush=True)
-        finally:
-            eng0.close()
-            eng20.close()
-        v_ceiling, v_itl = [], []
+        h = harness_steps(args, url0, url20, tmp)
         if use_vllm:
-            root0, root20 = url0[: -len("/v1")], url20[: -len("/v1")]
-            jobs = [{"root": root0, "tokenizer": tokenizer, "tokens": args.ceiling_tokens, "streams": args.streams,
-                     "dir": tmp, "name": f"c{i}.json"} for i in range(args.runs)]
-            jobs.append({"root": root20, "tokenizer": tokenizer, "tokens": args.itl_tokens, "streams": args.streams,
-                         "dir": tmp, "name": "i.json"})
-            out = vllm_runs(jobs, client_cpus)
-            v_ceiling, v_itl = out[:-1], out[-1:]
-            print("vllm bench serve runs:", json.dumps(out), flush=True)
+            v = vllm_steps(args, url0, url20, tmp, tokenizer, client_cpus)
         prof_text = profile_run(url0, args.streams, args.ceiling_tokens) if args.profile else ""
-        os.sched_setaffinity(0, all_cpus)
-
-    def fmt(xs: list[dict], k: str, f: str = "{:,.0f}") -> str:
-        return " / ".join(f.format(x[k]) for x in xs if x.get(k) is not None) or "-"
-
-    print(f"\n| | harness | vllm bench serve |\n|---|---|---|")
-    print(f"| ceiling: output tokens/s ingested, gap 0 ({args.runs} runs) | {fmt(h_ceiling, 'output_tok_s')} | "
-          f"{fmt(v_ceiling, 'output_tok_s')} |")
-    print(f"| client CPU per output token at gap 0 (what the ceiling is when the server is not the limit) | "
-          f"{fmt(h_ceiling, 'cpu_us_per_token', '{:.2f} us')} | {fmt(v_ceiling, 'cpu_us_per_token', '{:.2f} us')} |")
-    print(f"| ITL p50 at a true gap of 20 ms | {fmt(h_itl, 'itl_p50_ms', '{:.2f} ms')} | "
-          f"{fmt(v_itl, 'itl_p50_ms', '{:.2f} ms')} |")
-    print(f"| ITL p99 at a true gap of 20 ms | {fmt(h_itl, 'itl_p99_ms', '{:.2f} ms')} | "
-          f"{fmt(v_itl, 'itl_p99_ms', '{:.2f} ms')} |")
-    print(f"| largest ITL seen at a 20 ms gap ({args.itl_runs} / 1 runs) | {fmt(h_itl, 'itl_max_ms', '{:.1f} ms')} | "
-          f"{fmt(v_itl, 'itl_max_ms', '{:.1f} ms')} (p99.9: {fmt(v_itl, 'itl_p999_ms', '{:.1f} ms')}) |")
-    print(f"| the server's own gaps between writes in those runs: p99 / max (truth) | "
-          f"{fmt(h_itl, 'server_gap_p99_ms', '{:.2f}')} / {fmt(h_itl, 'server_gap_max_ms', '{:.1f} ms')} | "
-          f"{fmt(v_itl, 'server_gap_p99_ms', '{:.2f}')} / {fmt(v_itl, 'server_gap_max_ms', '{:.1f} ms')} |")
-    best_h = max(x["output_tok_s"] for x in h_ceiling)
-    print("\nDone when:")
-    if v_ceiling:
-        best_v = max(x["output_tok_s"] for x in v_ceiling)
-        print(f"- ceiling ratio harness / vllm bench (best runs): {best_h / best_v:.2f}x (goal >= 1.0); client CPU "
-              f"per token, vllm bench / harness (best runs): "
-              f"{min(x['cpu_us_per_token'] for x in v_ceiling) / min(x['cpu_us_per_token'] for x in h_ceiling):.2f}x")
-    err = max(abs(x["itl_p99_ms"] - 20.0) for x in h_itl)
-    top = max(x["itl_max_ms"] for x in h_itl)
-    print(f"- ITL p99 error at 20 ms: at most {err:.2f} ms (goal <= 1.5); largest ITL {top:.1f} ms (goal <= 40)")
-    two, one = max(x["output_tok_s"] for x in h_two), max(x["output_tok_s"] for x in h_one)
-    free = len(all_cpus - {args.server_cpu}) - len(client_cpus)
-    where = ("on the same client core" if len(client_cpus) < 2 else f"on {len(client_cpus)} client cores")
-    print(f"- client_processes=2 {where}: {two:,.0f} tok/s against {one:,.0f} with 1 ({two / one - 1:+.1%}; "
-          f"goal on one core: better than -10 %)" + ("" if len(client_cpus) > 1 or free > 0 else
-                                                     "; this machine has no free core for a second client"))
-    print(f"- trace replay ({h_trace['requests']} requests at {h_trace['offered_rate']:.1f}/s, achieved "
-          f"{h_trace['achieved_rate']:.1f}/s): send lag p50 {h_trace['send_lag_p50_ms']:.2f} ms, p99 "
-          f"{h_trace['send_lag_p99_ms']:.2f} ms (goal <= 5), max {h_trace['send_lag_max_ms']:.2f} ms")
-    print("- what the rows said about the client (send lag p99 / loop lag max ms / CPU / client_limited):")
-    for name, runs in (("ceiling", h_ceiling), ("20 ms", h_itl), ("2 processes", h_two)):
-        print(f"    {name}: " + "; ".join(f"{x['send_lag_p99_ms']:.1f} / {x['loop_lag_max_ms']:.1f} / "
-                                          f"{x['client_cpu_frac']:.0%} / {x['client_limited']}" for x in runs))
+    os.sched_setaffinity(0, all_cpus)
+    print_pacing(pacing)
+    print_table(args, h, v)
+    print_done_when(args, h, v, client_cpus, all_cpus)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if prof_text:
         print("\n" + prof_text)
