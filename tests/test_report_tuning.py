@@ -21,32 +21,38 @@ from test_report_sections import by_header, figures, notes, page, section_ids, t
 SLOS = {"ttft_p99_s": 0.5, "tpot_p99_s": 0.05, "e2el_p99_s": None}
 
 
-def _row(engine: str, point: dict[str, Any], status: str = "ok", error: str | None = None, **fields: Any) -> dict[str, Any]:
+def _row(engine: str, point: dict[str, Any], status: str = "ok", error: str | None = None, run_id: str = "fake-tune",
+         **fields: Any) -> dict[str, Any]:
     return make_row(engine=engine, workload="tune", status=status, error=error, model="tiny", dtype="float32",
-                    device="cpu", run_id="fake-tune", point=point,
+                    device="cpu", run_id=run_id, point=point,
                     point_key="tune:" + json.dumps(point, sort_keys=True, separators=(",", ":"))) | fields
 
 
 def tune_rows(engine: str, trials: list[tuple[dict[str, Any], float | None, str]], *, best: int | None = None,
-              importance: dict[str, float] | None = None, verdict: str = "best >= default",
-              budget: dict[str, Any] | None = None, ratio: float = 1.2, note: str | None = None) -> list[dict[str, Any]]:
+              importance: dict[str, float] | None = None, verdict: str = "gain confirmed",
+              budget: dict[str, Any] | None = None, ratio: float = 1.2, note: str | None = None,
+              resumed_at: int | None = None) -> list[dict[str, Any]]:
     """FAKE tune rows of one engine: per trial (options, capacity in req/s or None, status) two
-    probes (one met the SLOs, one did not) and the trial row; then the conclusion. Trial 0 is the
-    defaults. `best`: the conclusion's best trial (default: the largest capacity)."""
+    probes (one met the SLOs, one did not; the engine ran with the trial's options) and the trial
+    row; then the conclusion. Trial 0 is the defaults. `best`: the conclusion's best trial
+    (default: the largest capacity). `resumed_at`: trials from this one on were written by a
+    second run (+resume=)."""
     rows: list[dict[str, Any]] = []
     for i, (options, cap, status) in enumerate(trials):
         role = "default" if i == 0 else "trial"
         base = {"trial": i, "role": role, "options": options}
+        run = {"run_id": "fake-tune-resumed" if resumed_at is not None and i >= resumed_at else "fake-tune"}
         if status == "ok":
             for j, load in enumerate(((cap or 1.0), (cap or 1.0) * 2)):      # met the SLOs (if any did), missed
                 _, per_user, device = fake_load_point(load, 1.0 + (cap or 0) / 10)
                 meets = j == 0 and cap is not None
                 rows.append(_row(engine, base | {"search": "rate", "value": load, "probe": j, "num_requests": 16},
-                                 meets_slo=meets, slo_violations=[] if meets else ["ttft_p99_s 0.7 > 0.5"], output_tok_s=device, per_user_tok_s=per_user,
+                                 **run, engine_options={"max_num_seqs": 4, **options}, tune_trial=i, tune_role=role,
+                                 tune_options=options, meets_slo=meets, slo_violations=[] if meets else ["ttft_p99_s 0.7 > 0.5"], output_tok_s=device, per_user_tok_s=per_user,
                                  ttft_s_p99=0.1, tpot_s_p99=0.01, e2el_s_p99=0.2, saturated=j == 1,
                                  client_limited=False))
         at_best = fake_load_point(cap, 1.0 + cap / 10) if cap is not None else None
-        rows.append(_row(engine, base | {"result": True}, status, None if status == "ok" else "out of memory",
+        rows.append(_row(engine, base | {"result": True}, status, None if status == "ok" else "out of memory", **run,
                          tune_trial=i, tune_role=role, tune_options=options,
                          tune_value=cap if status == "ok" else None, tune_objective="capacity",
                          capacity_rps=cap if status == "ok" else None,
@@ -60,14 +66,15 @@ def tune_rows(engine: str, trials: list[tuple[dict[str, Any], float | None, str]
     values = dict(ok)
     default = values.get(0)
     rows.append(_row(engine, {"tune": "conclusion"}, tune_objective="capacity", tune_metric="capacity_rps",
-                     tune_budget=budget or {"trials": len(trials), "seed": 0, "sampler": "tpe", "slos": SLOS,
+                     tune_budget=budget or {"trials": len(trials) - 1, "seed": 0, "sampler": "tpe", "slos": SLOS,
+                                            "search": "rate", "space": {o: [1, 2] for t in trials for o in t[0]},
                                             "load": {"num_requests": 16}},
                      tune_trials_run=len(trials), tune_trials_failed=sum(s != "ok" for _, _, s in trials),
                      tune_best_trial=best, tune_best_options=trials[best][0] if best is not None else None,
                      tune_best_value=values.get(best), tune_default_value=default,
                      tune_gain=values[best] / default if best is not None and default else None,
                      tune_confirm={"rounds": 3, "best": [ratio * 2] * 3, "default": [2.0] * 3, "ratio": ratio,
-                                   "interval": [ratio - 0.1, ratio + 0.1], "verdict": verdict},
+                                   "interval": [ratio - 0.1, ratio + 0.1], "verdict": verdict, "confidence": 0.95},
                      tune_importance=importance, tune_note=note, best_output_tok_s=None, best_per_user_tok_s=None))
     return rows
 
@@ -155,11 +162,12 @@ def test_section_shows_trials_best_failed_and_conclusion(tmp_path: Path) -> None
     conc = by_header(html, "tuning-conclusion")
     assert [c["engine"] for c in conc] == ["reference", "vllm"]
     assert conc[0]["best trial"] == "3" and conc[0]["best"] == "4 req/s" and conc[0]["default"] == "2 req/s"
-    assert conc[0]["gain (best / default)"] == "2.000" and conc[0]["confirmed ratio [interval]"] == "1.200 [1.100–1.300]"
-    assert conc[0]["verdict"] == "best >= default" and conc[0]["bracket of the best"] == "[4, 8] req/s"
-    assert conc[0]["budget"] == "5 trials · seed 0 · TPE · load num_requests=16"
-    assert notes(html, "tuning-budget-differs") != []                 # 5 trials for one, 2 for the other
-    assert notes(html, "tuning-unconfirmed") == []
+    assert conc[0]["gain (best / default)"] == "2.000" and conc[0]["confirmed ratio [95% interval]"] == "1.200 [1.100–1.300]"
+    assert conc[0]["verdict"] == "gain confirmed" and conc[0]["bracket of the best"] == "[4, 8] req/s"
+    assert conc[0]["budget"] == "4 trials · seed 0 · TPE · rate search · load num_requests=16"
+    [differs] = notes(html, "tuning-budget-differs")                  # 4 trials for one, 1 for the other
+    assert differs.split(": ", 1)[1] == "trials: reference 4; vllm 1."    # the spaces differ, as they should
+    assert notes(html, "tuning-unconfirmed") == [] and notes(html, "tuning-no-difference") == []
     [missing] = notes(html, "tuning-no-importance")
     assert "vllm (fewer than 2 completed trials)" in missing
     [fig] = figures(html, "tuning-trials")
@@ -183,6 +191,35 @@ def test_unconfirmed_gain_is_a_warning_and_a_red_row(tmp_path: Path) -> None:
     assert '<tr class="bad">' in html.split('data-table="tuning-conclusion"')[1].split("</table>")[0]
     html = page(tmp_path, tune_rows("hf", [({}, 1.0, "ok")], verdict="not measured"), name="unmeasured")
     assert "hf (not measured)" in notes(html, "tuning-unconfirmed")[0]
+    # within the noise: said, but no warning (best >= default within the interval holds)
+    html = page(tmp_path, reference_rows(verdict="no significant difference", ratio=1.0), name="noise")
+    assert notes(html, "tuning-unconfirmed") == [] and len(notes(html, "tuning-no-difference")) == 1
+    assert '<tr class="bad">' not in html.split('data-table="tuning-conclusion"')[1].split("</table>")[0]
+
+
+def test_a_resumed_run_stays_one_engine(tmp_path: Path) -> None:
+    """A resumed run (another run_id) whose probes ran with each trial's engine options is still one
+    engine's tuning, though an option (block_size) differs between the two runs and within neither."""
+    trials = [({}, 2.0, "ok"), ({"max_num_seqs": 8, "block_size": 16}, 3.0, "ok"),
+              ({"max_num_seqs": 16, "block_size": 16}, 4.0, "ok")]
+    html = page(tmp_path, tune_rows("reference", trials, resumed_at=1))
+    assert re.findall(r'data-table="(tuning-trials-(?!values)[^"]*)"', html) == ["tuning-trials-reference"]
+    assert [r["trial"] for r in by_header(html, "tuning-trials-reference")] == ["0", "1", "2"]
+    assert [r["best trial"] for r in by_header(html, "tuning-conclusion")] == ["2"]
+    [pareto] = figures(html, "tuning-pareto")                         # the probes of both runs are the engine's
+    assert [t["name"] for t in pareto["data"]] == ["reference · best configuration (trial 2: max_num_seqs=16 · "
+                                                   "block_size=16)", "reference · capacity probes of the defaults "
+                                                   "(trial 0)"]
+
+
+def test_a_repeated_configuration_says_which_trial_it_repeats(tmp_path: Path) -> None:
+    rows = reference_rows()
+    repeat = next(r for r in rows if r["point"].get("result") and r["point"]["trial"] == 4)
+    repeat["point"]["repeat_of"] = 1
+    repeat.update(tune_repeat_of=1, tune_options=REF_TRIALS[1][0], tune_value=3.0, capacity_rps=3.0, tune_probes=0)
+    trials = by_header(page(tmp_path, rows), "tuning-trials-reference")
+    assert [r["role"] for r in trials] == ["default", "trial", "trial", "trial", "trial (repeat of 1)"]
+    assert trials[4]["capacity (req/s)"] == "3.000" and trials[4]["probes"] == "0"
 
 
 def test_every_trial_failed_shows_no_best(tmp_path: Path) -> None:

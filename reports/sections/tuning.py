@@ -18,7 +18,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num, nice, num_cell
-from reports.data import ReportData
+from reports.data import ReportData, add_series
 from reports.figures import bars, base_layout, esc, series_styles
 from reports.sections.capacity import SATURATED_COLOUR, bracket_text, load_label, pareto_figure, slo_text
 from reports.sections.common import Col, present, values_table
@@ -26,7 +26,10 @@ from reports.sections.registry import section
 
 SEARCH_ROLES = ("default", "trial")              # trials of the search; "confirm-*" are the confirmation's
 NO_VALUE_COLOUR = "#7F7F7F"
-VERDICT_CLASS = {"best >= default": "good", "best < default": "bad"}
+CONFIRMED = ("gain confirmed", "best >= default")          # the best held against the defaults
+NEUTRAL = ("no significant difference",)                   # within the interval's noise either way
+VERDICT_CLASS = {**{v: "good" for v in CONFIRMED}, "best < default": "bad"}
+BUDGET_KEYS = ("trials", "seed", "sampler", "slos", "search", "load")   # the same for every engine (not the space)
 
 
 def _point(r: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +62,20 @@ def unit_of(metric: Any, objective: Any) -> str:
     return "concurrent" if "concurrency" in str(metric or "") else "req/s"
 
 
+def objective_label(objective: Any, unit: str) -> str:
+    return f"goodput at the rate ({unit})" if objective == "goodput_at_rate" else f"capacity ({unit})"
+
+
+def tune_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The workload's rows, each engine one series: a trial's options (its engine_options) tell
+    no series apart here, they are the trial's own; models, dtypes, devices and runs measuring the
+    same point still do (reports.data.add_series)."""
+    if rows.empty or "workload" not in rows.columns:
+        return pd.DataFrame()
+    df = rows[rows["workload"] == "tune"]
+    return add_series(df.drop(columns=["engine_options"], errors="ignore")) if not df.empty else df
+
+
 def _search(r: dict[str, Any]) -> str:
     return "concurrency" if present(r.get("capacity_concurrency")) and not present(r.get("capacity_rps")) else "rate"
 
@@ -69,10 +86,12 @@ def trials_frame(rows: pd.DataFrame) -> pd.DataFrame:
     the SLOs or the trial failed), objective, search, bracket, output_tok_s, per_user_tok_s, probes,
     status, error, best (the engine's best trial: its conclusion's `tune_best_trial`, else the
     largest value). Ordered by series, then trial."""
-    if rows.empty or "tune_trial" not in rows.columns:
+    df = tune_rows(rows)
+    if df.empty or "tune_trial" not in df.columns:
         return pd.DataFrame()
-    df = rows[rows["workload"] == "tune"]
-    best = {c["series"]: c["best_trial"] for c in conclusions_frame(rows).to_dict("records")}
+    conc = conclusions_frame(rows)
+    best = {c["series"]: c["best_trial"] for c in conc.to_dict("records")}
+    front = {c["series"]: set(c["pareto_trials"]) for c in conc.to_dict("records") if c["pareto_trials"] is not None}
     out = []
     for r in df.to_dict("records"):
         p = _point(r)
@@ -80,17 +99,21 @@ def trials_frame(rows: pd.DataFrame) -> pd.DataFrame:
         if not p.get("result") or role not in SEARCH_ROLES:
             continue
         trial = _num(r.get("tune_trial")) if present(r.get("tune_trial")) else _num(p.get("trial"))
+        trial = int(trial) if trial is not None else None
+        repeat = _num(r.get("tune_repeat_of")) if present(r.get("tune_repeat_of")) else _num(p.get("repeat_of"))
         ok = r.get("status") == "ok"
         search = _search(r)
         bracket = r.get("capacity_bracket") if isinstance(r.get("capacity_bracket"), (list, tuple)) else None
         out.append({"engine": r["engine"], "series": r["series"], "model": r.get("model") or "?",
-                    "trial": int(trial) if trial is not None else None, "role": role,
+                    "trial": trial, "role": role if repeat is None else f"{role} (repeat of {int(repeat)})",
+                    "on_front": (trial in front[r["series"]]) if r["series"] in front else None,
                     "options": _dict(r.get("tune_options")) or _dict(p.get("options")),
                     "value": _num(r.get("tune_value")) if ok else None,
                     "objective": r.get("tune_objective"), "search": search,
                     "bracket": bracket_text(bracket, search) if bracket else "–",
                     "output_tok_s": _num(r.get("output_tok_s")), "per_user_tok_s": _num(r.get("per_user_tok_s")),
-                    "probes": _num(r.get("tune_probes")), "status": r.get("status") or "ok",
+                    "probes": int(_num(r.get("tune_probes"))) if _num(r.get("tune_probes")) is not None else None,
+                    "status": r.get("status") or "ok",
                     "error": r.get("error") if not ok else None})
     tf = pd.DataFrame(out, dtype=object)            # None stays None, ints stay ints
     if tf.empty:
@@ -108,10 +131,11 @@ def trials_frame(rows: pd.DataFrame) -> pd.DataFrame:
 
 def conclusions_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per engine's conclusion (workload tune, `point.tune == "conclusion"`)."""
-    if rows.empty:
+    df = tune_rows(rows)
+    if df.empty:
         return pd.DataFrame()
     out = []
-    for r in rows[rows["workload"] == "tune"].to_dict("records"):
+    for r in df.to_dict("records"):
         if _point(r).get("tune") != "conclusion":
             continue
         confirm = _dict(r.get("tune_confirm"))
@@ -132,7 +156,11 @@ def conclusions_frame(rows: pd.DataFrame) -> pd.DataFrame:
                     "ratio": _num(confirm.get("ratio")),
                     "interval": [float(v) for v in interval] if isinstance(interval, (list, tuple)) and len(interval) == 2
                     and all(_num(v) is not None for v in interval) else None,
+                    "confidence": _num(confirm.get("confidence")),
                     "verdict": confirm.get("verdict") if isinstance(confirm.get("verdict"), str) else "not measured",
+                    "confirm_note": confirm.get("note") if isinstance(confirm.get("note"), str) else None,
+                    "pareto_trials": [int(v) for v in r["tune_pareto_trials"] if _num(v) is not None]
+                    if isinstance(r.get("tune_pareto_trials"), list) else None,
                     "importance": _dict(r.get("tune_importance")) or None,
                     "note": r.get("tune_note") if isinstance(r.get("tune_note"), str) and r.get("tune_note") else None})
     return pd.DataFrame(out, dtype=object)
@@ -153,9 +181,10 @@ def best_pareto_frame(rows: pd.DataFrame, conc: pd.DataFrame) -> pd.DataFrame:
     """The capacity probes of each engine's best trial and of its defaults (trial rows of role
     default), in the columns of `capacity.pareto_frame`: the best configuration as a line of its
     own, the defaults as probes (dotted), so `capacity.pareto_figure` draws both."""
-    if rows.empty or conc.empty:
+    df = tune_rows(rows)
+    if df.empty or conc.empty:
         return pd.DataFrame()
-    probes = rows[(rows["workload"] == "tune") & (rows["status"] == "ok")]
+    probes = df[df["status"] == "ok"]
     out = []
     for c in conc.to_dict("records"):
         mine = [r for r in probes[probes["series"] == c["series"]].to_dict("records")
@@ -200,12 +229,14 @@ def _option_cell(v: Any) -> Cell:
     return Cell("–" if v is None else str(v))
 
 
-def trials_table(tf: pd.DataFrame, series: str, unit: str) -> Table:
-    """One engine's trials: trial, role, one column per option it set, the objective (★ the
-    best trial, whose row is green; failed rows red), the bracket, the throughput and per-user
-    speed at the best load that met the SLOs, probes, status, error. Sortable by any column."""
+def trials_table(tf: pd.DataFrame, series: str, label: str) -> Table:
+    """One engine's trials: trial, role, one column per option it set, the objective (`label`; ★
+    the best trial, whose row is green; failed rows red), the bracket, the throughput and per-user
+    speed at the best load that met the SLOs, probes, whether on the sampler's Pareto front (NSGA-II
+    only), status, error. Sortable by any column."""
     g = tf[tf["series"] == series]
     opts = list(dict.fromkeys(k for o in g["options"] for k in o))
+    front = g["on_front"].notna().any()
     rows, classes = [], []
     for r in g.to_dict("records"):
         ok = r["status"] == "ok"
@@ -219,15 +250,17 @@ def trials_table(tf: pd.DataFrame, series: str, unit: str) -> Table:
                        for k in opts],
                      value, Cell(r["bracket"], cls="num"),
                      num_cell(r["output_tok_s"]), num_cell(r["per_user_tok_s"]), num_cell(r["probes"]),
+                     *([Cell("yes" if r["on_front"] else "no")] if front else []),
                      Cell(str(r["status"]), cls="" if ok else f"status-{r['status']}"),
                      Cell(str(r["error"] or ""), cls="error" if not ok else "")])
         classes.append("bad" if not ok else "good" if r["best"] else "")
-    return Table(["trial", "role", *opts, f"capacity ({unit})", "bracket [meets, misses]", "device tok/s",
-                  "per-user tok/s", "probes", "status", "error"], rows,
+    return Table(["trial", "role", *opts, label, "bracket [meets, misses]", "device tok/s",
+                  "per-user tok/s", "probes", *(["on the Pareto front"] if front else []), "status", "error"], rows,
                  f"{series}: every trial of the search (trial 0 is the engine's configured options, its defaults); "
                  "the capacity is the largest load at which every SLO held with that trial's options; device and "
-                 "per-user tok/s are at that load. ★ and green: the best trial; red: a trial whose options could not "
-                 "run. Click a column's header to sort by it.",
+                 "per-user tok/s are at that load. A repeat is a configuration the sampler proposed again: its "
+                 "earlier trial's value, not measured twice. ★ and green: the best trial; red: a trial whose options "
+                 "could not run. Click a column's header to sort by it.",
                  f"tuning-trials-{series}", classes, sortable=True)
 
 
@@ -243,6 +276,8 @@ def budget_text(b: dict[str, Any]) -> str:
         parts.append(f"seed {b['seed']}")
     if b.get("sampler"):
         parts.append(str(b["sampler"]).upper())
+    if b.get("search"):
+        parts.append(f"{b['search']} search")
     if isinstance(b.get("load"), dict) and b["load"]:
         parts.append("load " + ", ".join(f"{k}={v}" for k, v in b["load"].items()))
     return " · ".join(parts) or "–"
@@ -256,6 +291,8 @@ def conclusion_table(conc: pd.DataFrame, tf: pd.DataFrame) -> Table:
         bracket = best_row["bracket"].iloc[0] if len(best_row) else "–"
         ratio = num_cell(c["ratio"], ci=c["interval"])
         verdict = c["verdict"]
+        note = "; ".join(str(n) for n in (c["note"], c["confirm_note"],
+                                           c["error"] if c["status"] != "ok" and c["error"] != c["note"] else None) if n)
         rows.append([
             Cell(str(c["series"])), Cell(str(c["objective"] or "–")),
             Cell(budget_text(c["budget"])), Cell(slo_text(c["budget"].get("slos")), cls="wrap"),
@@ -272,22 +309,26 @@ def conclusion_table(conc: pd.DataFrame, tf: pd.DataFrame) -> Table:
             Cell(f"best {_values(c['confirm_best'])}; default {_values(c['confirm_default'])}", cls="wrap"),
             ratio,
             Cell(verdict, cls=VERDICT_CLASS.get(verdict, "muted")),
-            Cell(c["note"] or (str(c["error"]) if c["status"] != "ok" and c["error"] else ""), cls="wrap"),
+            Cell(note, cls="wrap"),
         ])
         classes.append("bad" if c["status"] != "ok" or verdict == "best < default" else "")
+    conf = {c for c in conc["confidence"] if c is not None} if not conc.empty else set()
+    level = f"{next(iter(conf)):.0%} " if len(conf) == 1 else ""
     return Table(["engine", "objective", "budget", "SLOs", "trials", "best trial", "best options", "best",
                   "bracket of the best", "default", "gain (best / default)", "confirmation rounds",
-                  "confirmed ratio [interval]", "verdict", "note"], rows,
+                  f"confirmed ratio [{level}interval]", "verdict", "note"], rows,
                  "Each engine's best configuration against its defaults, both measured in this run under the same "
-                 "budget and SLOs. The confirmation repeats best and default interleaved; the ratio of their "
-                 "capacities comes with its interval, and the verdict says whether the gain held.",
+                 "budget and SLOs (trial 0 is the defaults). The confirmation measures best and default again, "
+                 "interleaved, round by round: the ratio best / default over the rounds comes with its interval, and "
+                 "the verdict says whether the gain held (gain confirmed: the interval lies above 1; best < default: "
+                 "below 1; no significant difference: it contains 1).",
                  "tuning-conclusion", classes)
 
 
 def budget_differences(conc: pd.DataFrame) -> list[str]:
-    """What of the budget (trials, seed, sampler, SLOs, load shape) differs between engines."""
+    """What of the budget (trials, seed, sampler, SLOs, search, load shape) differs between engines."""
     out = []
-    for key in ("trials", "seed", "sampler", "slos", "load"):
+    for key in BUDGET_KEYS:
         vals = {c["series"]: json.dumps(c["budget"].get(key), sort_keys=True, default=str)
                 for c in conc.to_dict("records")}
         if len(set(vals.values())) > 1:
@@ -297,7 +338,7 @@ def budget_differences(conc: pd.DataFrame) -> list[str]:
 
 # ---- figures -----------------------------------------------------------------------------------
 
-def trials_figure(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str], unit: str) -> go.Figure:
+def trials_figure(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str], label: str) -> go.Figure:
     """x trial, y the objective; per engine its trials (★ the best), a dotted line at its
     defaults' value, failed trials as a red ✕ and trials where nothing met the SLOs as a grey ○ at 0."""
     fig = go.Figure()
@@ -308,12 +349,12 @@ def trials_figure(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str],
         have = g[g["value"].notna()]
         custom = [[esc(options_text(o)), esc(r)] for o, r in zip(have["options"], have["role"])]
         fig.add_trace(go.Scatter(
-            x=list(have["trial"]), y=list(have["value"]), name=esc(s), legendgroup=esc(s), mode="lines+markers+text",
-            line=dict(color=colour, width=1), marker=dict(color=colour, size=8, symbol=styles[s]["symbol"]),
+            x=list(have["trial"]), y=list(have["value"]), name=esc(s), legendgroup=esc(s), mode="markers+text",
+            marker=dict(color=colour, size=8, symbol=styles[s]["symbol"]),
             text=[fmt_num(nice(v)) for v in have["value"]], texttemplate="%{text}", textposition="top center",
             textfont=dict(size=10, color=colour), cliponaxis=False, customdata=custom,
             hovertemplate=(f"<b>{esc(s)}</b> trial %{{x}} (%{{customdata[1]}})<br>%{{customdata[0]}}<br>"
-                           f"capacity: %{{y:.4~g}} {unit}<extra></extra>")))
+                           f"{esc(label)}: %{{y:.4~g}}<extra></extra>")))
         best = g[g["best"] & g["value"].notna()]
         if len(best):
             fig.add_trace(go.Scatter(
@@ -321,13 +362,13 @@ def trials_figure(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str],
                 mode="markers", marker=dict(symbol="star", size=18, color=colour, line=dict(width=1, color="black")),
                 customdata=[[esc(options_text(o))] for o in best["options"]],
                 hovertemplate=(f"<b>{esc(s)}</b> best: trial %{{x}}<br>%{{customdata[0]}}<br>"
-                               f"capacity: %{{y:.4~g}} {unit}<extra></extra>")))
+                               f"{esc(label)}: %{{y:.4~g}}<extra></extra>")))
         dv = defaults.get(s)
         if dv is not None and g["trial"].notna().any():
             fig.add_trace(go.Scatter(
                 x=[g["trial"].min(), g["trial"].max()], y=[dv, dv], name=esc(f"{s} · defaults"), legendgroup=esc(s),
                 mode="lines", line=dict(color=colour, dash="dot", width=1),
-                hovertemplate=f"<b>{esc(s)}</b> defaults: %{{y:.4~g}} {unit}<extra></extra>"))
+                hovertemplate=f"<b>{esc(s)}</b> defaults: %{{y:.4~g}}<extra></extra>"))
         for what, d, colour_, symbol in (
                 ("failed", g[g["status"] != "ok"], SATURATED_COLOUR, "x"),
                 ("none met the SLOs", g[(g["status"] == "ok") & g["value"].isna()], NO_VALUE_COLOUR, "circle-open")):
@@ -340,8 +381,9 @@ def trials_figure(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str],
                 hovertemplate=(f"<b>{esc(s)}</b> trial %{{x}}: {esc(what)}<br>%{{customdata[0]}}<br>"
                                "%{customdata[1]}<extra></extra>")))
     fig.update_xaxes(title_text="trial (0: the engine's configured options)", dtick=1, rangemode="tozero")
-    fig.update_yaxes(title_text=f"capacity under the SLOs ({unit})", rangemode="tozero")
-    return base_layout(fig, height=380, title="Capacity per trial")
+    fig.update_yaxes(title_text=esc(f"{label} under the SLOs"), rangemode="tozero")
+    return base_layout(fig, height=380, title="Capacity per trial" if label.startswith("capacity") else
+                       "Goodput per trial")
 
 
 # ---- the section -------------------------------------------------------------------------------
@@ -363,25 +405,32 @@ def tuning(data: ReportData) -> list[Block]:
             blocks.append(Note("The engines were not tuned with the same budget, so their best configurations are "
                                "not compared on equal terms: " + " | ".join(differ) + ".", kind="warning",
                                name="tuning-budget-differs"))
-        unconfirmed = conc[conc["verdict"] != "best >= default"]
+        unconfirmed = conc[~conc["verdict"].isin(CONFIRMED + NEUTRAL)]
         if not unconfirmed.empty:
             blocks.append(Note("The confirmation did not show the best configuration at least as good as the defaults "
                                "for: " + "; ".join(f"{c['series']} ({c['verdict']})" for c in
                                                   unconfirmed.to_dict("records"))
                                + ". Its gain may be noise; do not quote it as the engine's tuned capacity.",
                                kind="warning", name="tuning-unconfirmed"))
-    units = {c["series"]: unit_of(c["metric"], c["objective"]) for c in conc.to_dict("records")} if not conc.empty \
-        else {}
+        neutral = conc[conc["verdict"].isin(NEUTRAL)]
+        if not neutral.empty:
+            blocks.append(Note("Best and defaults within the confirmation's noise (its interval contains 1) for: "
+                               + "; ".join(map(str, neutral["series"])) + ". The tuning found no gain the confirmation "
+                               "could tell from noise.", name="tuning-no-difference"))
+    labels = {c["series"]: objective_label(c["objective"], unit_of(c["metric"], c["objective"]))
+              for c in conc.to_dict("records")} if not conc.empty else {}
     if not tf.empty:
-        for s in dict.fromkeys(tf["series"]):
-            blocks.append(trials_table(tf, s, units.get(s, unit_of(None, None))))
-        for unit in dict.fromkeys(units.get(s, "req/s") for s in tf["series"]):
-            part = tf[[units.get(s, "req/s") == unit for s in tf["series"]]]
+        fallback = {s: objective_label(o, "req/s") for s, o in zip(tf["series"], tf["objective"])}
+        labels = {s: labels.get(s, fallback[s]) for s in dict.fromkeys(tf["series"])}
+        for s in labels:
+            blocks.append(trials_table(tf, s, labels[s]))
+        for label in dict.fromkeys(labels.values()):
+            part = tf[[labels[s] == label for s in tf["series"]]]
             table = values_table(part.assign(options_text=part["options"].map(options_text)),
                                  [Col("engine", "series", text=True), Col("trial", "trial"),
-                                  Col("options", "options_text", text=True), Col(f"capacity ({unit})", "value"),
+                                  Col("options", "options_text", text=True), Col(label, "value"),
                                   Col("status", "status", text=True)], "tuning-trials-values")
-            blocks.append(Figure(trials_figure(part, conc, data.colours, unit), "tuning-trials",
+            blocks.append(Figure(trials_figure(part, conc, data.colours, label), "tuning-trials",
                                  "Capacity under the SLOs per trial, one colour per engine; ★ its best trial, the dotted "
                                  "line its defaults' capacity. Red ✕: a trial whose options could not run; grey ○: no "
                                  "load met the SLOs.", table))
