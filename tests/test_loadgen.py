@@ -6,13 +6,19 @@ scripts/loadgen_ceiling.py; these tests check correctness with margins wide enou
 
 from __future__ import annotations
 
+import json
+import threading
+
 import pytest
 
 from adapters.base import ModelSpec, Request, now_ns
 from adapters.endpoint import check_endpoint, endpoint_engine_class
 from fake_timed_server import running
-from harness.core.metrics import serving_metrics
-from workloads.base import collect
+from harness.core.metrics import SLO, serving_metrics
+from harness.core.presets import load_preset
+from workloads.base import RunContext, collect
+from workloads.capacity import Capacity, CapacityConfig, slo_violations
+from workloads.serving import Serving, ServingConfig, client_limited, dataset_picks
 
 SPEC = ModelSpec(path="/nonexistent", name="fake", dtype="float32", device="cpu", max_model_len=4096)
 
@@ -67,16 +73,6 @@ def test_tokens_of_one_chunk_share_its_time_and_chunks_keep_the_gap():
 
 
 # ---- the serving workload through the load generator --------------------------------------------
-
-import json  # noqa: E402
-import threading  # noqa: E402
-
-from harness.core.metrics import SLO  # noqa: E402
-from harness.core.presets import load_preset  # noqa: E402
-from workloads.base import RunContext  # noqa: E402
-from workloads.capacity import Capacity, CapacityConfig, slo_violations  # noqa: E402
-from workloads.serving import Serving, ServingConfig, client_limited, dataset_picks  # noqa: E402
-
 
 def context(model_path: str = "") -> RunContext:
     shape = load_preset("tiny")
@@ -285,7 +281,8 @@ def test_two_client_processes_pool_to_the_single_process_figures():
 
 @pytest.mark.slow
 def test_clients_as_ray_actors_on_a_local_ray_instance():
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray>=2.9')")
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install '.[ray]' "
+                                            "(make test installs .[dev] only)")
     reqs = [Request(f"r{i}", [5] * 8, 10, arrival_s=0.03 * i) for i in range(12)]
     try:
         with running(gap_ms=10, first_ms=30) as url:
