@@ -66,6 +66,20 @@ CAPACITY = [
                  "that met them and one that did not, down to the resolution"),
 ]
 
+TUNING = [
+    ("trial", "one configuration of an engine's options, measured like the capacity workload with the engine "
+              "reloaded with them; trial 0 is the engine's configured options (its defaults)"),
+    ("budget", "the same for every engine: the number of trials, the sampler and its seed, the SLOs, the search and "
+               "the load (the same requests at the same loads)"),
+    ("best configuration", "the trial with the highest capacity under the SLOs (or goodput at the fixed rate)"),
+    ("gain", "the best trial's value / the defaults' value, both from the search"),
+    ("confirmation", "best and defaults measured again, interleaved, round by round: the ratio is the geometric mean "
+                     "of the rounds' best / default, with its Student-t interval; gain confirmed when the interval "
+                     "lies above 1"),
+    ("option importance", "Optuna's importance evaluator over the completed trials: the share of the objective's "
+                          "variation each option explains (an engine's importances sum to 1)"),
+]
+
 CLIENT = [
     ("send lag", "per request, the actual send − when it was due (its scheduled arrival, or when a capped or "
                  "closed-loop slot freed); p50, p99 and max over the point's requests"),

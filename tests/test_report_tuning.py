@@ -139,6 +139,7 @@ def test_no_tune_rows_no_section(tmp_path: Path) -> None:
     html = page(tmp_path, capacity_rows("hf"))
     assert "tuning" not in section_ids(html) and "capacity" in section_ids(html)
     assert not re.search(r"<table[^>]* data-sortable", html) and "Sortable tables" not in html   # script with table
+    assert table_rows(html, "definitions-tuning") == [] and table_rows(html, "definitions-capacity") != []
 
 
 def test_section_shows_trials_best_failed_and_conclusion(tmp_path: Path) -> None:
@@ -159,6 +160,7 @@ def test_section_shows_trials_best_failed_and_conclusion(tmp_path: Path) -> None
     [starred] = [tr for tr in body.split("</tr>") if 'aria-label="best"' in tr]    # one ★, on the best trial
     assert '<tr class="good">' in starred and ">3</td>" in starred
     assert 'data-table="tuning-trials-reference" data-sortable' in html
+    assert "option importance" in [r[0] for r in table_rows(html, "definitions-tuning")]
     conc = by_header(html, "tuning-conclusion")
     assert [c["engine"] for c in conc] == ["reference", "vllm"]
     assert conc[0]["best trial"] == "3" and conc[0]["best"] == "4 req/s" and conc[0]["default"] == "2 req/s"

@@ -37,6 +37,8 @@ def definitions(data: ReportData) -> list[Block]:
                                         "request, ITL per token; they are never relabelled.", "definitions-serving"))
     if "capacity" in workloads or "per_user_tok_s" in data.rows.columns or "load_mode" in data.rows.columns:
         blocks.append(_table(d.CAPACITY, "Load and capacity.", "definitions-capacity"))
+    if "tune" in workloads:
+        blocks.append(_table(d.TUNING, "Tuning: engines compared at their best.", "definitions-tuning"))
     if "client_limited" in data.rows.columns and data.rows["client_limited"].notna().any():
         blocks.append(_table(d.CLIENT, "The load generator: did it keep up?", "definitions-client"))
     if "transport" in data.rows.columns and (data.rows["transport"] == "http").any():
