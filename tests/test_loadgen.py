@@ -111,6 +111,23 @@ def test_one_short_loop_stall_does_not_void_a_point_but_a_long_one_does():
     assert client_limited(long_stall, SLO(ttft_s=0.050)) == ["a loop stall of 30.0 ms > 25.0 ms"]
 
 
+def _loop_fields(late_ms: list[float]) -> dict:
+    """The row's loop-lag fields from the lateness of each 2 ms tick, as the client records them."""
+    from adapters.endpoint.client import lag_samples
+    from harness.core.stats import summarize
+    lags = summarize([x for ms in late_ms for x in lag_samples(round(ms * 1e6), 2_000_000)])
+    return {"send_lag_s_p99": 0.0004, "loop_lag_s_p99": lags["p99"], "loop_lag_s_max": lags["max"],
+            "client_cpu_frac": 0.4}
+
+
+def test_loop_lag_is_judged_over_time_not_over_ticks():
+    # 2,000 ticks (4 s) on time to 0.5 ms, and a 2.7 ms stall: 0.1 % of the time, not the client's fault
+    assert client_limited(_loop_fields([0.5] * 1999 + [2.7]), SLO(ttft_s=0.050)) == []
+    # a 20 ms stall every 200 ticks is under 1 % of the ticks but about 5 % of the time: limited
+    every = _loop_fields(([0.5] * 199 + [20.0]) * 10)
+    assert client_limited(every, SLO(ttft_s=0.050)) == [f"loop lag p99 {every['loop_lag_s_p99'] * 1e3:.1f} ms > 2.5 ms"]
+
+
 def _busy(stop: threading.Event) -> None:
     while not stop.is_set():
         sum(range(1000))

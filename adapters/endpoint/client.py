@@ -20,7 +20,8 @@ back by the offset (`correction`, `shift_states`).
 
 What each process also measures about itself (`ClientStats`): its CPU time over the wall time
 of the point, and loop lag - how late a 2 ms timer fires on its event loop while streams are
-active (a loop that is busy, or stopped by garbage collection, fires late and reads late).
+active (a loop that is busy, or stopped by garbage collection, fires late and reads late), a
+late tick counting once per 2 ms of its stall (`lag_samples`) so the percentiles are over time.
 
 A client process (`CHILD`) reads a pickled Job on stdin, then "ping" / "start <ns>" / "stop"
 lines, and writes pickled messages on stdout: pong, first tokens, its records and stats.
@@ -113,10 +114,23 @@ class ClientStats:
 
     wall_s: float = 0.0
     cpu_s: float = 0.0
-    loop_lags_s: list[float] = field(default_factory=list)  # lateness of each timer tick with streams active
+    loop_lags_s: list[float] = field(default_factory=list)  # timer lateness with streams active (lag_samples)
     clock_offset_ns: int = 0  # its clock minus the harness's (0 in the harness's own process)
     clock_error_ns: int = 0  # the bound on that offset: half the ping's round trip
     pid: int = 0
+
+
+def lag_samples(late_ns: int, period_ns: int) -> list[float]:
+    """The loop-lag samples (s) of one timer tick that fired `late_ns` late: one per `period_ns`
+    of the stall, as the ticks due during it would have read - late by L, L - period, ... - so a
+    stall counts for the time it lasted, and a percentile of the samples is one over time (a
+    20 ms stall is ten samples, a 2 ms one is one)."""
+    out = [max(0, late_ns) / 1e9]
+    late_ns -= period_ns
+    while late_ns > 0:
+        out.append(late_ns / 1e9)
+        late_ns -= period_ns
+    return out
 
 
 async def sleep_until(t_ns: int) -> None:
@@ -143,14 +157,14 @@ class JobRun:
             self.active -= 1
 
     async def ticker(self) -> None:
-        """Loop lag: how late each TICK_S timer fires while streams are active."""
+        """Loop lag: how late each TICK_S timer fires while streams are active (`lag_samples`)."""
         period = int(TICK_S * 1e9)
         lags = self.stats.loop_lags_s
         while True:
             t0 = time.perf_counter_ns()
             await asyncio.sleep(TICK_S)
             if self.active:
-                lags.append(max(0, time.perf_counter_ns() - t0 - period) / 1e9)
+                lags += lag_samples(time.perf_counter_ns() - t0 - period, period)
 
     def state(self, it: Item, scheduled: int) -> ReqState:
         st = ReqState(it.request_id, it.prompt_len, it.expected, scheduled_ns=scheduled, ready_ns=scheduled)
