@@ -17,6 +17,7 @@ import importlib.util
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 from adapters.base import (
@@ -56,8 +57,7 @@ class HFEngine(Engine):
 
     @classmethod
     def version(cls) -> str | None:
-        from importlib.metadata import version
-        return version("transformers")
+        return metadata.version("transformers")
 
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:

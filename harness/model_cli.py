@@ -11,7 +11,9 @@ where runs find it (or into --out), and prints its held-out perplexity beside th
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 from harness.core.errors import EXIT_BAD_INPUT, UserError
@@ -64,9 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(shape, out: Path | None, args: argparse.Namespace) -> int:
-    import json
-    import time
-
     from harness.checkpoint import cached_path, ensure_checkpoint, write_trained
     from harness.core.paths import model_cache_dir
     from harness.core.train import TRAINING_FILE, summary_lines

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from harness.core.redact import DEFAULT as REDACT, is_sensitive_key, looks_like_credential
 from adapters.endpoint.kinds import KIND_NAMES, KINDS as KIND_RECORDS
+from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, option_problems
 from harness.core.schema import check, spec
 
 KINDS = KIND_NAMES
@@ -280,7 +281,6 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
         reserved = sorted(set(getattr(cfg, key)) & {"prompt", "stream", "model"})
         if reserved:
             problems.append(f"{p}.{key}: {', '.join(reserved)} are set by the harness; drop them.")
-    from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, option_problems
     for field_ in ("attached_options", "cpu_options"):
         for k in getattr(cfg, field_):
             if k not in STANDARD_ENDPOINT_OPTIONS:

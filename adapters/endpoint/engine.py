@@ -34,11 +34,14 @@ import importlib.util
 import os
 import queue
 import shlex
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
@@ -133,7 +136,6 @@ class EndpointEngine(Engine):
                             f"this environment ({sys.executable}): install {pkg}, or point "
                             f"endpoints.{cls.name}.python at an interpreter that has it.")
         elif "{" not in first:
-            import shutil
             if shutil.which(first) is None:
                 return (f"endpoint {cls.name}: the command {first!r} of endpoints.{cls.name}.launch is not found "
                         "on PATH. Install it or give its full path.")
@@ -172,11 +174,10 @@ class EndpointEngine(Engine):
         cfg = cls.endpoint
         if not cfg.launched or cfg.python is not None or not KINDS[cfg.kind].version_from_env:
             return None
-        from importlib.metadata import PackageNotFoundError, version
         for d in KINDS[cfg.kind].distributions:
             try:
-                return f"{d} {version(d)}"
-            except PackageNotFoundError:
+                return f"{d} {metadata.version(d)}"
+            except metadata.PackageNotFoundError:
                 continue
         return None
 
@@ -986,7 +987,6 @@ def _int(v: Any) -> int | None:
 
 
 def _tmpdir() -> str:
-    import tempfile
     return tempfile.gettempdir()
 
 

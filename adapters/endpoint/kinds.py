@@ -12,6 +12,7 @@ checked (run here, read from source, fake only).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -238,7 +239,6 @@ def _vllm_checks(p: str, o: dict[str, Any], device: str, version: str | None) ->
 
 
 def _version_tuple(v: str | None) -> tuple[int, ...] | None:
-    import re
     m = re.match(r"\s*(?:[A-Za-z_-]+\s+)?(\d+)\.(\d+)", str(v or ""))
     return (int(m.group(1)), int(m.group(2))) if m else None
 

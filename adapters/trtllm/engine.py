@@ -49,10 +49,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import queue
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any
 
 from adapters.base import (
@@ -138,10 +140,9 @@ class TRTLLMEngine(Engine):
 
     @classmethod
     def version(cls) -> str | None:
-        from importlib.metadata import PackageNotFoundError, version
         try:
-            return version("tensorrt-llm")
-        except PackageNotFoundError:
+            return metadata.version("tensorrt-llm")
+        except metadata.PackageNotFoundError:
             return None
 
     @classmethod
@@ -330,7 +331,6 @@ class TRTLLMEngine(Engine):
         self._live = []
 
     def serve(self, requests: list[Request] | RequestSource, start_ns: int) -> Iterator[TokenEvent]:
-        import queue
         self.release()
         assert self._streamer is not None
         events = self._streamer.events

@@ -20,6 +20,7 @@ from is recorded in the row (`clock`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from adapters.base import StepTiming
@@ -119,7 +120,6 @@ def steps_from_arrivals(times: list[list[int]], k0: int, steps: int, num_tokens:
 
 def parse_iteration_stats(snap: Any) -> dict[str, Any] | None:
     """One item of LLM.get_stats_async(): a dict (or its JSON text)."""
-    import json
     if isinstance(snap, (str, bytes)):
         snap = json.loads(snap)
     return snap if isinstance(snap, dict) else None

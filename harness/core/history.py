@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -392,7 +393,6 @@ def ingest(store: str | Path, paths: list[str | Path], repo: Path = REPO_ROOT,
 def ingest_after_run(store: str | Path, run_dir: Path) -> None:
     """What `infer-bench` does at the end of a run when history.path is set: ingest the run and
     say so. A store that cannot take it is a warning: the run's results are already on disk."""
-    import sys
     try:
         rep = ingest(store, [run_dir])
     except (UserError, OSError) as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -84,7 +85,6 @@ def measure(device: str, dtype: str) -> Ceilings:
 def cached_ceilings(device: str, dtype: str, cache_file: Path) -> Ceilings:
     """The ceilings for this host/device/dtype, measured on first use and cached."""
     from harness.core.env import cpu_model
-    import os
     key = f"{platform.node()}|{cpu_model()}|{os.cpu_count()}|{device}|{dtype}"
     try:
         data = json.loads(cache_file.read_text())
