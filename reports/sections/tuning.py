@@ -26,7 +26,7 @@ from reports.sections.registry import section
 
 SEARCH_ROLES = ("default", "trial")              # trials of the search; "confirm-*" are the confirmation's
 NO_VALUE_COLOUR = "#7F7F7F"
-CONFIRMED = ("gain confirmed", "best >= default")          # the best held against the defaults
+CONFIRMED = ("gain confirmed",)                            # the interval lies above 1
 NEUTRAL = ("no significant difference",)                   # within the interval's noise either way
 VERDICT_CLASS = {**{v: "good" for v in CONFIRMED}, "best < default": "bad"}
 BUDGET_KEYS = ("trials", "seed", "sampler", "slos", "search", "load")   # the same for every engine (not the space)
@@ -295,7 +295,7 @@ def conclusion_table(conc: pd.DataFrame, tf: pd.DataFrame) -> Table:
                                            c["error"] if c["status"] != "ok" and c["error"] != c["note"] else None) if n)
         rows.append([
             Cell(str(c["series"])), Cell(str(c["objective"] or "–")),
-            Cell(budget_text(c["budget"])), Cell(slo_text(c["budget"].get("slos")), cls="wrap"),
+            Cell(budget_text(c["budget"]), cls="wrap"), Cell(slo_text(c["budget"].get("slos")), cls="wrap"),
             Cell(f"{fmt_num(nice(c['trials_run']))} ({fmt_num(nice(c['trials_failed'] or 0))} failed)"
                  if c["trials_run"] is not None else "–", c["trials_run"], cls="num"),
             num_cell(c["best_trial"]), Cell(options_text(c["best_options"]) if c["best_trial"] is not None else "–",
