@@ -10,11 +10,12 @@ Serves on http://HOST:PORT until SIGINT/SIGTERM (FastAPI on uvicorn):
   POST /reset_prefix_cache
 Decoding is greedy (the reference engine's only mode; `temperature` is accepted and ignored).
 
-One thread owns the engine and drives it with its online API (add_request / step / has_work /
-abort); the HTTP handlers talk to it through a command queue, and it hands every token to the
-request's asyncio queue (loop.call_soon_threadsafe). Configuration is composed by Hydra from
-conf/serve.yaml (with the `model` group of conf/model/); bad input exits 2 with one message per
-problem, a port in use too.
+One thread owns the engine core (adapters/reference/llm_engine.py's LLMEngine, not the harness's
+adapter) and drives it with its online API (add_request / step / has_work / abort; score and
+reset_prefix_cache when it is idle); the HTTP handlers talk to it through a command queue, and
+it hands every token to the request's asyncio queue (loop.call_soon_threadsafe). Configuration
+is composed by Hydra from conf/serve.yaml (with the `model` group of conf/model/); bad input
+exits 2 with one message per problem, a port in use too.
 """
 
 from __future__ import annotations
@@ -620,8 +621,10 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(plan: ServePlan, sock: socket.socket) -> int:
     import uvicorn
 
-    from adapters.base import ModelSpec
-    from adapters.reference.engine import ReferenceEngine
+    from adapters.base import ModelSpec, engine_options_or_raise
+    from adapters.reference.config import EngineConfig
+    from adapters.reference.llm_engine import LLMEngine
+    from adapters.reference.llm_engine import version as engine_version
     from harness.checkpoint import ensure_checkpoint
     from harness.core.paths import model_cache_dir
 
@@ -630,21 +633,21 @@ def serve(plan: ServePlan, sock: socket.socket) -> int:
         path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
     else:
         path = str(ensure_checkpoint(plan.shape, model_cache_dir(s.model_cache_dir), s.seed))
-    engine = ReferenceEngine()
     model = ModelSpec(path=path, name=plan.shape.name, dtype=plan.dtype, device=plan.device,
                       max_model_len=plan.max_model_len, seed=s.seed)
-    info = engine.load(model, plan.engine_options)
+    engine = LLMEngine(model, engine_options_or_raise(EngineConfig, "reference", plan.engine_options))
     tokenizer, eos = _tokenizer(path)
     et = EngineThread(engine)
     et.start()
     rt = Runtime(et, s.served_model_name or plan.shape.name, plan.max_model_len, tokenizer, eos, plan.api_key,
-                 f"infer-bench-serve {__version__} (reference engine {ReferenceEngine.version()})",
-                 {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0}, info.compute_threads)
+                 f"infer-bench-serve {__version__} (reference engine {engine_version()})",
+                 {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0}, engine.compute_threads)
     app = build_app(rt)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"infer-bench-serve: {rt.served_model_name} (reference engine, {plan.dtype}, {plan.device}, "
-          f"max_model_len {plan.max_model_len}, {info.compute_threads} threads, loaded in {info.load_time_s:.1f} s) at "
+          f"max_model_len {plan.max_model_len}, {engine.compute_threads} threads, "
+          f"loaded in {engine.load_time_s:.1f} s) at "
           f"http://{shown}:{port}/v1{' (Bearer key required)' if plan.api_key else ''}", flush=True)
     config = uvicorn.Config(app, log_level=s.log_level, access_log=False, timeout_graceful_shutdown=5,
                             lifespan="off")

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from adapters.base import ModelSpec, Request, now_ns
+from adapters.reference.config import EngineConfig
 from adapters.reference.engine import ReferenceEngine
+from adapters.reference.llm_engine import LLMEngine
 from harness.core.kvcalc import bytes_per_token
 from harness.core.presets import load_preset
 
@@ -187,3 +189,28 @@ def test_abort_frees_blocks_and_others_continue(spec):
     engine.release()
     assert not engine.has_work() and engine.blocks.num_used == 0
     engine.close()
+
+
+def test_the_core_alone_serves_and_scores_as_the_adapter(spec):
+    """LLMEngine, without the harness's interface (as infer-bench-serve drives it): the same tokens
+    as the adapter's serve(), the same scores, and every block back after close."""
+    prompts = make_prompts((12, 30), seed=6)
+    requests = [Request(f"r{i}", p, 4) for i, p in enumerate(prompts)]
+    adapter = ReferenceEngine()
+    adapter.load(spec, {"block_size": 4})
+    want = sorted((e.request_id, e.index, e.token_id) for e in adapter.serve(requests, now_ns()))
+    want_scores = adapter.score([prompts[0]], [3], 4)
+    adapter.close()
+    core = LLMEngine(spec, EngineConfig(block_size=4))
+    for r in requests:
+        core.add_request(r)
+    events = []
+    while core.has_work():
+        events += core.step()
+    assert sorted((e.request_id, e.index, e.token_id) for e in events) == want
+    assert core.blocks.num_used == 0
+    assert core.score([prompts[0]], [3], 4) == want_scores
+    core.add_request(Request("left", prompts[1], 8))
+    core.step()
+    core.close()
+    assert core.model is None and core.pool is None

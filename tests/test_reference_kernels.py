@@ -27,11 +27,12 @@ import pytest
 import torch
 
 from adapters.base import ModelSpec, Request, now_ns
-from adapters.reference import engine as engine_module
+from adapters.reference import llm_engine as engine_module
 from adapters.reference import cpu_decode, kernels, kernels_cpu
 from adapters.reference.config import EngineConfig
 from adapters.reference.cuda_graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to
-from adapters.reference.engine import ReferenceEngine, activation_reserve
+from adapters.reference.engine import ReferenceEngine
+from adapters.reference.llm_engine import activation_reserve
 from adapters.reference.kernels_cuda import CudaStepAttention, paged_decode_torch
 from adapters.reference.kv_cache import KVPool
 from adapters.reference.model import Linear, ModelConfig

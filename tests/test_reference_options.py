@@ -93,6 +93,7 @@ def test_budget_too_small_for_one_sequence(tiny_ckpt):
 def test_unsupported_kv_dtype_for_the_device(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(kv_cache, "check_kv_dtype", lambda d, dev: "no fp8 here" if d == "fp8" else None)
     monkeypatch.setattr("adapters.reference.engine.check_kv_dtype", kv_cache.check_kv_dtype)
+    monkeypatch.setattr("adapters.reference.llm_engine.check_kv_dtype", kv_cache.check_kv_dtype)
     problems = ReferenceEngine.check_options({"kv_dtype": "fp8"}, spec_for(tiny_ckpt))
     assert problems == ["engine_options.reference.kv_dtype=fp8: no fp8 here. Use kv_dtype=int8 or auto."]
     with pytest.raises(ValueError, match="kv_dtype=fp8: no fp8 here"):
@@ -200,12 +201,12 @@ def test_the_calibration_handicap_spins_its_fraction_of_every_step(tiny_ckpt, mo
     """step_delay_frac makes every step busy-wait that share of its own time (the waits recorded,
     not timed: the ratio of what each step asked for to what the step took before it)."""
     from adapters.base import ModelSpec
-    from adapters.reference import engine as engine_mod
+    from adapters.reference import llm_engine as engine_mod
     asked: list[float] = []
     clock = iter(range(10**6))
     monkeypatch.setattr(engine_mod, "_spin", asked.append)
     monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: float(next(clock)))  # every read: +1 s
-    e = engine_mod.ReferenceEngine()
+    e = ReferenceEngine()
     e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", max_model_len=128, threads=1), {"step_delay_frac": 0.5})
     asked.clear()
     e.prefill([[5, 6, 7, 8] * 8] * 4)

@@ -9,7 +9,9 @@ Read it in this order (the plain-PyTorch path, which holds the reference semanti
     scheduler.py      continuous batching: chunks per step, token budget, preemption
     attention.py      attention through the block table (prefill, cached prefix, decode)
     runner.py         one step: inputs in, greedy tokens out
-    engine.py         the harness's Engine interface on top of it all (and the online API)
+    llm_engine.py     the engine: all of the above wired together, with the online API a server
+                      drives (add_request / step / abort; harness/serve.py) and score()
+    engine.py         the harness's Engine interface: a thin adapter onto llm_engine.py
 
 then, if you want the fast paths (each tested against the plain one):
 

@@ -1,0 +1,397 @@
+"""The engine: model, KV pool, block manager, scheduler and runner wired together, and the
+online API that a server drives. It knows nothing of the harness's `Engine` interface
+(engine.py is the thin adapter onto it; harness/serve.py drives it directly).
+
+    LLMEngine(model, cfg)  loads the weights, sizes the KV pool from the memory budget, builds
+                           the scheduler and the runner (and, on CUDA, captures decode graphs);
+                           load_time_s, compute_threads and details say how it went
+    add_request(request)   the request joins at the next step (`request.arrival_s` is ignored:
+                           the caller decides when it arrives)
+    step()                 one scheduler step; returns a `TokenEvent` for every token it produced,
+                           stamped with now_ns() after the step (device synchronised). A request's
+                           blocks are freed the step it produces its last token (finished=True).
+    has_work()             whether a step would compute anything
+    abort(request_id)      drop a request now and free its blocks (unknown ids are ignored)
+    score(...)             teacher-forced log-probabilities, through the same paged path
+    kv_cache_info()        pool, blocks, fragmentation, prefix-cache and preemption counters
+
+An in-process driver with its own sequences (the adapter's fixed batch) uses the pieces the
+online API is built on: new_sequence(), scheduler.add(), run_step(), sync().
+
+Options: see config.py (and conf/engine/reference.yaml).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from adapters.base import KVCacheInfo, ModelSpec, Request, TokenEvent, TokenScores, now_ns
+from adapters.reference import kernels
+from adapters.reference.block_manager import BlockManager
+from adapters.reference.config import CPU_DEFAULT_KV_BYTES, EngineConfig, cross_field_problems
+from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
+from adapters.reference.model import Model, ModelConfig
+from adapters.reference.runner import ModelRunner, StepOutput
+from adapters.reference.scheduler import Scheduler, Sequence
+from harness import __version__
+from harness.core.kvcalc import canonical_kv_dtype
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def version() -> str:
+    return f"{__version__} (torch {torch.__version__})"
+
+
+# ---- the KV pool's size ---------------------------------------------------------------------------
+
+def _one_sequence_bytes(cfg: EngineConfig, bpt: int, max_model_len: int) -> int:
+    """KV bytes of one sequence of max_model_len tokens, in whole blocks (or one region)."""
+    block = max_model_len if cfg.contiguous else cfg.block_size
+    return -(-max_model_len // block) * block * bpt
+
+
+def budget_problem(cfg: EngineConfig, bpt: int, max_model_len: int, budget: int, source: str) -> str | None:
+    """Why a pool of `budget` bytes cannot hold one sequence of `max_model_len` tokens, or None."""
+    need = _one_sequence_bytes(cfg, bpt, max_model_len)
+    if budget >= need:
+        return None
+    return (f"{source}: the KV pool ({budget} bytes) must hold at least one sequence of "
+            f"max_model_len={max_model_len} tokens, {need} bytes at {bpt} bytes per token. "
+            f"Give engine_options.reference.kv_cache_bytes >= {need}.")
+
+
+def activation_reserve(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Device bytes kept out of the KV pool for one step's activations: twice the largest step's
+    per-token intermediates (hidden states, fused QKV, the MLP's gate/up products; twice for the
+    temporaries around them: float32 norms, rotations, SDPA) in the model's dtype, float32 logits
+    of the rows a step keeps (score() keeps at most `score_rows`), and 256 MiB for CUDA graphs,
+    cuBLAS workspaces and the allocator's slack."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = cfg.max_num_batched_tokens
+    per_token = (4 * mcfg.hidden_size + 2 * (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim
+                 + 3 * mcfg.intermediate_size) * elem
+    rows = max(min(tokens, score_rows(mcfg.vocab_size)), min(tokens, cfg.max_num_seqs))
+    return 2 * tokens * per_token + 3 * rows * mcfg.vocab_size * 4 + (256 << 20)
+
+
+def score_rows(vocab_size: int) -> int:
+    """Tokens per step while scoring: their float32 logits stay under 256 MiB."""
+    return max(64, (256 << 20) // (4 * vocab_size))
+
+
+def _cuda_kv_budget(device: torch.device, cfg: EngineConfig, mcfg: ModelConfig,
+                    dtype: torch.dtype) -> tuple[int, str, dict[str, Any]]:
+    """KV pool bytes on a GPU, as vLLM's gpu_memory_utilization means it: the engine may fill
+    that share of the device's total memory; what is in use now (our weights, other processes)
+    and an activation reserve come off it. Errors name the option and the fix."""
+    free, total = torch.cuda.mem_get_info(device)
+    used, u = total - free, cfg.gpu_memory_utilization
+    reserve = activation_reserve(cfg, mcfg, dtype)
+    budget = int(total * u) - used - reserve
+    opt = "engine_options.reference.gpu_memory_utilization"
+    if budget <= 0:
+        need = (used + reserve) / total
+        raise ValueError(f"{opt}={u}: {u:.0%} of the device's {total / 2**30:.1f} GiB leaves no room for the KV "
+                         f"cache: {used / 2**30:.1f} GiB are already in use (weights and other processes) and "
+                         f"{reserve / 2**30:.1f} GiB are kept for activations. Raise it above {need:.2f}, free device "
+                         "memory, or give engine_options.reference.kv_cache_bytes.")
+    if budget > free - reserve:  # cannot happen unless memory was freed meanwhile; never over-commit
+        raise ValueError(f"{opt}={u}: the KV pool would need {budget / 2**30:.1f} GiB but only "
+                         f"{(free - reserve) / 2**30:.1f} GiB are free beside the activation reserve. Lower it.")
+    source = (f"{opt}={u} ({u} x {total} total bytes - {used} in use - {reserve} activation reserve)")
+    return budget, source, {"total_bytes": total, "used_before_pool_bytes": used, "utilization": u,
+                            "activation_reserve_bytes": reserve, "kv_budget_bytes": budget}
+
+
+def _spin(seconds: float) -> None:
+    """Busy-wait `seconds`: the calibration handicap costs CPU time as slower code would. A sleep
+    does not: on a busy machine a sleeping thread waits for its core back, and a "25 %" sleep
+    measured as +60-80 % per step in A/B jobs beside other work."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+class LLMEngine:
+    """The loaded engine. `cfg` is a checked EngineConfig (the adapter checks the fields; the
+    checks that need the device are made here); `model.threads` sets torch's threads unless
+    `cfg.num_threads` does."""
+
+    def __init__(self, model: ModelSpec, cfg: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.device = torch.device(model.device)
+        problems = cross_field_problems(cfg)
+        why = check_kv_dtype(cfg.kv_dtype, self.device)
+        if why:
+            problems.append(f"engine_options.reference.kv_dtype={cfg.kv_dtype}: {why}.")
+        if problems:
+            raise ValueError(" ".join(problems))
+        # equal resources: the run's share of threads, unless the user set num_threads
+        threads = cfg.num_threads or model.threads
+        if threads:
+            torch.set_num_threads(threads)
+        self.cfg, self.spec = cfg, model
+        mcfg = ModelConfig.from_dir(model.path)
+        dtype = DTYPES[model.dtype]
+        self.kernels = kernels.select(self.device, dtype, cfg)
+        self.model: Model | None = Model(mcfg, model.path, dtype, self.device, max_len=model.max_model_len,
+                                         make_linear=self.kernels.make_linear, rows=self.kernels.rows)
+        # what load() reports (LoadInfo.details)
+        self.details: dict[str, Any] = {"options": vars(cfg).copy(), "architecture": mcfg.architecture,
+                                        "kernels": dict(self.kernels.details)}
+        max_len = max(model.max_model_len, 1)
+        self.block_size = max_len if cfg.contiguous else cfg.block_size
+        graphs = self.kernels.decode_graphs and cfg.use_cache
+        self.pool: KVPool | None = None
+        self.blocks: BlockManager | None = None
+        if cfg.use_cache:
+            self._make_pool(mcfg, dtype, max_len, scratch=1 if graphs else 0)
+        # a fixed batch (the adapter's prefill()) is admitted whole: at least the run's largest batch may run
+        max_seqs = max(cfg.max_num_seqs, model.max_batch_size)
+        self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens)
+        self.graphs = self._capture_graphs(max_seqs, max_len) if graphs else None
+        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, self.kernels.attention, self.graphs)
+        self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
+        self._next_id = 0
+        self.sync()
+        self.details["num_blocks"] = self.pool.num_blocks if self.pool else 0
+        self.compute_threads = torch.get_num_threads()
+        self.load_time_s = time.perf_counter() - t0
+
+    def _make_pool(self, mcfg: ModelConfig, dtype: torch.dtype, max_len: int, scratch: int) -> None:
+        """The KV pool and its block manager, sized from kv_cache_bytes, or the device's memory
+        budget. `scratch`: blocks beyond the budget's (the padded rows of graphed decode steps)."""
+        cfg = self.cfg
+        bpt = bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
+        budget, source = cfg.kv_cache_bytes, f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}"
+        if budget is None and self.device.type == "cuda":
+            budget, source, self.details["gpu_memory"] = _cuda_kv_budget(self.device, cfg, mcfg, dtype)
+            budget -= scratch * bpt * self.block_size
+        elif budget is None:  # CPU: 1 GiB, but no more than max_num_seqs sequences could use
+            one_sequence = _one_sequence_bytes(cfg, bpt, max_len)
+            budget = max(one_sequence, min(CPU_DEFAULT_KV_BYTES, cfg.max_num_seqs * one_sequence))
+        why = budget_problem(cfg, bpt, max_len, budget, source)
+        if why:
+            raise ValueError(why)
+        num_blocks = budget // (bpt * self.block_size)
+        self.pool = KVPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
+                           mcfg.head_dim, cfg.kv_dtype, dtype, self.device, scratch_blocks=scratch)
+        self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
+
+    def _capture_graphs(self, max_seqs: int, max_len: int) -> Any:
+        """CUDA graphs of decode steps, one per batch bucket (cuda_graphs.py), captured now."""
+        from adapters.reference.cuda_graphs import CudaGraphBackend, DecodeGraphs  # CUDA only
+
+        graphs = DecodeGraphs(self.model, self.pool, self.kernels.decode_fn, max_seqs, max_len,
+                              CudaGraphBackend(self.device))
+        t = time.perf_counter()
+        graphs.capture()
+        self.details["kernels"]["cuda_graph_capture_s"] = round(time.perf_counter() - t, 3)
+        self.details["kernels"]["cuda_graph_buckets"] = list(graphs.buckets)
+        return graphs
+
+    def close(self) -> None:
+        """Drop every sequence and the device tensors (the runner holds the pool and the graphs)."""
+        if self.model is not None:
+            self.release()
+        self.model = self.pool = self.blocks = self.graphs = self.runner = None  # frees device memory
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def new_sequence(self, prompt: list[int], stop_len: int, request_id: str | None = None) -> Sequence:
+        """A sequence not yet scheduled (scheduler.add() queues it), checked against the model."""
+        if not prompt:
+            raise ValueError("an empty prompt: every sequence needs at least one token.")
+        if stop_len > self.model.rope_len:
+            raise ValueError(f"a sequence of {stop_len} tokens exceeds the model's {self.model.rope_len} positions.")
+        self._next_id += 1
+        return Sequence(self._next_id, list(prompt), stop_len, request_id=request_id)
+
+    def run_step(self, keep_logits: bool = False) -> StepOutput:
+        """Schedule and run one step; record what it computed and sampled."""
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        out = self.runner.run(chunks, keep_logits)
+        if self.cfg.step_delay_frac:  # the calibration handicap (config.py): a real, proportional slowdown
+            self.sync()
+            _spin(self.cfg.step_delay_frac * (time.perf_counter() - t0))
+        for c in chunks:
+            c.seq.num_computed = c.end if self.pool is not None else 0
+        for s in out.sampled:
+            s.chunk.seq.tokens.append(s.token)
+            s.chunk.seq.logits = s.logits
+        if self.blocks is not None:
+            for c in chunks:
+                self.blocks.register_full_blocks(c.seq)
+        return out
+
+    # ---- the online API: what a server drives ------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue `request`; it joins at the next step. `request.arrival_s` is ignored."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id} is already live; request ids must be unique.")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"request {request.request_id}: max_new_tokens must be at least 1.")
+        seq = self.new_sequence(request.prompt_ids, len(request.prompt_ids) + request.max_new_tokens,
+                                request.request_id)
+        self.scheduler.add(seq)
+        self._requests[request.request_id] = seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step: an event for every token it produced, stamped after the device
+        finished. Finished requests leave (their blocks are freed) before this returns."""
+        if not self.scheduler.has_work():
+            return []
+        out = self.run_step()
+        self.sync()
+        t = now_ns()
+        events = []
+        for s in out.sampled:
+            seq = s.chunk.seq
+            done = not seq.wants_step
+            if done and self._requests.get(seq.request_id) is seq:
+                self.scheduler.finish(seq)
+                del self._requests[seq.request_id]
+            events.append(TokenEvent(seq.request_id, seq.num_outputs - 1, s.token, t, finished=done))
+        return events
+
+    def abort(self, request_id: str) -> None:
+        """Drop a live request now, freeing its blocks. Unknown (or finished) ids are ignored."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+
+    def release(self) -> None:
+        """Drop every live request, freeing its blocks."""
+        for seq in self._requests.values():
+            self.scheduler.finish(seq)
+        self._requests = {}
+
+    # ---- teacher-forced scores ---------------------------------------------------------
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+        """For each position p in [start[i], len(seq)): the next-token distribution given
+        seq[:p], from ONE teacher-forced pass through the normal paged path (chunks through the
+        block table, the prefix cache supplying what it can before the first scored position).
+        The sequence without its last token is prefilled with the logits of every position
+        from start[i] - 1 kept; log_softmax in float32 over the whole vocabulary. It needs the
+        engine to itself: live requests are dropped first."""
+        self.check_score_args(sequences, start, top_k)
+        self.release()
+        results = [TokenScores([], [], []) for _ in sequences]
+        work = []  # (sequence, its full token list, its TokenScores, start)
+        for full, s0, res in zip(sequences, start, results):
+            if s0 == len(full):
+                continue  # nothing to score
+            seq = self.new_sequence(full[:-1], len(full), request_id=None)
+            seq.score_from = s0 - 1
+            work.append((seq, full, res, s0))
+            self.scheduler.add(seq)
+        try:
+            rows = self._scored_rows(work, top_k)
+        finally:
+            for seq, *_ in work:
+                self.scheduler.finish(seq)
+            self.release()
+        for seq, full, res, s0 in work:
+            got = rows[id(seq)]
+            for p in range(s0 - 1, len(full) - 1):
+                ids, lps, tgt = got[p]
+                res.top_ids.append(ids)
+                res.top_logprobs.append(lps)
+                res.target_logprobs.append(tgt)
+        return results
+
+    def check_score_args(self, sequences: list[list[int]], start: list[int], top_k: int) -> None:
+        if len(start) != len(sequences):
+            raise ValueError(f"score(): {len(sequences)} sequences but {len(start)} start positions.")
+        vocab = self.model.cfg.vocab_size
+        if not 1 <= top_k <= vocab:
+            raise ValueError(f"score(): top_k={top_k} must be between 1 and the vocabulary size {vocab}.")
+        for i, (seq, s0) in enumerate(zip(sequences, start)):
+            if not 1 <= s0 <= len(seq):
+                raise ValueError(f"score(): start[{i}]={s0} must be in [1, {len(seq)}] (position 0 has "
+                                 "no context to predict it from).")
+
+    def _scored_rows(self, work: list[tuple], top_k: int) -> dict[int, dict[int, tuple]]:
+        """Steps until the scheduled scoring work is done: per sequence (by id()), per position,
+        (top-k ids, their log-probabilities, the target's log-probability)."""
+        by_seq = {id(seq): (full, res, s0) for seq, full, res, s0 in work}
+        rows: dict[int, dict[int, tuple]] = {id(seq): {} for seq, *_ in work}
+        budget = self.scheduler.budget  # steps of fewer tokens: their logits stay small
+        self.scheduler.budget = min(budget, score_rows(self.model.cfg.vocab_size))
+        try:
+            while self.scheduler.has_work():
+                out = self.run_step()
+                for sc in out.scored:
+                    full, _, s0 = by_seq[id(sc.chunk.seq)]
+                    logp = sc.logits.float().log_softmax(dim=-1)
+                    top = logp.topk(top_k, dim=-1)
+                    targets = torch.tensor([full[p + 1] for p in sc.positions], device=logp.device)
+                    target = logp.gather(1, targets[:, None])[:, 0]
+                    ids, lps, tgt = top.indices.tolist(), top.values.tolist(), target.tolist()
+                    for j, p in enumerate(sc.positions):  # a recomputed position (preemption) overwrites
+                        rows[id(sc.chunk.seq)][p] = (ids[j], lps[j], tgt[j])
+                for sampled in out.sampled:  # done: its blocks go back (and its place in the batch)
+                    self.scheduler.finish(sampled.chunk.seq)
+        finally:
+            self.scheduler.budget = budget
+        return rows
+
+    # ---- statistics ------------------------------------------------------------------------
+    def kv_cache_info(self) -> KVCacheInfo:
+        if self.model is None:  # closed
+            return KVCacheInfo()
+        cfg = self.cfg
+        kv_dtype = cfg.kv_dtype if cfg.kv_dtype != "auto" else canonical_kv_dtype(self.spec.dtype)
+        extra: dict[str, Any] = {"kv_cache": cfg.kv_cache, "kv_layout": cfg.kv_layout,
+                                 "prefix_caching": cfg.use_prefix_cache, "kernels": dict(self.kernels.details)}
+        if self.graphs is not None:
+            extra["cuda_graphs"] = self.graphs.stats()
+        if self.pool is None:
+            return KVCacheInfo(kv_dtype=kv_dtype, pool_bytes=0, tokens_stored=0, slots_allocated=0,
+                               preemptions=self.scheduler.preemptions, extra=extra)
+        bs, blocks = self.block_size, self.blocks
+        filled: dict[int, int] = {}  # block id -> slots holding a token (shared blocks once)
+        for seq in self.scheduler.running:
+            for i, b in enumerate(seq.block_table):
+                filled[b] = max(filled.get(b, 0), min(bs, max(0, seq.num_computed - i * bs)))
+        stored = sum(filled.values())
+        allocated = blocks.num_used * bs
+        extra.update(
+            reserved_bytes=self.pool.nbytes,  # allocated up front, whatever is in use
+            pool_tokens=blocks.num_blocks * bs,
+            unused_slots=allocated - stored,  # internal fragmentation (paged) / reserved but unused (contiguous)
+            unused_slot_frac=(allocated - stored) / allocated if allocated else 0.0,
+            cached_free_blocks=len(blocks.evictable),
+            prefix_cache_evictions=blocks.stats.evictions,
+            prefix_hit_rate=(blocks.stats.prefix_hits / blocks.stats.prefix_queries
+                             if blocks.stats.prefix_queries else None),
+            prefix_counts_in="blocks",
+        )
+        if cfg.contiguous:
+            extra["region_tokens"] = bs  # each sequence reserves one region of max_model_len slots
+        return KVCacheInfo(
+            kv_dtype=kv_dtype, block_size=None if cfg.contiguous else bs, num_blocks=blocks.num_blocks,
+            bytes_per_block=self.pool.bytes_per_token * bs, pool_bytes=self.pool.nbytes,
+            bytes_per_token=self.pool.bytes_per_token, blocks_in_use=blocks.num_used,
+            blocks_peak=blocks.stats.peak_used, tokens_stored=stored, slots_allocated=allocated,
+            prefix_cache_queries=blocks.stats.prefix_queries if cfg.use_prefix_cache else None,
+            prefix_cache_hits=blocks.stats.prefix_hits if cfg.use_prefix_cache else None,
+            preemptions=self.scheduler.preemptions, extra=extra)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes, and start the counters (hits, peak, preemptions) afresh."""
+        if self.blocks is not None:
+            self.blocks.reset_prefix_cache()
+            self.blocks.stats = type(self.blocks.stats)(peak_used=self.blocks.num_used)
+        self.scheduler.preemptions = 0
