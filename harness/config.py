@@ -374,6 +374,8 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
         problems.append(f"engines={requested!r}: give a list of engine names, e.g. engines=[reference,hf], "
                         f"or engines=auto. Known engines: {', '.join(engine_names())}.")
 
+    for w in planned:
+        problems += w.workload.check_engines(w.cfg, {n: classes[n] for n in engines})
     max_len = max((w.workload.max_model_len(w.cfg) for w in planned), default=0)
     if shape is not None:
         main_len = planned[0].workload.max_model_len(planned[0].cfg) if planned else 0

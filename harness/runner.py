@@ -242,6 +242,8 @@ class Runner:
         self._worker: WorkerProcess | None = None
         self._script: Path | None = None
         self.redact = plan.redactor()
+        for planned in plan.workloads:
+            planned.workload.bind_run_dir(out_dir)
 
     # ---- rows --------------------------------------------------------------------------
     def _row(self, engine: str, point: Point | None, status: str, error: str | None,
@@ -365,7 +367,9 @@ class Runner:
                     skip = oom_skip_reason(point, ooms)
                     fields = None if skip else wl.compute_in_harness(point, engine, self.rows, cfg)
                     if skip or fields is not None:
-                        row = self._row(engine, point, "skipped" if skip else "ok", skip, fields or {}, info)
+                        fields = dict(fields or {})
+                        status = "skipped" if skip else fields.pop("status", "ok")
+                        row = self._row(engine, point, status, skip or fields.pop("error", None), fields, info)
                         self.progress.finish(engine, point, row["status"])
                     else:
                         if worker is None:

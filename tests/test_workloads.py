@@ -18,7 +18,7 @@ from workloads.serving import arrival_times
 def test_every_workload_has_a_config(tmp_path):
     from harness.cli import compose_job
     from harness.config import build_plan
-    needs = {"capacity": ["workload.slo_ttft_p99_s=1"],  # what a workload cannot run without
+    needs = {"capacity": ["workload.slo_ttft_p99_s=1"], "tune": ["workload.slo_ttft_p99_s=1"],  # what a workload cannot run without
              "quality": ["model=tiny-trained"]}
     for name in workload_names():
         plan = build_plan(compose_job(["engines=[hf]", f"workload={name}", *needs.get(name, [])]))

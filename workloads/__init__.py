@@ -16,6 +16,7 @@ REGISTRY: dict[str, str] = {
     "parity": "workloads.parity:Parity",
     "capacity": "workloads.capacity:Capacity",
     "quality": "workloads.quality:Quality",
+    "tune": "workloads.tune:Tune",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from collections.abc import Iterable
@@ -206,6 +207,11 @@ class Workload(ABC):
                     "Shorten the workload's prompt/output lengths or pick a model with more positions."]
         return []
 
+    def check_engines(self, cfg: Any, engines: dict[str, type[Engine]]) -> list[str]:
+        """Problems with the config given the run's engines (tune: each engine's search space
+        against its options' schema). Default: none."""
+        return []
+
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:
         """Why this engine cannot run this point (it is then recorded as skipped), or None."""
         return None
@@ -229,8 +235,18 @@ class Workload(ABC):
     def compute_in_harness(self, point: Point, engine: str, rows: list[dict[str, Any]],
                            cfg: Any) -> dict[str, Any] | None:
         """A point the harness computes from earlier rows without the engine (capacity's
-        conclusion): its row's fields, or None for a point the engine measures (the default)."""
+        conclusion): its row's fields, or None for a point the engine measures (the default).
+        Fields `status` and `error` set the row's (e.g. "failed": the computation found nothing)."""
         return None
+
+    def bind_run_dir(self, run_dir: Path) -> None:
+        """Where the run writes (in the harness's process), for a workload that keeps state of its
+        own there (tune's study). Default: nothing."""
+
+    def expected_failure(self, row: dict[str, Any]) -> bool:
+        """A failed row that does not fail the run (tune: a trial whose options cannot run is a
+        pruned trial; the run fails only when no trial ran). Default: none."""
+        return False
 
     def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Complete a row before it is written, after the generic steps (confidence intervals of

@@ -84,7 +84,8 @@ def _probes(rows: list[dict[str, Any]], search: str) -> list[tuple[float, bool, 
     return out
 
 
-def _round(value: float, search: str) -> float:
+def round_load(value: float, search: str) -> float:
+    """A probe's load as it is recorded: a whole concurrency, a rate to 3 significant digits."""
     if search == "concurrency":
         return float(max(1, int(value)))
     return float(f"{value:.3g}")
@@ -100,9 +101,9 @@ def next_value(probes: list[tuple[float, bool, bool]], cfg: CapacityConfig) -> f
     hi = min((v for v in bad if lo is None or v > lo), default=None)
     tried = {v for v, _, _ in probes}
     if hi is None:  # nothing failed yet above the best: go up
-        nxt = _round(min(lo * 2, cfg.max_value), cfg.search)  # type: ignore[operator]
+        nxt = round_load(min(lo * 2, cfg.max_value), cfg.search)  # type: ignore[operator]
     elif lo is None:  # nothing met the SLOs yet: go down
-        nxt = _round(hi / 2, cfg.search)
+        nxt = round_load(hi / 2, cfg.search)
         floor = cfg.min_value or (1 if cfg.search == "concurrency" else cfg.start / 16)
         if nxt < floor or nxt in tried:
             return None
@@ -110,7 +111,7 @@ def next_value(probes: list[tuple[float, bool, bool]], cfg: CapacityConfig) -> f
         width_ok = (hi - lo) <= 1 if cfg.search == "concurrency" else (hi - lo) / hi <= cfg.resolution
         if width_ok:
             return None
-        nxt = _round((lo + hi) / 2, cfg.search)
+        nxt = round_load((lo + hi) / 2, cfg.search)
     return None if nxt in tried else nxt
 
 
@@ -143,7 +144,7 @@ class Capacity(Serving):
         return [self._probe(cfg, cfg.start, 0), Point(self.name, {"search": cfg.search, "result": True})]
 
     def _probe(self, cfg: CapacityConfig, value: float, i: int) -> Point:
-        return Point(self.name, {"search": cfg.search, "value": _round(value, cfg.search), "probe": i,
+        return Point(self.name, {"search": cfg.search, "value": round_load(value, cfg.search), "probe": i,
                                  "num_requests": cfg.num_requests})
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: CapacityConfig,

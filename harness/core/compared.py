@@ -40,6 +40,8 @@ METRICS: dict[str, Metric] = {
     # kv_memory: what the cache really takes per token stored, and the share of slots wasted
     "kv_bytes_per_token": Metric(None, "lower"),
     "kv_waste_frac": Metric(None, "lower", zero_ok=True),
+    # tune: the best configuration's value (capacity, or goodput at the objective's rate)
+    "tune_best_value": Metric(None, "higher"),
 }
 
 # What each workload is compared and gated on, declared by the workload itself
