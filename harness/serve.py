@@ -368,7 +368,23 @@ def build_app(rt: Runtime) -> Any:
     return app
 
 
-async def _completion(rt: Runtime, body: Any) -> Any:
+@dataclass
+class Completion:
+    """A checked `POST /v1/completions` body."""
+
+    ids: list[int]  # the prompt's token ids
+    max_tokens: int
+    min_tokens: int  # EOS does not stop the request before this many tokens
+    ignore_eos: bool
+    return_ids: bool  # token ids beside the text (vLLM's return_token_ids)
+    stream: bool
+    include_usage: bool  # stream: a usage chunk before [DONE]
+    continuous: bool  # stream: usage in every chunk
+    prompt_logprobs: int | None  # top-k of the prompt's teacher-forced scores (None: not asked)
+
+
+def _parse_completion(rt: Runtime, body: Any) -> Completion:
+    """The request's fields, checked (BadRequest names the first one wrong)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -390,113 +406,130 @@ async def _completion(rt: Runtime, body: Any) -> Any:
     min_tokens = body.get("min_tokens") or 0
     if not isinstance(min_tokens, int) or min_tokens < 0 or min_tokens > max_tokens:
         raise BadRequest("min_tokens must be an integer in [0, max_tokens]")
-    ignore_eos = bool(body.get("ignore_eos", False))
-    return_ids = bool(body.get("return_token_ids", False))
-    stream = bool(body.get("stream", False))
     opts = body.get("stream_options") or {}
-    include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-    continuous = bool(opts.get("continuous_usage_stats")) if isinstance(opts, dict) else False
     plp = body.get("prompt_logprobs")
     if plp is not None and (not isinstance(plp, int) or isinstance(plp, bool) or plp < 0):
         raise BadRequest("prompt_logprobs must be a non-negative integer")
+    return Completion(ids, max_tokens, min_tokens, ignore_eos=bool(body.get("ignore_eos", False)),
+                      return_ids=bool(body.get("return_token_ids", False)), stream=bool(body.get("stream", False)),
+                      include_usage=bool(opts.get("include_usage")) if isinstance(opts, dict) else False,
+                      continuous=bool(opts.get("continuous_usage_stats")) if isinstance(opts, dict) else False,
+                      prompt_logprobs=plp)
+
+
+async def _completion(rt: Runtime, body: Any) -> Any:
+    req = _parse_completion(rt, body)
     prompt_logprobs = None
-    if plp is not None:
+    if req.prompt_logprobs is not None:
         try:
             prompt_logprobs = await asyncio.get_running_loop().run_in_executor(
-                None, _prompt_logprobs, rt, ids, max(plp, 1))
+                None, _prompt_logprobs, rt, req.ids, max(req.prompt_logprobs, 1))
         except (ValueError, NotImplementedError, AttributeError) as e:
             raise BadRequest(f"prompt_logprobs: {e}") from None
 
     rid = f"cmpl-{uuid.uuid4().hex}"
     sink = Sink(asyncio.get_running_loop())
-    rt.engine_thread.add(EngineRequest(rid, ids, max_tokens), sink)
+    rt.engine_thread.add(EngineRequest(rid, req.ids, req.max_tokens), sink)
     first = await sink.queue.get()
     if isinstance(first, BaseException):
         raise BadRequest(str(first), 400 if isinstance(first, ValueError) else 500)
     rt.counters["requests"] += 1
-    rt.counters["prompt_tokens"] += len(ids)
-    created = int(time.time())
-    stop_at_eos = not ignore_eos and rt.eos_id is not None
+    rt.counters["prompt_tokens"] += len(req.ids)
+    out = _Output(rt, req, rid, int(time.time()), prompt_logprobs)
+    tokens = _tokens(rt, req, rid, sink, first)
+    if not req.stream:
+        return await out.whole(tokens)
+    return StreamingResponse(out.sse(tokens), media_type="text/event-stream")
 
-    async def tokens() -> AsyncIterator[tuple[int, str | None]]:
-        """(token id, finish reason or None) until the request ends; aborts it if left early."""
-        ev, n, finished = first, 0, False
-        try:
-            while True:
-                if isinstance(ev, BaseException):
-                    raise ev
-                n += 1
-                reason = None
-                if stop_at_eos and ev.token_id == rt.eos_id and n >= min_tokens:
-                    reason = "stop"
-                elif ev.finished:
-                    reason = "length"
-                rt.counters["generation_tokens"] += 1
-                yield ev.token_id, reason
-                if reason:
-                    finished = ev.finished
-                    if reason == "stop" and not ev.finished:
-                        rt.engine_thread.abort(rid)
-                        finished = True
-                    return
-                ev = await sink.queue.get()
-        finally:
-            if not finished:
-                rt.engine_thread.abort(rid)
 
-    out_ids: list[int] = []
+async def _tokens(rt: Runtime, req: Completion, rid: str, sink: Sink,
+                  first: Any) -> AsyncIterator[tuple[int, str | None]]:
+    """(token id, finish reason or None) from the request's first event on, until the request
+    ends; aborts it if left early (or at an EOS before its last token)."""
+    stop_at_eos = not req.ignore_eos and rt.eos_id is not None
+    ev, n, finished = first, 0, False
+    try:
+        while True:
+            if isinstance(ev, BaseException):
+                raise ev
+            n += 1
+            reason = None
+            if stop_at_eos and ev.token_id == rt.eos_id and n >= req.min_tokens:
+                reason = "stop"
+            elif ev.finished:
+                reason = "length"
+            rt.counters["generation_tokens"] += 1
+            yield ev.token_id, reason
+            if reason:
+                finished = ev.finished
+                if reason == "stop" and not ev.finished:
+                    rt.engine_thread.abort(rid)
+                    finished = True
+                return
+            ev = await sink.queue.get()
+    finally:
+        if not finished:
+            rt.engine_thread.abort(rid)
 
-    def usage() -> dict[str, int]:
-        return {"prompt_tokens": len(ids), "completion_tokens": len(out_ids), "total_tokens": len(ids) + len(out_ids)}
 
-    if not stream:
+class _Output:
+    """One request's response: whole (a JSON object) or streamed (SSE chunks), in vLLM's format."""
+
+    def __init__(self, rt: Runtime, req: Completion, rid: str, created: int, prompt_logprobs: list[Any] | None):
+        self.rt, self.req, self.rid, self.created, self.prompt_logprobs = rt, req, rid, created, prompt_logprobs
+        self.out_ids: list[int] = []
+
+    def usage(self) -> dict[str, int]:
+        n_in, n_out = len(self.req.ids), len(self.out_ids)
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+        return {"id": self.rid, "object": "text_completion", "created": self.created,
+                "model": self.rt.served_model_name, "choices": choices, "usage": usage}
+
+    async def whole(self, tokens: AsyncIterator[tuple[int, str | None]]) -> dict[str, Any]:
         reason = None
         try:
-            async for tid, reason in tokens():
-                out_ids.append(tid)
+            async for tid, reason in tokens:
+                self.out_ids.append(tid)
         except Exception as e:
             raise BadRequest(f"generation failed: {e}", 500) from None
-        choice: dict[str, Any] = {"index": 0, "text": _detok(rt, out_ids, len(out_ids)), "logprobs": None,
-                                  "finish_reason": reason, "stop_reason": None}
-        if return_ids:
-            choice["token_ids"] = out_ids
-            choice["prompt_token_ids"] = ids
-        if prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs
-        rt.counters["success"] += 1
-        return {"id": rid, "object": "text_completion", "created": created, "model": rt.served_model_name,
-                "choices": [choice], "usage": usage()}
+        choice: dict[str, Any] = {"index": 0, "text": _detok(self.rt, self.out_ids, len(self.out_ids)),
+                                  "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        if self.req.return_ids:
+            choice["token_ids"] = self.out_ids
+            choice["prompt_token_ids"] = self.req.ids
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs
+        self.rt.counters["success"] += 1
+        return self.body([choice], self.usage())
 
-    def event(obj: dict[str, Any]) -> str:
-        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-    async def sse() -> AsyncIterator[str]:
+    async def sse(self, tokens: AsyncIterator[tuple[int, str | None]]) -> AsyncIterator[str]:
         first_chunk = True
         try:
-            async for tid, reason in tokens():
-                out_ids.append(tid)
-                choice: dict[str, Any] = {"index": 0, "text": _detok(rt, out_ids, 1), "logprobs": None,
+            async for tid, reason in tokens:
+                self.out_ids.append(tid)
+                choice: dict[str, Any] = {"index": 0, "text": _detok(self.rt, self.out_ids, 1), "logprobs": None,
                                           "finish_reason": reason, "stop_reason": None}
-                if return_ids:
+                if self.req.return_ids:
                     choice["token_ids"] = [tid]
                     if first_chunk:
-                        choice["prompt_token_ids"] = ids
-                if first_chunk and prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs
+                        choice["prompt_token_ids"] = self.req.ids
+                if first_chunk and self.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs
                 first_chunk = False
-                yield event({"id": rid, "object": "text_completion", "created": created,
-                             "model": rt.served_model_name, "choices": [choice],
-                             "usage": usage() if continuous else None})
+                yield _event(self.body([choice], self.usage() if self.req.continuous else None))
         except Exception as e:
-            yield event({"error": {"message": f"generation failed: {e}", "type": "server_error", "code": 500}})
+            yield _event({"error": {"message": f"generation failed: {e}", "type": "server_error", "code": 500}})
             return
-        rt.counters["success"] += 1
-        if include_usage:
-            yield event({"id": rid, "object": "text_completion", "created": created, "model": rt.served_model_name,
-                         "choices": [], "usage": usage()})
+        self.rt.counters["success"] += 1
+        if self.req.include_usage:
+            yield _event(self.body([], self.usage()))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(sse(), media_type="text/event-stream")
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 def _metrics_registry(rt: Runtime) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,8 +82,6 @@ def test_bad_input_exits_2_naming_the_field(args, expect):
 
 def test_plan_takes_a_bin_checkpoint_and_names_a_directory_without_weights(tiny_ckpt, tmp_path):
     """infer-bench-serve resolves the checkpoint, device and dtype as a run does (harness.config)."""
-    import shutil
-
     from harness.core.errors import UserError
     from harness.serve import build_plan, compose
     for name in ("bin", "empty"):
