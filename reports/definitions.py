@@ -89,9 +89,10 @@ CLIENT = [
                    "fraction of one core"),
     ("achieved rate", "(requests − 1) / the span of the actual sends, beside the offered rate (asked for) and the "
                       "scheduled rate (the same over the times they were due)"),
-    ("client-limited", "the load generator did not keep up: send lag p99 or loop lag above "
+    ("client-limited", "the load generator did not keep up: send lag p99 or loop-lag p99 (over time) above "
                        "workload.client_lag_limit_s (default 5 ms) or 5 % of the tightest SLO, whichever is smaller, "
-                       "or a client at workload.client_cpu_limit (default 90 %) of a core or more. Its latencies are "
+                       "or one loop stall above 10 times that, or a client at workload.client_cpu_limit (default 90 %) "
+                       "of a core or more. Its latencies are "
                        "partly the client's: treated like saturated, never counted as capacity; raise "
                        "workload.client_processes. '–': no client (an engine in the harness's own process)"),
 ]

@@ -40,20 +40,22 @@ from typing import Any
 
 import numpy as np
 
-try:  # the harness's process runs the sampler; an engine's worker in an environment of its own
-    # (.venv-vllm) imports this module for run_point only, and need not have Optuna
+try:  # the harness's process runs the sampler and the statistics; an engine's worker in an
+    # environment of its own (.venv-vllm) imports this module for run_point only, and need have
+    # neither Optuna nor scipy (harness.core.bootstrap)
     import optuna
     from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
     from optuna.trial import TrialState
+
+    from harness.core.bootstrap import mean_t_ci
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # TPE's multivariate
 except ImportError:  # pragma: no cover - checked in Tune.check
     optuna = None
 
 from adapters.base import Capabilities, Engine
-from harness.core.bootstrap import CONFIDENCE, mean_t_ci
 from harness.core.schema import check, spec, tune_space
 from workloads.base import Point, RunContext
 from workloads.capacity import Capacity, CapacityConfig, next_value, round_load, slo_violations
@@ -186,8 +188,7 @@ def best_result(rows: list[dict[str, Any]], engine: str) -> dict[str, Any] | Non
     return max(good, key=lambda r: (r["tune_value"], -r["point"]["trial"]), default=None)
 
 
-def confirm_ratio(pairs: list[tuple[float | None, float | None]],
-                  confidence: float = CONFIDENCE) -> dict[str, Any]:
+def confirm_ratio(pairs: list[tuple[float | None, float | None]], confidence: float = 0.95) -> dict[str, Any]:
     """best/default over interleaved rounds (default, best): the geometric mean of the rounds'
     ratios, its Student-t interval, and the verdict. A round where either side met nothing is
     left out and said."""
