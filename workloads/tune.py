@@ -505,6 +505,8 @@ class Tune(Capacity):
             if r.get("tune_importance"):
                 imp = ", ".join(f"{k} {v:.2f}" for k, v in r["tune_importance"].items())
                 lines.append(f"          {r['engine']:<9} importance: {imp}")
+            if c.get("note"):
+                lines.append(f"          {r['engine']:<9} confirmation: {c['note']}")
             if r.get("tune_note"):
                 lines.append(f"          {r['engine']:<9} {r['tune_note']}")
         return "\n".join(lines)
