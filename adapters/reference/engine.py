@@ -18,7 +18,6 @@ Options: see config.py (and conf/engine/reference.yaml).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
