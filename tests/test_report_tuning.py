@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.core.results import make_row
+from harness.core.results import make_row, read_rows
 from reports import browser, write_report
 from reports.data import frame
 from reports.sections.tuning import best_pareto_frame, conclusions_frame, importance_frame, trials_frame
 from test_report_fakes import capacity_rows, fake_load_point, write_results
-from test_report_sections import by_header, figures, notes, page, section_ids, table_rows
+from test_report_sections import by_header, figures, notes, page, section_ids, table_headers, table_rows
 
 SLOS = {"ttft_p99_s": 0.5, "tpot_p99_s": 0.05, "e2el_p99_s": None}
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _row(engine: str, point: dict[str, Any], status: str = "ok", error: str | None = None, run_id: str = "fake-tune",
@@ -224,6 +227,23 @@ def test_a_repeated_configuration_says_which_trial_it_repeats(tmp_path: Path) ->
     assert trials[4]["capacity (req/s)"] == "3.000" and trials[4]["probes"] == "0"
 
 
+def test_nsga2_front_and_goodput_objective(tmp_path: Path) -> None:
+    rows = reference_rows()
+    for r in rows:
+        if r["point"].get("result") or r["point"].get("tune"):
+            r["tune_objective"] = "goodput_at_rate"
+        if r["point"].get("tune") == "conclusion":
+            r.update(tune_metric="goodput_req_s", tune_pareto_trials=[1, 3])
+    html = page(tmp_path, rows)
+    trials = by_header(html, "tuning-trials-reference")
+    assert [r["on the Pareto front"] for r in trials] == ["no", "yes", "no", "yes", "no"]
+    assert trials[3]["goodput at the rate (req/s)"] == "4.000"
+    [fig] = figures(html, "tuning-trials")
+    assert fig["layout"]["yaxis"]["title"]["text"].startswith("goodput at the rate")
+    assert "on the Pareto front" not in table_headers(page(tmp_path, reference_rows(), name="tpe"),
+                                                      "tuning-trials-reference")
+
+
 def test_every_trial_failed_shows_no_best(tmp_path: Path) -> None:
     rows = tune_rows("reference", [({}, None, "failed"), ({"block_size": 64}, None, "failed")],
                      note="the space admitted nothing")
@@ -265,3 +285,55 @@ def test_trials_table_sorts_in_chromium(driver: Any, tmp_path: Path) -> None:
     assert driver.execute_script(order) == ["3", "1", "0", "2", "4"]        # largest first, no value last
     driver.execute_script(click, capacity_col)
     assert driver.execute_script(order) == ["0", "1", "3", "2", "4"]        # then smallest first
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_real_tune_run_report_in_chromium(driver: Any, tmp_path: Path, model_cache: Path) -> None:
+    """A small real tuning run of the reference engine (2 trials besides the defaults, 2
+    confirmation rounds): its report's tuning section shows every trial row of results.jsonl with
+    its value, the conclusion's best trial, and draws its figures."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "harness.cli", "engines=[reference]", "model=tiny", "workload=tune",
+           "workload.trials=2", "workload.confirm_rounds=2", "workload.slo_ttft_p99_s=5", "workload.num_requests=8",
+           "workload.input_len=16", "workload.output_len=4", "workload.max_probes=3", "quiet=true", "parity=false",
+           f"model_cache_dir={model_cache}", f"hydra.run.dir={out}"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = read_rows(out / "results.jsonl")
+    trials = [r for r in rows if r["point"].get("result") and r["point"]["role"] in ("default", "trial")]
+    [conclusion] = [r for r in rows if r["point"].get("tune") == "conclusion"]
+    assert len(trials) == 3
+
+    browser.open_report(driver, out / "report.html")
+    assert [e for e in driver.get_log("browser") if e.get("level") in ("SEVERE", "ERROR")] == []
+    drawn = driver.execute_script("""
+        return Array.from(document.querySelectorAll('#tuning figure[data-figure]')).map(f => {
+            const el = f.querySelector('.js-plotly-plot');
+            return [f.dataset.figure, el && el.data ? el.data.length : 0,
+                    el ? el.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length : 0];});""")
+    expected = ["tuning-trials", *(["tuning-importance"] if conclusion["tune_importance"] else []), "tuning-pareto"]
+    assert [d[0] for d in drawn] == expected
+    assert all(d[1] > 0 and d[2] > 0 for d in drawn), drawn
+    table = driver.execute_script("""
+        const t = document.querySelector('table[data-table="tuning-trials-reference"]');
+        const heads = Array.from(t.querySelectorAll('thead th')).map(th => th.textContent.trim());
+        const col = heads.findIndex(h => h.startsWith('capacity'));
+        const read = () => Array.from(t.tBodies[0].rows).map(r => [r.cells[0].textContent.trim(),
+            r.cells[col].dataset.value === undefined ? null : parseFloat(r.cells[col].dataset.value),
+            r.cells[col].textContent.includes('\u2605')]);
+        const before = read();
+        t.querySelectorAll('thead th')[col].click();
+        return [before, read()];""")
+    before, after = table
+    assert [(int(t), v) for t, v, _ in before] == [(r["tune_trial"], r["tune_value"]) for r in trials]
+    assert [int(t) for t, _, star in before if star] == [conclusion["tune_best_trial"]]
+    values = [v for _, v, _ in after if v is not None]
+    assert values == sorted(values, reverse=True)                    # sorted by capacity, largest first
+    conc = driver.execute_script("""
+        const t = document.querySelector('table[data-table="tuning-conclusion"]');
+        const heads = Array.from(t.querySelectorAll('thead th')).map(th => th.textContent.trim());
+        const cells = Array.from(t.tBodies[0].rows[0].cells).map(c => c.textContent.trim());
+        return Object.fromEntries(heads.map((h, i) => [h, cells[i]]));""")
+    assert conc["engine"] == "reference" and conc["best trial"] == str(conclusion["tune_best_trial"])
+    assert conc["verdict"] == conclusion["tune_confirm"]["verdict"]
