@@ -352,27 +352,42 @@ def run(argv: list[str]) -> int:
             cand = Side("candidate", REPO_ROOT, None if dirty else head, args.candidate_override)
         print(f"infer-bench-ab: baseline {base_commit[:12]} vs candidate "
               f"{(cand_commit or 'working tree')[:12]}, {args.rounds} rounds -> {out}", flush=True)
-        rounds = []
-        candidate_exits: list[tuple[int, int, list[str]]] = []
-        for i in range(args.rounds):
-            order = (base, cand) if i % 2 == 0 else (cand, base)
-            medians = {}
-            for side in order:
-                res, code, reasons = run_once(side, overrides, out / f"round{i}-{side.name}", args.python,
-                                              args.run_timeout_s)
-                medians[side.name] = run_medians(res / RESULTS_FILE, metrics)
-                if code != 0:
-                    print(f"  round {i + 1}: the {side.name}'s infer-bench exited {code}"
-                          + (f": {'; '.join(reasons)}" if reasons else ""), flush=True)
-                    if side is cand:
-                        candidate_exits.append((i + 1, code, reasons))
-            rounds.append((medians["baseline"], medians["candidate"]))
-            print(f"  round {i + 1}/{args.rounds} done ({order[0].name} first)", flush=True)
+        rounds, candidate_exits = interleaved_rounds(args, base, cand, overrides, out, metrics)
     finally:
         for t in trees:
             remove_worktree(t)
         shutil.rmtree(work, ignore_errors=True)
     results = paired(rounds, metrics, threshold, allow_missing=args.allow_missing)
+    return report(args, results, candidate_exits, threshold, base_commit, cand_commit, overrides, out)
+
+
+def interleaved_rounds(args: argparse.Namespace, base: Side, cand: Side, overrides: list[str], out: Path,
+                       metrics: list[str]) -> tuple[list[tuple[Values, Values]], list[tuple[int, int, list[str]]]]:
+    """`args.rounds` rounds of one run per side, the order alternating (baseline first in even
+    rounds): ([(baseline medians, candidate medians)] per round, [(round, exit code, reasons)] of
+    the candidate's runs that did not exit 0)."""
+    rounds = []
+    candidate_exits: list[tuple[int, int, list[str]]] = []
+    for i in range(args.rounds):
+        order = (base, cand) if i % 2 == 0 else (cand, base)
+        medians = {}
+        for side in order:
+            res, code, reasons = run_once(side, overrides, out / f"round{i}-{side.name}", args.python,
+                                          args.run_timeout_s)
+            medians[side.name] = run_medians(res / RESULTS_FILE, metrics)
+            if code != 0:
+                print(f"  round {i + 1}: the {side.name}'s infer-bench exited {code}"
+                      + (f": {'; '.join(reasons)}" if reasons else ""), flush=True)
+                if side is cand:
+                    candidate_exits.append((i + 1, code, reasons))
+        rounds.append((medians["baseline"], medians["candidate"]))
+        print(f"  round {i + 1}/{args.rounds} done ({order[0].name} first)", flush=True)
+    return rounds, candidate_exits
+
+
+def report(args: argparse.Namespace, results: list[PairResult], candidate_exits: list[tuple[int, int, list[str]]],
+           threshold: float, base_commit: str, cand_commit: str | None, overrides: list[str], out: Path) -> int:
+    """Print the table and the verdict, write the verdict file; the exit code (0: unchanged)."""
     print(format_table(results))
     counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
     verdict_, why = overall(results, candidate_exits)

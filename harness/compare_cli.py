@@ -58,7 +58,7 @@ def machine_check(base_runs: list[RunFile], cur_runs: list[RunFile]) -> list[str
     return machine_differences(_side(base_runs)[1], _side(cur_runs)[1])
 
 
-def run(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="infer-bench-compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", nargs="+", required=True, help="results files or run directories")
     ap.add_argument("--current", nargs="+", required=True, help="results files or run directories")
@@ -73,7 +73,11 @@ def run(argv: list[str]) -> int:
                          "change of points)")
     ap.add_argument("--json", default="compare.json", help="verdict file (default compare.json)")
     ap.add_argument("--html", help="also write the report's comparison section to this HTML file")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     load_workloads()  # each workload registers the metrics it is compared on
     threshold = parse_threshold(args.threshold)
     if not 0.5 < args.confidence < 1:

@@ -18,6 +18,7 @@ import signal
 import sys
 import traceback
 from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from harness.protocol import (
@@ -67,6 +68,43 @@ def _read(stdin: TextIO) -> Any | None:
     return None
 
 
+def _handshake(send: Callable[[Any], None]) -> Hello | None:
+    """The harness's Hello, or None when it speaks another protocol version (answered with
+    Incompatible). Anything else first on stdin ends the worker (exit 2)."""
+    hello = _read(sys.stdin)
+    if not isinstance(hello, Hello):
+        print(f"[infer-bench worker] expected Hello, got {hello!r}", file=sys.stderr)
+        sys.exit(2)
+    if hello.protocol != PROTOCOL_VERSION:
+        send(Incompatible(PROTOCOL_VERSION, f"the harness speaks protocol {hello.protocol}, this worker "
+                          f"speaks {PROTOCOL_VERSION}"))
+        return None
+    return hello
+
+
+def _pin(cpus: list[int] | None) -> None:
+    """Pin this process to the cores the harness gave the engine (where the OS can)."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:  # e.g. a container whose cores differ: the rows record the real affinity
+            print(f"[infer-bench worker] could not pin to cores {cpus}: {e}", flush=True)
+
+
+def _setup_failed(send: Callable[[Any], None], engine: str, versions: dict[str, Any], e: BaseException) -> None:
+    """Ready, then why the engine could not be set up: Unavailable when a third-party package is
+    missing from this environment, else SetupFailed with the traceback's tail."""
+    traceback.print_exc()
+    send(Ready(PROTOCOL_VERSION, sys.executable, os.getpid(), versions))
+    missing = _missing_package(e)
+    if missing:
+        send(Unavailable(f"the worker could not set up engine {engine} under {sys.executable} (the "
+                         f"package {missing!r} is missing there): {type(e).__name__}: {e}"))
+    else:
+        send(SetupFailed(f"the worker could not set up engine {engine} under {sys.executable}: "
+                         f"{type(e).__name__}: {e}\n{_traceback_tail(e)}"))
+
+
 def main() -> None:
     # protocol lines go to the real stdout; everything else printed to fd 1 goes to stderr (the log)
     proto = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
@@ -78,21 +116,11 @@ def main() -> None:
         proto.write(encode(msg))
         proto.flush()
 
-    hello = _read(sys.stdin)
-    if not isinstance(hello, Hello):
-        print(f"[infer-bench worker] expected Hello, got {hello!r}", file=sys.stderr)
-        sys.exit(2)
-    if hello.protocol != PROTOCOL_VERSION:
-        send(Incompatible(PROTOCOL_VERSION, f"the harness speaks protocol {hello.protocol}, this worker "
-                          f"speaks {PROTOCOL_VERSION}"))
+    hello = _handshake(send)
+    if hello is None:
         return
     job = hello.job
-    cpus = job["model_spec"].get("cpus")
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as e:  # e.g. a container whose cores differ: the rows record the real affinity
-            print(f"[infer-bench worker] could not pin to cores {cpus}: {e}", flush=True)
+    _pin(job["model_spec"].get("cpus"))
     print(f"[infer-bench worker] engine={job['engine']} pid={os.getpid()} python={sys.executable}", flush=True)
     versions = {"python": sys.version.split()[0], "torch": _package_version("torch")}
     try:  # the engine side: adapters, workloads, numpy, psutil ... from the engine's environment
@@ -100,15 +128,7 @@ def main() -> None:
         worker = Worker(job, send)
         versions["engine"] = worker.cls.version()
     except Exception as e:
-        traceback.print_exc()
-        send(Ready(PROTOCOL_VERSION, sys.executable, os.getpid(), versions))
-        missing = _missing_package(e)
-        if missing:
-            send(Unavailable(f"the worker could not set up engine {job['engine']} under {sys.executable} (the "
-                             f"package {missing!r} is missing there): {type(e).__name__}: {e}"))
-        else:
-            send(SetupFailed(f"the worker could not set up engine {job['engine']} under {sys.executable}: "
-                             f"{type(e).__name__}: {e}\n{_traceback_tail(e)}"))
+        _setup_failed(send, job["engine"], versions, e)
         return
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     send(Ready(PROTOCOL_VERSION, sys.executable, os.getpid(), versions, affinity))

@@ -127,10 +127,7 @@ def run_harness(a: argparse.Namespace, work: Path, i: int) -> tuple[list[float],
     return samples, summary
 
 
-def main() -> int:
-    if "--vllm-bench-child" in sys.argv:
-        run_vllm_bench_child(sys.argv[sys.argv.index("--") + 1:])
-        return 0
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", help="model preset (its vocabulary must exceed 10,000: "
@@ -149,7 +146,30 @@ def main() -> int:
                    help="interpreter of vLLM's environment (default: this one)")
     p.add_argument("--rounds", type=int, default=1, help="alternate bench / harness this many times")
     p.add_argument("--work-dir", default=None, help="keep outputs here (default: a temporary directory)")
-    a = p.parse_args()
+    return p
+
+
+def run_round(a: argparse.Namespace, model_path: str, work: Path, i: int) -> tuple[list[float], list[float]]:
+    """One round: vLLM's benchmark, then the harness, on the same point; prints both and their
+    ratios; (bench latencies, harness latencies)."""
+    b, b_text = run_vllm_bench(model_path, a, work, i)
+    print(f"\n--- round {i + 1}: vllm bench latency (vLLM's own output) ---\n{b_text}")
+    h, h_text = run_harness(a, work, i)
+    print(f"--- round {i + 1}: infer-bench (the harness's summary) ---\n{h_text}")
+    print(f"vllm bench latencies (s):   {', '.join(f'{x:.3f}' for x in b)}")
+    print(f"harness e2e latencies (s):  {', '.join(f'{x:.3f}' for x in h)}")
+    print(f"round {i + 1}: mean   bench {statistics.fmean(b):.3f} s, harness {statistics.fmean(h):.3f} s, "
+          f"harness / bench = {statistics.fmean(h) / statistics.fmean(b):.3f}")
+    print(f"round {i + 1}: median bench {statistics.median(b):.3f} s, harness {statistics.median(h):.3f} s, "
+          f"harness / bench = {statistics.median(h) / statistics.median(b):.3f}")
+    return b, h
+
+
+def main() -> int:
+    if "--vllm-bench-child" in sys.argv:
+        run_vllm_bench_child(sys.argv[sys.argv.index("--") + 1:])
+        return 0
+    a = parser().parse_args()
 
     from harness.checkpoint import ensure_checkpoint
     from harness.core.paths import model_cache_dir
@@ -168,16 +188,7 @@ def main() -> int:
     bench_all: list[float] = []
     harness_all: list[float] = []
     for i in range(a.rounds):
-        b, b_text = run_vllm_bench(model_path, a, work, i)
-        print(f"\n--- round {i + 1}: vllm bench latency (vLLM's own output) ---\n{b_text}")
-        h, h_text = run_harness(a, work, i)
-        print(f"--- round {i + 1}: infer-bench (the harness's summary) ---\n{h_text}")
-        print(f"vllm bench latencies (s):   {', '.join(f'{x:.3f}' for x in b)}")
-        print(f"harness e2e latencies (s):  {', '.join(f'{x:.3f}' for x in h)}")
-        print(f"round {i + 1}: mean   bench {statistics.fmean(b):.3f} s, harness {statistics.fmean(h):.3f} s, "
-              f"harness / bench = {statistics.fmean(h) / statistics.fmean(b):.3f}")
-        print(f"round {i + 1}: median bench {statistics.median(b):.3f} s, harness {statistics.median(h):.3f} s, "
-              f"harness / bench = {statistics.median(h) / statistics.median(b):.3f}")
+        b, h = run_round(a, model_path, work, i)
         bench_all += b
         harness_all += h
 

@@ -90,7 +90,7 @@ def vllm_round(root_url: str, served: str, model_path: str, args, out_dir: Path,
             "completed": res["completed"]}
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="model preset (materialised locally)")
     ap.add_argument("--dtype", default=None, help="default: the preset's dtype")
@@ -102,7 +102,48 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tolerance", type=float, default=0.15, help="largest relative TTFT/ITL median difference")
     ap.add_argument("--out", default=None, help="where to write results (default: a temporary directory)")
-    args = ap.parse_args()
+    return ap
+
+
+def comparison(args: argparse.Namespace, rounds: dict[str, list[dict]], server_version: str | None
+               ) -> tuple[bool, list[str]]:
+    """The two tools' medians side by side, each check ok or DIFFERS within --tolerance, and the
+    output token counts: (every check passed, the report's lines)."""
+    def med(tool: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in rounds[tool]))
+
+    h, v = rounds["harness"], rounds["vllm_bench"]
+    checks = {
+        "TTFT median": (med("harness", "ttft_ms"), med("vllm_bench", "ttft_ms")),
+        "ITL median (between chunks)": (med("harness", "itl_chunk_ms"), med("vllm_bench", "itl_ms")),
+    }
+    ok = True
+    lines = [f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs); vLLM server {server_version}; model {args.model} "
+             f"({args.dtype}); {args.num_prompts} requests at {args.rate:g}/s, {args.input_len} in, "
+             f"{args.output_len} out, {args.rounds} rounds each (medians of the rounds' medians)", ""]
+    lines.append(f"{'':30s} {'harness':>10s} {'vllm bench':>11s} {'harness/vllm':>13s}")
+    for name, (a, b) in checks.items():
+        ratio = a / b if b else float("nan")
+        good = bool(abs(ratio - 1) <= args.tolerance)
+        ok &= good
+        lines.append(f"{name + ' (ms)':30s} {a:10.2f} {b:11.2f} {ratio:13.3f}  {'ok' if good else 'DIFFERS'}")
+    lines.append(f"{'ITL median per token (ms)':30s} {med('harness', 'itl_ms'):10.2f} {'':11s}")
+    lines.append(f"{'TPOT median (ms)':30s} {med('harness', 'tpot_ms'):10.2f} {med('vllm_bench', 'tpot_ms'):11.2f} "
+                 f"{med('harness', 'tpot_ms') / med('vllm_bench', 'tpot_ms'):13.3f}")
+    lines.append(f"{'E2EL median (ms)':30s} {med('harness', 'e2el_ms'):10.2f} {med('vllm_bench', 'e2el_ms'):11.2f} "
+                 f"{med('harness', 'e2el_ms') / med('vllm_bench', 'e2el_ms'):13.3f}")
+    tokens_equal = all(r["output_tokens"] == args.num_prompts * args.output_len for r in h + v)
+    ok &= tokens_equal and not any(r["token_count_mismatch"] for r in h)
+    lines.append(f"output tokens per round: harness {[r['output_tokens'] for r in h]} (server's usage "
+                 f"{[r['output_tokens_server'] for r in h]}), vllm bench {[r['output_tokens'] for r in v]}: "
+                 f"{'equal' if tokens_equal else 'DIFFER'}")
+    lines.append(f"tokens per SSE chunk (harness): max {max(r['tokens_per_chunk_max'] for r in h)}, "
+                 f"share of multi-token chunks {max(r['multi_token_chunk_frac'] for r in h):.3f}")
+    return ok, lines
+
+
+def main() -> int:
+    args = parser().parse_args()
 
     import yaml
 
@@ -144,36 +185,7 @@ def main() -> int:
     finally:
         engine.close()
 
-    def med(tool: str, key: str) -> float:
-        return float(statistics.median(r[key] for r in rounds[tool]))
-
-    h, v = rounds["harness"], rounds["vllm_bench"]
-    checks = {
-        "TTFT median": (med("harness", "ttft_ms"), med("vllm_bench", "ttft_ms")),
-        "ITL median (between chunks)": (med("harness", "itl_chunk_ms"), med("vllm_bench", "itl_ms")),
-    }
-    ok = True
-    lines = [f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs); vLLM server {server_version}; model {args.model} "
-             f"({args.dtype}); {args.num_prompts} requests at {args.rate:g}/s, {args.input_len} in, "
-             f"{args.output_len} out, {args.rounds} rounds each (medians of the rounds' medians)", ""]
-    lines.append(f"{'':30s} {'harness':>10s} {'vllm bench':>11s} {'harness/vllm':>13s}")
-    for name, (a, b) in checks.items():
-        ratio = a / b if b else float("nan")
-        good = bool(abs(ratio - 1) <= args.tolerance)
-        ok &= good
-        lines.append(f"{name + ' (ms)':30s} {a:10.2f} {b:11.2f} {ratio:13.3f}  {'ok' if good else 'DIFFERS'}")
-    lines.append(f"{'ITL median per token (ms)':30s} {med('harness', 'itl_ms'):10.2f} {'':11s}")
-    lines.append(f"{'TPOT median (ms)':30s} {med('harness', 'tpot_ms'):10.2f} {med('vllm_bench', 'tpot_ms'):11.2f} "
-                 f"{med('harness', 'tpot_ms') / med('vllm_bench', 'tpot_ms'):13.3f}")
-    lines.append(f"{'E2EL median (ms)':30s} {med('harness', 'e2el_ms'):10.2f} {med('vllm_bench', 'e2el_ms'):11.2f} "
-                 f"{med('harness', 'e2el_ms') / med('vllm_bench', 'e2el_ms'):13.3f}")
-    tokens_equal = all(r["output_tokens"] == args.num_prompts * args.output_len for r in h + v)
-    ok &= tokens_equal and not any(r["token_count_mismatch"] for r in h)
-    lines.append(f"output tokens per round: harness {[r['output_tokens'] for r in h]} (server's usage "
-                 f"{[r['output_tokens_server'] for r in h]}), vllm bench {[r['output_tokens'] for r in v]}: "
-                 f"{'equal' if tokens_equal else 'DIFFER'}")
-    lines.append(f"tokens per SSE chunk (harness): max {max(r['tokens_per_chunk_max'] for r in h)}, "
-                 f"share of multi-token chunks {max(r['multi_token_chunk_frac'] for r in h):.3f}")
+    ok, lines = comparison(args, rounds, server_version)
     report = "\n".join(lines)
     print("\n" + report)
     (out_dir / "comparison.json").write_text(json.dumps({"args": vars(args), "rounds": rounds, "ok": ok,

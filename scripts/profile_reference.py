@@ -35,7 +35,7 @@ def _value(text: str):
     return {"true": True, "false": False, "null": None}.get(text.lower(), text)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--batch", type=int, default=16)
@@ -48,7 +48,43 @@ def main() -> int:
     ap.add_argument("--options", nargs="*", default=[], help="engine options, key=value")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-profile", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def time_steps(engine: ReferenceEngine, prompts: list[list[int]], args: argparse.Namespace
+               ) -> tuple[list[float], list[float]]:
+    """(prefill times, decode step times) over --repeats rounds after one warm-up round."""
+    prefill, steps = [], []
+    for _ in range(args.repeats + 1):  # the first round warms up
+        engine.reset_prefix_cache()
+        t = time.perf_counter()
+        engine.prefill(prompts)
+        prefill.append(time.perf_counter() - t)
+        steps += engine.decode(args.steps).step_latencies_s
+        engine.release()
+    return prefill[1:], steps[args.steps:]
+
+
+def print_profiles(engine: ReferenceEngine, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """One prefill and --steps decode steps under torch.profiler: the top operators of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    engine.reset_prefix_cache()
+    with profile(activities=acts) as p_prefill:
+        engine.prefill(prompts)
+    with profile(activities=acts) as p_decode:
+        engine.decode(args.steps)
+    engine.release()
+    sort = "self_device_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    for label, p, n in (("prefill", p_prefill, 1), (f"decode ({args.steps} steps)", p_decode, args.steps)):
+        events = p.key_averages()
+        print(f"\n== {label}: {sum(e.count for e in events) / n:.0f} operator calls per step")
+        print(events.table(sort_by=sort, row_limit=args.top))
+
+
+def main() -> int:
+    args = parser().parse_args()
 
     from harness.checkpoint import ensure_checkpoint
     from harness.core.paths import model_cache_dir
@@ -66,35 +102,14 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, min(shape.vocab_size, 30000), (args.prompt,), generator=g).tolist()
                for _ in range(args.batch)]
-    prefill, steps = [], []
-    for _ in range(args.repeats + 1):  # the first round warms up
-        engine.reset_prefix_cache()
-        t = time.perf_counter()
-        engine.prefill(prompts)
-        prefill.append(time.perf_counter() - t)
-        steps += engine.decode(args.steps).step_latencies_s
-        engine.release()
-    prefill, steps = prefill[1:], steps[args.steps:]
+    prefill, steps = time_steps(engine, prompts, args)
     print(f"{args.preset} {args.dtype} {args.device}: prefill {args.batch}x{args.prompt} "
           f"{statistics.median(prefill) * 1e3:.1f} ms; decode step (batch {args.batch}) "
           f"{statistics.median(steps) * 1e3:.2f} ms median; output tok/s (prefill + {args.steps} steps) "
           f"{args.batch * (args.steps + 1) / (statistics.median(prefill) + args.steps * statistics.median(steps)):.1f}")
     if args.no_profile:
         return 0
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-    engine.reset_prefix_cache()
-    with profile(activities=acts) as p_prefill:
-        engine.prefill(prompts)
-    with profile(activities=acts) as p_decode:
-        engine.decode(args.steps)
-    engine.release()
-    sort = "self_device_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
-    for label, p, n in (("prefill", p_prefill, 1), (f"decode ({args.steps} steps)", p_decode, args.steps)):
-        events = p.key_averages()
-        print(f"\n== {label}: {sum(e.count for e in events) / n:.0f} operator calls per step")
-        print(events.table(sort_by=sort, row_limit=args.top))
+    print_profiles(engine, prompts, args)
     engine.close()
     return 0
 

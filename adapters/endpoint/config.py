@@ -196,46 +196,80 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
         problems.append(f"{p}: give exactly one of {p}.url (attach to a running server) and {p}.launch "
                         "(a command the harness starts).")
     if cfg.url is not None:
-        parts = urlsplit(cfg.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            problems.append(f"{p}.url={REDACT.text(cfg.url)}: not an http(s) URL. Give the server's base URL, "
-                            "e.g. http://127.0.0.1:8000/v1.")
-        else:
-            try:
-                parts.port
-            except ValueError:
-                problems.append(f"{p}.url: the port is not a number. Give e.g. http://127.0.0.1:8000/v1.")
-        if cfg.env:
-            problems.append(f"{p}.env: only a launched server gets an environment; drop it for an attached one.")
+        problems += _url_problems(p, cfg)
     if cfg.launch is not None:
-        if not cfg.launch or not all(isinstance(x, str) and x for x in cfg.launch):
-            problems.append(f"{p}.launch: give the command as a non-empty list of non-empty strings, e.g. "
-                            "['{python}', '-m', 'vllm.entrypoints.openai.api_server', '--port', '{port}', ...].")
-        else:
-            names, probs = template_fields(cfg.launch)
-            problems += [f"{p}.launch{x}" for x in probs]
-            unknown = sorted(names - set(PLACEHOLDERS))
-            if unknown:
-                problems.append(f"{p}.launch: unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)}. "
-                                f"Known: {', '.join('{' + k + '}' for k in PLACEHOLDERS)}.")
-            if "port" not in names and not probs:
-                problems.append(f"{p}.launch: the command must pass {{port}} to the server: the harness picks a "
-                                "free port and waits for the server there.")
-            if "api_key" in names and not cfg.has_key:
-                problems.append(f"{p}.launch uses {{api_key}}: give {p}.{_SAFE} for its value.")
-        for k, v in cfg.env.items():
-            names, probs = template_fields([str(v)])
-            bad = sorted(names - set(PLACEHOLDERS) | ({"api_key"} & names))
-            if probs or bad:
-                problems.append(f"{p}.env.{k}: placeholders there may be "
-                                f"{', '.join('{' + x + '}' for x in PLACEHOLDERS if x != 'api_key')} "
-                                "(write a literal brace as {{ or }}).")
-        for i, item in enumerate(cfg.cpu_launch):
-            if not isinstance(item, str) or not item:
-                problems.append(f"{p}.cpu_launch[{i}]: give non-empty strings (arguments of the server).")
-        if cfg.attached_options:
-            problems.append(f"{p}.attached_options: only for an attached server (url); a launched one is "
-                            f"started with engine_options.{name}.")
+        problems += _launch_problems(p, name, cfg)
+    problems += _key_problems(p, cfg)
+    problems += _path_problems(p, cfg)
+    problems += _request_option_problems(p, cfg)
+    if cfg.cpu_options and not problems:
+        problems += [x.replace(f"engine_options.{name}.", f"{p}.cpu_options.")
+                     for x in option_problems(name, cfg.kind, cfg.cpu_options, "cpu", server_version=cfg.server_version)]
+    accepted = KIND_RECORDS[cfg.kind].accepted_fields
+    if accepted is not None:
+        unknown = sorted(set(cfg.extra_body) - set(accepted))
+        if unknown:
+            problems.append(f"{p}.extra_body: a kind={cfg.kind} server refuses requests with unknown fields "
+                            f"(HTTP 400): {', '.join(unknown)}. Fields it knows: {', '.join(accepted)}.")
+    return (cfg if not problems else None), problems
+
+
+def _url_problems(p: str, cfg: EndpointConfig) -> list[str]:
+    """An attached server's URL, and no launch-only environment."""
+    problems = []
+    parts = urlsplit(cfg.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        problems.append(f"{p}.url={REDACT.text(cfg.url)}: not an http(s) URL. Give the server's base URL, "
+                        "e.g. http://127.0.0.1:8000/v1.")
+    else:
+        try:
+            parts.port
+        except ValueError:
+            problems.append(f"{p}.url: the port is not a number. Give e.g. http://127.0.0.1:8000/v1.")
+    if cfg.env:
+        problems.append(f"{p}.env: only a launched server gets an environment; drop it for an attached one.")
+    return problems
+
+
+def _launch_problems(p: str, name: str, cfg: EndpointConfig) -> list[str]:
+    """A launched server's command template, its environment and CPU arguments, and no
+    attached-only options."""
+    problems = []
+    if not cfg.launch or not all(isinstance(x, str) and x for x in cfg.launch):
+        problems.append(f"{p}.launch: give the command as a non-empty list of non-empty strings, e.g. "
+                        "['{python}', '-m', 'vllm.entrypoints.openai.api_server', '--port', '{port}', ...].")
+    else:
+        names, probs = template_fields(cfg.launch)
+        problems += [f"{p}.launch{x}" for x in probs]
+        unknown = sorted(names - set(PLACEHOLDERS))
+        if unknown:
+            problems.append(f"{p}.launch: unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)}. "
+                            f"Known: {', '.join('{' + k + '}' for k in PLACEHOLDERS)}.")
+        if "port" not in names and not probs:
+            problems.append(f"{p}.launch: the command must pass {{port}} to the server: the harness picks a "
+                            "free port and waits for the server there.")
+        if "api_key" in names and not cfg.has_key:
+            problems.append(f"{p}.launch uses {{api_key}}: give {p}.{_SAFE} for its value.")
+    for k, v in cfg.env.items():
+        names, probs = template_fields([str(v)])
+        bad = sorted(names - set(PLACEHOLDERS) | ({"api_key"} & names))
+        if probs or bad:
+            problems.append(f"{p}.env.{k}: placeholders there may be "
+                            f"{', '.join('{' + x + '}' for x in PLACEHOLDERS if x != 'api_key')} "
+                            "(write a literal brace as {{ or }}).")
+    for i, item in enumerate(cfg.cpu_launch):
+        if not isinstance(item, str) or not item:
+            problems.append(f"{p}.cpu_launch[{i}]: give non-empty strings (arguments of the server).")
+    if cfg.attached_options:
+        problems.append(f"{p}.attached_options: only for an attached server (url); a launched one is "
+                        f"started with engine_options.{name}.")
+    return problems
+
+
+def _key_problems(p: str, cfg: EndpointConfig) -> list[str]:
+    """Where the API key and the secret headers come from: names of set variables, a readable
+    file, never a value."""
+    problems = []
     if cfg.api_key_env and cfg.api_key_file:
         problems.append(f"{p}: give one of api_key_env and api_key_file, not both.")
     if cfg.api_key_env is not None and looks_like_credential(cfg.api_key_env):
@@ -265,6 +299,12 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
     for header, value in cfg.headers.items():
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             problems.append(f"{p}.headers.{header}: give a string value.")
+    return problems
+
+
+def _path_problems(p: str, cfg: EndpointConfig) -> list[str]:
+    """The files and directories the config names: CA bundle, interpreter, tokenizer."""
+    problems = []
     if cfg.ca_bundle is not None and not Path(cfg.ca_bundle).expanduser().is_file():
         problems.append(f"{p}.ca_bundle={cfg.ca_bundle}: no such file. Give a PEM file with the CA certificate.")
     if cfg.python is not None:
@@ -277,6 +317,13 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
     if cfg.tokenizer is not None and not Path(cfg.tokenizer).expanduser().is_dir():
         problems.append(f"{p}.tokenizer={cfg.tokenizer}: no such directory. Give a directory with the "
                         "tokenizer files (tokenizer.json ...).")
+    return problems
+
+
+def _request_option_problems(p: str, cfg: EndpointConfig) -> list[str]:
+    """Request fields the harness sets itself, unknown option names, and launch-only settings
+    on an attached server."""
+    problems = []
     for key in ("extra_body",):
         reserved = sorted(set(getattr(cfg, key)) & {"prompt", "stream", "model"})
         if reserved:
@@ -288,13 +335,4 @@ def check_endpoint(name: str, raw: dict[str, Any] | None) -> tuple[EndpointConfi
     if cfg.url is not None and (cfg.cpu_launch or cfg.cpu_env or cfg.cpu_options or cfg.dry_run):
         problems.append(f"{p}: cpu_launch, cpu_env, cpu_options and dry_run are for a launched server (launch); "
                         "drop them for an attached one.")
-    if cfg.cpu_options and not problems:
-        problems += [x.replace(f"engine_options.{name}.", f"{p}.cpu_options.")
-                     for x in option_problems(name, cfg.kind, cfg.cpu_options, "cpu", server_version=cfg.server_version)]
-    accepted = KIND_RECORDS[cfg.kind].accepted_fields
-    if accepted is not None:
-        unknown = sorted(set(cfg.extra_body) - set(accepted))
-        if unknown:
-            problems.append(f"{p}.extra_body: a kind={cfg.kind} server refuses requests with unknown fields "
-                            f"(HTTP 400): {', '.join(unknown)}. Fields it knows: {', '.join(accepted)}.")
-    return (cfg if not problems else None), problems
+    return problems

@@ -362,6 +362,13 @@ class EndpointEngine(Engine):
 
     def _identify(self) -> None:
         """Who answers: /v1/models (this also checks the key), /version, and whether /metrics works."""
+        r = self._get_models()
+        self._choose_model(r)
+        self._read_version(r)
+        self._probe_metrics()
+
+    def _get_models(self) -> httpx.Response:
+        """GET /v1/models, or an EndpointError that says why the server cannot be used."""
         cfg = self.cfg
         try:
             r = self._get(self.base + "/models")
@@ -382,6 +389,11 @@ class EndpointEngine(Engine):
         if r.status_code >= 400:
             raise EndpointError(f"endpoint {self.name}: GET /v1/models: "
                                 f"{self.redactor.text(http_reason(r.status_code, r.reason_phrase, r.text)[1])}")
+        return r
+
+    def _choose_model(self, r: httpx.Response) -> None:
+        """The model name requests carry: the configured one, else the first /v1/models lists."""
+        cfg = self.cfg
         try:
             models = [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
         except (ValueError, AttributeError):
@@ -395,6 +407,11 @@ class EndpointEngine(Engine):
             self.model_name = models[0]
         elif models and self.model_name not in models:
             self.model_name = models[0]
+
+    def _read_version(self, r: httpx.Response) -> None:
+        """The server's version (and compute threads where it says) from its kind's version paths,
+        else the Server header of the /v1/models response `r`."""
+        cfg = self.cfg
         self.server_version = None
         self.server_threads = None
         for path in KINDS[cfg.kind].version_paths:
@@ -411,6 +428,10 @@ class EndpointEngine(Engine):
                 pass
         if self.server_version is None:
             self.server_version = r.headers.get("server")
+
+    def _probe_metrics(self) -> None:
+        """Whether /metrics answers Prometheus text (required when metrics=true)."""
+        cfg = self.cfg
         self.metrics_on = False
         if cfg.metrics is not False:
             try:
@@ -686,12 +707,7 @@ class EndpointEngine(Engine):
         self.release()
         assert self._loop is not None
         cap = [c for c in (max_concurrency, self.cfg.max_concurrency) if c]
-        items = []
-        for r in requests:
-            if r.max_new_tokens < 1:
-                raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-            items.append(Item(r.request_id, dumps(self._body(self._prompt(r.prompt_ids), r.max_new_tokens)),
-                              len(r.prompt_ids), r.max_new_tokens, r.arrival_s))
+        items = self._load_items(requests)
         spec = self._client_spec()
         slots = min([concurrency] + cap) if closed else 1
         job = Job(spec, items, 0, closed, slots, None if closed else (min(cap) if cap else None), ramp_up_s)
@@ -701,50 +717,80 @@ class EndpointEngine(Engine):
         gc.freeze()  # the harness's own objects are not scanned by collections during the point
         try:
             if processes <= 1 and backend == "local":
-                start = now_ns() + 5_000_000
-                job.start_ns = start
-                stats = ClientStats(pid=os.getpid())
-                finished = threading.Event()
-                loop = self._loop
-
-                async def go() -> None:
-                    try:
-                        await run_job(job, loop.streams(spec), states, stats)
-                    finally:
-                        finished.set()
-
-                fut = loop.submit(go())
-                while not finished.wait(0.1):
-                    if should_stop is not None and should_stop(
-                            [(s.scheduled_ns, s.token_times[0]) for s in list(states) if s.token_times], start):
-                        fut.cancel()
-                        finished.wait(30)
-                        break
-                if not fut.cancelled() and fut.exception() is not None:
-                    raise fut.exception()  # type: ignore[misc]
-                per_process.append(stats)
+                start = self._load_here(job, spec, states, per_process, should_stop)
             else:
-                jobs = split_job(job, processes)
-                pool = RayClients(jobs, ray_address) if backend == "ray" else ClientProcesses(jobs)
-                try:
-                    offsets = pool.measure_clocks()
-                    start = now_ns() + 20_000_000
-                    pool.start(start, [correction(off, err) for off, err in offsets])
-                    while pool.running():
-                        time.sleep(0.1)
-                        if should_stop is not None and should_stop(pool.first_tokens(), start):
-                            pool.stop()
-                            break
-                    results = pool.wait(self.cfg.request_timeout_s + 60)
-                finally:
-                    pool.close()
-                for (sts, st), (off, err) in zip(results, offsets):
-                    st.clock_offset_ns, st.clock_error_ns = off, err
-                    states += sts
-                    per_process.append(st)
+                start = self._load_in_clients(job, processes, backend, ray_address, states, per_process, should_stop)
         finally:
             gc.unfreeze()
         self._point += states
+        return {"start_ns": start, "traces": self._traces(states), "client": client_fields(states, per_process)}
+
+    def _load_items(self, requests: list[Request]) -> list[Item]:
+        """The load generator's items: each request's body, serialised once, beside its lengths
+        and arrival offset."""
+        items = []
+        for r in requests:
+            if r.max_new_tokens < 1:
+                raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
+            items.append(Item(r.request_id, dumps(self._body(self._prompt(r.prompt_ids), r.max_new_tokens)),
+                              len(r.prompt_ids), r.max_new_tokens, r.arrival_s))
+        return items
+
+    def _load_here(self, job: Job, spec: ClientSpec, states: list[ReqState], per_process: list[ClientStats],
+                   should_stop: Callable[[list[tuple[int, int]], int], bool] | None) -> int:
+        """The job on this engine's own loop (one client, this process); returns its start time.
+        `states` fills as requests are sent; `per_process` gets the client's stats."""
+        start = now_ns() + 5_000_000
+        job.start_ns = start
+        stats = ClientStats(pid=os.getpid())
+        finished = threading.Event()
+        loop = self._loop
+
+        async def go() -> None:
+            try:
+                await run_job(job, loop.streams(spec), states, stats)
+            finally:
+                finished.set()
+
+        fut = loop.submit(go())
+        while not finished.wait(0.1):
+            if should_stop is not None and should_stop(
+                    [(s.scheduled_ns, s.token_times[0]) for s in list(states) if s.token_times], start):
+                fut.cancel()
+                finished.wait(30)
+                break
+        if not fut.cancelled() and fut.exception() is not None:
+            raise fut.exception()  # type: ignore[misc]
+        per_process.append(stats)
+        return start
+
+    def _load_in_clients(self, job: Job, processes: int, backend: str, ray_address: str | None,
+                         states: list[ReqState], per_process: list[ClientStats],
+                         should_stop: Callable[[list[tuple[int, int]], int], bool] | None) -> int:
+        """The job split over `processes` client processes (or Ray actors), their clocks measured
+        against this one; returns the start time. `states` and `per_process` get every client's."""
+        jobs = split_job(job, processes)
+        pool = RayClients(jobs, ray_address) if backend == "ray" else ClientProcesses(jobs)
+        try:
+            offsets = pool.measure_clocks()
+            start = now_ns() + 20_000_000
+            pool.start(start, [correction(off, err) for off, err in offsets])
+            while pool.running():
+                time.sleep(0.1)
+                if should_stop is not None and should_stop(pool.first_tokens(), start):
+                    pool.stop()
+                    break
+            results = pool.wait(self.cfg.request_timeout_s + 60)
+        finally:
+            pool.close()
+        for (sts, st), (off, err) in zip(results, offsets):
+            st.clock_offset_ns, st.clock_error_ns = off, err
+            states += sts
+            per_process.append(st)
+        return start
+
+    def _traces(self, states: list[ReqState]) -> list[RequestTrace]:
+        """One RequestTrace per request sent, its error said (a failure, or cancelled by an early stop)."""
         traces = []
         for st in states:
             error = None
@@ -754,7 +800,7 @@ class EndpointEngine(Engine):
                 error = "cancelled (the point stopped early)"
             traces.append(RequestTrace(st.request_id, st.scheduled_ns, st.prompt_len, st.token_times[:st.expected],
                                        st.token_ids[:st.expected], error))
-        return {"start_ns": start, "traces": traces, "client": client_fields(states, per_process)}
+        return traces
 
     # ---- scores ----------------------------------------------------------------------------------
     def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:

@@ -173,6 +173,17 @@ class VLLMEngine(Engine):
         self._llm = LLM(**kwargs)
         load_s = time.perf_counter() - t0
         self._engine = self._llm.llm_engine
+        self._require_sync_scheduling()
+        if cpu:
+            self._threads = introspect.set_forward_threads(self._threads)  # in case the start changed it
+        self.max_model_len = introspect.model_config(self._engine).max_model_len
+        sched = introspect.scheduler_config(self._engine)
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        return self._load_info(model, kwargs, sched, cpu, import_s, load_s)
+
+    def _require_sync_scheduling(self) -> None:
+        """Close the engine and refuse it when vLLM started with asynchronous scheduling anyway."""
         self._scheduling = introspect.scheduling_mode(self._engine)
         if self._scheduling["batch_queue"] or self._scheduling["async_scheduling"]:
             mode = dict(self._scheduling)
@@ -182,12 +193,10 @@ class VLLMEngine(Engine):
                 "async_scheduling=False: its engine core steps through a batch queue, so step() returns the "
                 "previous batch and per-step times would not bracket that batch's forward pass. This vLLM "
                 "ignores EngineArgs.async_scheduling; use a vLLM where it applies (0.32/0.33 checked).")
-        if cpu:
-            self._threads = introspect.set_forward_threads(self._threads)  # in case the start changed it
-        self.max_model_len = introspect.model_config(self._engine).max_model_len
-        sched = introspect.scheduler_config(self._engine)
-        self.max_num_seqs = sched.max_num_seqs
-        self.max_num_batched_tokens = sched.max_num_batched_tokens
+
+    def _load_info(self, model: ModelSpec, kwargs: dict[str, Any], sched: Any, cpu: bool, import_s: float,
+                   load_s: float) -> LoadInfo:
+        """What load() reports: times, sizes, and the settings vLLM runs with (read back from it)."""
         info = self.kv_cache_info()
         cache = introspect.cache_config(self._engine)
         eager = enforce_eager(model, self.options)
