@@ -217,6 +217,15 @@ def test_a_resumed_run_stays_one_engine(tmp_path: Path) -> None:
                                                    "(trial 0)"]
 
 
+def test_engines_keep_the_order_of_their_rows(tmp_path: Path) -> None:
+    html = page(tmp_path, reference_rows() + tune_rows("hf", [({}, 1.0, "ok"), ({"max_batch_size": 8}, 2.0, "ok")]))
+    assert [c["engine"] for c in by_header(html, "tuning-conclusion")] == ["reference", "hf"]
+    assert re.findall(r'data-table="(tuning-trials-(?!values)[^"]*)"', html) == ["tuning-trials-reference",
+                                                                                 "tuning-trials-hf"]
+    [pareto] = figures(html, "tuning-pareto")
+    assert [t["name"].split(" ·")[0] for t in pareto["data"]] == ["reference", "reference", "hf", "hf"]
+
+
 def test_a_repeated_configuration_says_which_trial_it_repeats(tmp_path: Path) -> None:
     rows = reference_rows()
     repeat = next(r for r in rows if r["point"].get("result") and r["point"]["trial"] == 4)

@@ -126,7 +126,7 @@ def trials_frame(rows: pd.DataFrame) -> pd.DataFrame:
             vals = pd.to_numeric(g["value"], errors="coerce").dropna()
             hit = vals.index[vals == vals.max()] if len(vals) else hit
         tf.loc[hit, "best"] = True
-    return tf.sort_values(["series", "trial"], kind="stable").reset_index(drop=True)
+    return _in_page_order(tf, ["trial"])
 
 
 def conclusions_frame(rows: pd.DataFrame) -> pd.DataFrame:
@@ -217,7 +217,14 @@ def best_pareto_frame(rows: pd.DataFrame, conc: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     df["_defaults"] = df["curve"].str.startswith("capacity")
-    return df.sort_values(["series", "_defaults", "load"], kind="stable").drop(columns="_defaults").reset_index(drop=True)
+    return _in_page_order(df, ["_defaults", "load"]).drop(columns="_defaults")
+
+
+def _in_page_order(df: pd.DataFrame, then: list[str]) -> pd.DataFrame:
+    """Engines in the order their rows came (as everywhere on the page), then by `then`."""
+    rank = {s: i for i, s in enumerate(dict.fromkeys(df["series"]))}
+    return (df.assign(_series=df["series"].map(rank)).sort_values(["_series", *then], kind="stable")
+            .drop(columns="_series").reset_index(drop=True))
 
 
 # ---- tables ------------------------------------------------------------------------------------
