@@ -404,46 +404,65 @@ def tuning(data: ReportData) -> list[Block]:
     conc = conclusions_frame(data.rows)
     if tf.empty and conc.empty:
         return []
-    blocks: list[Block] = []
-    if not conc.empty:
-        blocks.append(conclusion_table(conc, tf))
-        differ = budget_differences(conc)
-        if differ:
-            blocks.append(Note("The engines were not tuned with the same budget, so their best configurations are "
-                               "not compared on equal terms: " + " | ".join(differ) + ".", kind="warning",
-                               name="tuning-budget-differs"))
-        unconfirmed = conc[~conc["verdict"].isin(CONFIRMED + NEUTRAL)]
-        if not unconfirmed.empty:
-            blocks.append(Note("The confirmation did not show the best configuration at least as good as the defaults "
-                               "for: " + "; ".join(f"{c['series']} ({c['verdict']})" for c in
-                                                  unconfirmed.to_dict("records"))
-                               + ". Its gain may be noise; do not quote it as the engine's tuned capacity.",
-                               kind="warning", name="tuning-unconfirmed"))
-        neutral = conc[conc["verdict"].isin(NEUTRAL)]
-        if not neutral.empty:
-            blocks.append(Note("Best and defaults within the confirmation's noise (its interval contains 1) for: "
-                               + "; ".join(map(str, neutral["series"])) + ". The tuning found no gain the confirmation "
-                               "could tell from noise.", name="tuning-no-difference"))
+    return (conclusion_blocks(conc, tf) + trials_blocks(tf, conc, data.colours) + importance_blocks(conc, data.colours)
+            + pareto_blocks(data.rows, conc, data.colours))
+
+
+def conclusion_blocks(conc: pd.DataFrame, tf: pd.DataFrame) -> list[Block]:
+    """The conclusion table, and what to be wary of: budgets that differ between the engines, a
+    gain the confirmation did not bear out, a gain within its noise."""
+    if conc.empty:
+        return []
+    blocks: list[Block] = [conclusion_table(conc, tf)]
+    differ = budget_differences(conc)
+    if differ:
+        blocks.append(Note("The engines were not tuned with the same budget, so their best configurations are "
+                           "not compared on equal terms: " + " | ".join(differ) + ".", kind="warning",
+                           name="tuning-budget-differs"))
+    unconfirmed = conc[~conc["verdict"].isin(CONFIRMED + NEUTRAL)]
+    if not unconfirmed.empty:
+        blocks.append(Note("The confirmation did not show the best configuration at least as good as the defaults "
+                           "for: " + "; ".join(f"{c['series']} ({c['verdict']})" for c in
+                                              unconfirmed.to_dict("records"))
+                           + ". Its gain may be noise; do not quote it as the engine's tuned capacity.",
+                           kind="warning", name="tuning-unconfirmed"))
+    neutral = conc[conc["verdict"].isin(NEUTRAL)]
+    if not neutral.empty:
+        blocks.append(Note("Best and defaults within the confirmation's noise (its interval contains 1) for: "
+                           + "; ".join(map(str, neutral["series"])) + ". The tuning found no gain the confirmation "
+                           "could tell from noise.", name="tuning-no-difference"))
+    return blocks
+
+
+def trials_blocks(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str]) -> list[Block]:
+    """A trials table per engine, and a figure of the value per trial per objective (capacity in
+    req/s, in concurrent requests, or goodput)."""
+    if tf.empty:
+        return []
     labels = {c["series"]: objective_label(c["objective"], unit_of(c["metric"], c["objective"]))
               for c in conc.to_dict("records")} if not conc.empty else {}
-    if not tf.empty:
-        fallback = {s: objective_label(o, "req/s") for s, o in zip(tf["series"], tf["objective"])}
-        labels = {s: labels.get(s, fallback[s]) for s in dict.fromkeys(tf["series"])}
-        for s in labels:
-            blocks.append(trials_table(tf, s, labels[s]))
-        for label in dict.fromkeys(labels.values()):
-            part = tf[[labels[s] == label for s in tf["series"]]]
-            table = values_table(part.assign(options_text=part["options"].map(options_text)),
-                                 [Col("engine", "series", text=True), Col("trial", "trial"),
-                                  Col("options", "options_text", text=True), Col(label, "value"),
-                                  Col("status", "status", text=True)], "tuning-trials-values")
-            blocks.append(Figure(trials_figure(part, conc, data.colours, label), "tuning-trials",
-                                 "Capacity under the SLOs per trial, one colour per engine; ★ its best trial, the dotted "
-                                 "line its defaults' capacity. Red ✕: a trial whose options could not run; grey ○: no "
-                                 "load met the SLOs.", table))
+    fallback = {s: objective_label(o, "req/s") for s, o in zip(tf["series"], tf["objective"])}
+    labels = {s: labels.get(s, fallback[s]) for s in dict.fromkeys(tf["series"])}
+    blocks: list[Block] = [trials_table(tf, s, labels[s]) for s in labels]
+    for label in dict.fromkeys(labels.values()):
+        part = tf[[labels[s] == label for s in tf["series"]]]
+        table = values_table(part.assign(options_text=part["options"].map(options_text)),
+                             [Col("engine", "series", text=True), Col("trial", "trial"),
+                              Col("options", "options_text", text=True), Col(label, "value"),
+                              Col("status", "status", text=True)], "tuning-trials-values")
+        what = label.split(" (")[0]
+        blocks.append(Figure(trials_figure(part, conc, colours, label), "tuning-trials",
+                             f"The {what} under the SLOs per trial, one colour per engine; ★ its best trial, the "
+                             f"dotted line its defaults' {what}. Red ✕: a trial whose options could not run; grey ○: "
+                             "no load met the SLOs.", table))
+    return blocks
+
+
+def importance_blocks(conc: pd.DataFrame, colours: dict[str, str]) -> list[Block]:
+    blocks: list[Block] = []
     imp = importance_frame(conc)
     if not imp.empty:
-        blocks.append(Figure(bars(imp, x="option", y="importance", colours=data.colours, x_title="option",
+        blocks.append(Figure(bars(imp, x="option", y="importance", colours=colours, x_title="option",
                                   y_title="importance (an engine's sum to 1)", title="Option importance"),
                              "tuning-importance",
                              "How much each option explained of the objective's variation over the engine's trials "
@@ -456,9 +475,16 @@ def tuning(data: ReportData) -> list[Block]:
         blocks.append(Note("Option importance not computed for " + "; ".join(
             f"{c['series']}" + (f" ({c['note']})" if c["note"] else "") for c in missing.to_dict("records"))
             + ".", name="tuning-no-importance"))
-    pf = best_pareto_frame(data.rows, conc)
+    return blocks
+
+
+def pareto_blocks(rows: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str]) -> list[Block]:
+    """Per model, the engines' best configurations and defaults, drawn by the capacity section's
+    Pareto figure."""
+    blocks: list[Block] = []
+    pf = best_pareto_frame(rows, conc)
     for model, d in (pf.groupby("model", sort=False) if not pf.empty else []):
-        fig = pareto_figure(d, data.colours, str(model))
+        fig = pareto_figure(d, colours, str(model))
         fig.update_layout(title_text=esc(f"{model}: best configurations — throughput per device vs per-user speed"))
         blocks.append(Figure(fig, "tuning-pareto",
                              f"{model}: each engine's best configuration (its probes, a solid line for a rate search, "
