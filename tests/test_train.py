@@ -16,6 +16,7 @@ import pytest
 from harness.core.presets import ModelShape, load_preset
 from harness.core.train import (HELDOUT_FILE, TRAINING_FILE, TrainConfig, corpus_files, split_files,
                                 train_checkpoint, trained_name, unigram_perplexity)
+from workloads.parity import Parity, heldout_prompts, trained_here
 
 REPO = Path(__file__).resolve().parent.parent
 # a seconds-long training: a one-layer model on the first files of the stdlib
@@ -136,3 +137,33 @@ def test_model_cli_trains_a_preset_into_out(tmp_path: Path) -> None:
     assert record["train"]["steps"] == 2 and record["corpus"]["files"] > 100
     assert json.loads((out / "infer_bench_preset.json").read_text())["preset"]["name"] == "tiny-trained"
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / HELDOUT_FILE).is_file()
+
+
+def _parity_row(engine: str, model_path: Path, top_lp: list[list[float]]) -> dict:
+    n = len(top_lp)
+    return {"workload": "parity", "status": "ok", "engine": engine, "dtype": "bfloat16", "model_path": str(model_path),
+            "point": {"prompt_lens": [8], "tokens": n}, "parity_tokens": [[5] * n],
+            "parity_scores": [{"top_ids": [list(range(8))] * n, "top_logprobs": top_lp,
+                               "target_logprobs": [lp[0] for lp in top_lp]}]}
+
+
+def test_parity_judges_a_checkpoint_trained_here_by_the_trained_thresholds(smoke_ckpt: Path, tmp_path: Path) -> None:
+    """Same scores, two checkpoints: one trained here (training.json, held-out text) is held to the
+    tighter trained-checkpoint thresholds, any other to the random-weight presets'. The scores
+    differ by a mean KL between the two bf16 bounds, so only the trained checkpoint fails."""
+    random_dir = tmp_path / "random"
+    random_dir.mkdir()
+    (random_dir / "config.json").write_text("{}")
+    assert trained_here(str(smoke_ckpt)) and not trained_here(str(random_dir))
+    held = np.load(smoke_ckpt / HELDOUT_FILE)
+    prompts = heldout_prompts(str(smoke_ckpt), [8, 16])
+    assert [len(p) for p in prompts] == [8, 16] and prompts[1] == list(map(int, held[len(held) - 17:len(held) - 1]))
+
+    base_lp = [[-0.1 - 2.0 * i for i in range(8)] for _ in range(4)]
+    eng_lp = [[v + (0.05 if i == 0 else -0.05) for i, v in enumerate(lp)] for lp in base_lp]
+    for model_path, expected in ((random_dir, "ok"), (smoke_ckpt, "failed")):
+        rows = [_parity_row("reference", model_path, base_lp), _parity_row("hf", model_path, eng_lp)]
+        Parity().finalize_row(rows[1], rows)
+        assert 1.2e-4 < rows[1]["parity_mean_kl"] < 6e-3, rows[1]["parity_mean_kl"]  # between the two bounds
+        assert rows[1]["status"] == expected, rows[1].get("error")
+        assert rows[1]["parity_thresholds"]["set"] == ("trained checkpoint" if expected == "failed" else "random weights")

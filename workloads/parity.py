@@ -9,16 +9,24 @@ baseline's tokens to every later engine), keeping the top-k log-probabilities pe
 In the harness's process the row is compared with the baseline's: the first engine of the run
 that produced a parity row (the reference engine runs first). The comparisons and thresholds
 are harness.core.parity's; in float32 any greedy difference fails the row as well.
+
+On a checkpoint trained here (harness.core.train: it carries training.json and its held-out
+text) the prompts are windows of the held-out text instead of random tokens, and the tighter
+trained-checkpoint thresholds apply: its distributions are peaked, so a smaller error shows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from adapters.base import Engine
 from harness.core.parity import compare_scores, greedy_agreement, verdict
 from harness.core.schema import spec
+from harness.core.train import HELDOUT_FILE, TRAINING_FILE
 from workloads.base import Point, RunContext, Workload
 
 WORKLOAD = "parity"
@@ -44,6 +52,23 @@ def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list
     engine.release()
     steps = dec.tokens if dec else []
     return [[pre.first_tokens[b]] + [step[b] for step in steps] for b in range(len(prompts))]
+
+
+def trained_here(model_path: str | None) -> bool:
+    """Whether the checkpoint was trained here (harness.core.train): it records its training and
+    keeps its held-out text. Such a checkpoint gets held-out prompts and the trained thresholds."""
+    return bool(model_path) and (Path(model_path) / TRAINING_FILE).is_file() and \
+        (Path(model_path) / HELDOUT_FILE).is_file()
+
+
+def heldout_prompts(model_path: str, lens: list[int]) -> list[list[int]]:
+    """One window of the checkpoint's held-out text per length, from evenly spread places."""
+    held = np.load(Path(model_path) / HELDOUT_FILE)
+    if len(held) <= max(lens):
+        raise ValueError(f"{model_path}: its held-out text ({len(held)} tokens) is shorter than the longest parity "
+                         f"prompt ({max(lens)}); shorten workload.prompt_lens")
+    starts = np.linspace(0, len(held) - max(lens) - 1, num=len(lens)).astype(int)
+    return [list(map(int, held[s:s + n])) for s, n in zip(starts, lens)]
 
 
 def _baseline(rows: list[dict[str, Any]], engine: str | None = None) -> dict[str, Any] | None:
@@ -74,6 +99,8 @@ class Parity(Workload):
     def prompts(self, point: Point, ctx: RunContext) -> list[list[int]]:
         n = point.params["tokens"]
         lens = [min(s, max(1, ctx.max_model_len - n - 1)) for s in point.params["prompt_lens"]]
+        if trained_here(ctx.model_path):
+            return heldout_prompts(ctx.model_path, lens)
         return [ctx.prompts(1, s, f"parity/{i}")[0] for i, s in enumerate(lens)]
 
     def point_inputs(self, point: Point, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -132,7 +159,7 @@ class Parity(Workload):
                                 f"step {row['first_divergence']}, agreement {row['agreement'] or 0.0:.3f})")
             if row.get("parity_scores") is not None and base.get("parity_scores"):  # [] is scored: nothing
                 row.update(compare_scores(base["parity_scores"], row["parity_scores"], row["dtype"]))
-                row["parity_thresholds"], why = verdict(row, row["dtype"])
+                row["parity_thresholds"], why = verdict(row, row["dtype"], trained_here(row.get("model_path")))
                 if why:
                     problems.append(f"teacher-forced log-probabilities differ from {base['engine']}'s beyond the "
                                     f"{row['dtype']} thresholds: {why}")
