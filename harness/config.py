@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import string
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,7 +165,6 @@ def _resolve_python(endpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def _own_python() -> str:
-    import sys
     return sys.executable
 
 
@@ -274,38 +275,26 @@ def _engine_env(name: str, options: dict[str, Any], problems: list[str]) -> Engi
 
 
 def _placeholders(text: str) -> list[str]:
-    import string
     return [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
 
 
-def build_plan(cfg: dict[str, Any]) -> Plan:
-    """Check a composed config (a plain dict) and plan the run. Raises UserError with every
-    problem found."""
-    problems: list[str] = []
-    top = {k: v for k, v in cfg.items() if k not in ("model", "workload", "engine_options", "endpoints", "hydra",
-                                                     "resume", "history")}
-    settings, probs = check(Settings, top, "config")
-    problems += [p.removeprefix("config.") for p in probs]
-    if settings is None:
-        settings = Settings()
-    cpus = resolve_cpus(settings.cpus, problems)
-
-    # model
-    model_cfg = dict(cfg.get("model") or {})
-    shape = None
+def _check_model(model_cfg: dict[str, Any], problems: list[str]) -> ModelShape | None:
+    """The model's shape (from its preset or checkpoint), and its checkpoint's files checked."""
     try:
         shape = resolve_shape(model_cfg)
         if model_cfg.get("path") not in (None, "???"):
             check_checkpoint(model_cfg["path"], problems)
+        return shape
     except UserError as e:
         problems += e.problems
     except TypeError as e:  # a preset file with fields of the wrong kind
         problems.append(f"model: the preset is malformed ({e}). Known presets: {', '.join(preset_names())}.")
+    return None
 
-    device = resolve_device(settings.device, problems)
-    dtype = resolve_dtype(settings.dtype, shape, device, problems) if shape else "float32"
 
-    # workloads: the main one, then parity
+def _plan_workloads(cfg: dict[str, Any], settings: Settings, shape: ModelShape | None,
+                    problems: list[str]) -> list[PlannedWorkload]:
+    """The main workload, checked and planned, then parity (unless it is the main one or off)."""
     planned: list[PlannedWorkload] = []
     wl_cfg_raw = dict(cfg.get("workload") or {})
     wl_name = wl_cfg_raw.get("name")
@@ -323,80 +312,116 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
         parity = get_workload("parity")
         pcfg = ParityConfig(tokens=settings.parity_tokens)
         planned.append(PlannedWorkload(parity, pcfg, parity.plan(pcfg)))
+    return planned
 
-    # engines: registered ones and named HTTP endpoints
+
+@dataclass
+class _Engines:
+    """The run's engines as resolved from `engines=`: names in order, classes, options, their own
+    environments, endpoints, and those that cannot run here (with why)."""
+
+    names: list[str] = field(default_factory=list)
+    classes: dict[str, type[Engine]] = field(default_factory=dict)
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    envs: dict[str, EngineEnv] = field(default_factory=dict)
+    endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+def _resolve_engines(cfg: dict[str, Any], requested: Any, problems: list[str]) -> _Engines:
+    """Registered engines and named HTTP endpoints; an engine in this environment that cannot run
+    here is `unavailable` (an error only when none can run)."""
+    out = _Engines()
     endpoints_raw = {str(k): _resolve_python(dict(v or {})) for k, v in (cfg.get("endpoints") or {}).items()}
-    requested = settings.engines
     if isinstance(requested, str) and requested != "auto":
         requested = [requested]  # engines=hf means engines=[hf]
-    unavailable: dict[str, str] = {}
-    engines: list[str] = []
     if requested == "auto":  # every registered engine; those that cannot run here get an `unavailable` row
         requested = engine_names()
-    all_options = cfg.get("engine_options") or {}
-    options: dict[str, dict[str, Any]] = {}
-    envs: dict[str, EngineEnv] = {}
-    endpoints: dict[str, dict[str, Any]] = {}
-    classes: dict[str, type[Engine]] = {}
-    if isinstance(requested, (list, tuple)) and requested and all(isinstance(e, str) for e in requested):
-        for name in requested:
-            if name in engines:
-                continue
-            if name in engine_names():
-                classes[name] = engine_class(name)
-            elif name in endpoints_raw:
-                cls, probs = resolve_engine(name, endpoints_raw[name])
-                problems += probs
-                if cls is None:
-                    continue
-                classes[name] = cls
-                endpoints[name] = endpoints_raw[name]
-            else:
-                problems.append(f"engines: unknown engine '{name}'. Known engines: {', '.join(engine_names())}"
-                                + (f"; endpoints: {', '.join(endpoints_raw)}" if endpoints_raw else "")
-                                + f". An HTTP endpoint needs endpoints.{name}.url=... or endpoints.{name}.launch=[...].")
-                continue
-            engines.append(name)
-            options[name] = dict(all_options.get(name) or {})
-            env = _engine_env(name, options[name], problems)
-            if env is not None:
-                envs[name] = env
-            elif name not in endpoints:  # in this environment: is it usable here?
-                reason = classes[name].unavailable_reason()
-                if reason is not None and name == "vllm" and (all_options.get(name) or {}).get("python") == "auto":
-                    reason += (f" Looked for vLLM's environment in {vllm_looked_for()}. Build it with `make venv`, "
-                               f"or point engine_options.vllm.python=PATH at an interpreter that has vLLM.")
-                if reason is not None:
-                    unavailable[name] = reason
-        if engines and len(unavailable) == len(engines):
-            problems += [f"engines: no engine can run here. {n}: {r}" for n, r in unavailable.items()]
-    else:
+    if not (isinstance(requested, (list, tuple)) and requested and all(isinstance(e, str) for e in requested)):
         problems.append(f"engines={requested!r}: give a list of engine names, e.g. engines=[reference,hf], "
                         f"or engines=auto. Known engines: {', '.join(engine_names())}.")
+        return out
+    all_options = cfg.get("engine_options") or {}
+    for name in requested:
+        if name in out.names:
+            continue
+        if name in engine_names():
+            out.classes[name] = engine_class(name)
+        elif name in endpoints_raw:
+            cls, probs = resolve_engine(name, endpoints_raw[name])
+            problems += probs
+            if cls is None:
+                continue
+            out.classes[name] = cls
+            out.endpoints[name] = endpoints_raw[name]
+        else:
+            problems.append(f"engines: unknown engine '{name}'. Known engines: {', '.join(engine_names())}"
+                            + (f"; endpoints: {', '.join(endpoints_raw)}" if endpoints_raw else "")
+                            + f". An HTTP endpoint needs endpoints.{name}.url=... or endpoints.{name}.launch=[...].")
+            continue
+        out.names.append(name)
+        out.options[name] = dict(all_options.get(name) or {})
+        env = _engine_env(name, out.options[name], problems)
+        if env is not None:
+            out.envs[name] = env
+        elif name not in out.endpoints:  # in this environment: is it usable here?
+            reason = out.classes[name].unavailable_reason()
+            if reason is not None and name == "vllm" and (all_options.get(name) or {}).get("python") == "auto":
+                reason += (f" Looked for vLLM's environment in {vllm_looked_for()}. Build it with `make venv`, "
+                           f"or point engine_options.vllm.python=PATH at an interpreter that has vLLM.")
+            if reason is not None:
+                out.unavailable[name] = reason
+    if out.names and len(out.unavailable) == len(out.names):
+        problems += [f"engines: no engine can run here. {n}: {r}" for n, r in out.unavailable.items()]
+    return out
 
+
+def _check_engine_options(engines: _Engines, spec_: ModelSpec, problems: list[str]) -> None:
+    """Each engine's options against its schema, and what it can do with this dtype and device
+    (an engine in an environment of its own: its worker checks what needs its packages)."""
+    for name in engines.names:
+        if name in engines.unavailable:
+            continue
+        cls = engines.classes[name]
+        problems += cls.check_options(engines.options[name], spec_)
+        if name not in engines.envs:
+            problems += capability_problems(cls, engines.options[name], name, spec_.dtype, spec_.device)
+
+
+def build_plan(cfg: dict[str, Any]) -> Plan:
+    """Check a composed config (a plain dict) and plan the run. Raises UserError with every
+    problem found."""
+    problems: list[str] = []
+    top = {k: v for k, v in cfg.items() if k not in ("model", "workload", "engine_options", "endpoints", "hydra",
+                                                     "resume", "history")}
+    settings, probs = check(Settings, top, "config")
+    problems += [p.removeprefix("config.") for p in probs]
+    if settings is None:
+        settings = Settings()
+    cpus = resolve_cpus(settings.cpus, problems)
+    model_cfg = dict(cfg.get("model") or {})
+    shape = _check_model(model_cfg, problems)
+    device = resolve_device(settings.device, problems)
+    dtype = resolve_dtype(settings.dtype, shape, device, problems) if shape else "float32"
+    planned = _plan_workloads(cfg, settings, shape, problems)
+    engines = _resolve_engines(cfg, settings.engines, problems)
     for w in planned:
-        problems += w.workload.check_engines(w.cfg, {n: classes[n] for n in engines})
+        problems += w.workload.check_engines(w.cfg, {n: engines.classes[n] for n in engines.names})
+
     max_len = max((w.workload.max_model_len(w.cfg) for w in planned), default=0)
     if shape is not None:
         main_len = planned[0].workload.max_model_len(planned[0].cfg) if planned else 0
         max_len = min(max(max_len, main_len) or shape.max_position_embeddings, shape.max_position_embeddings)
         spec_ = ModelSpec(path=str(model_cfg.get("path") or ""), name=shape.name, dtype=dtype, device=device,
                           max_model_len=max_len, seed=settings.seed, threads=len(cpus), cpus=tuple(cpus))
-        for name in engines:
-            if name in unavailable:
-                continue
-            cls = classes[name]
-            problems += cls.check_options(options[name], spec_)
-            if name in envs:  # the engine lives elsewhere: its worker checks what needs its packages
-                continue
-            problems += capability_problems(cls, options[name], name, dtype, device)
+        _check_engine_options(engines, spec_, problems)
 
     if problems:
         raise UserError(list(dict.fromkeys(problems)))
     assert shape is not None and planned
     batch = [w.workload.max_prefill_batch(w.cfg) for w in planned]
-    return Plan(settings=settings, engines=engines, unavailable=unavailable, shape=shape, model_cfg=model_cfg,
-                dtype=dtype, device=device, workloads=planned, max_model_len=max_len, cpus=cpus,
-                engine_options=options, engine_envs=envs, endpoints=endpoints,
+    return Plan(settings=settings, engines=engines.names, unavailable=engines.unavailable, shape=shape,
+                model_cfg=model_cfg, dtype=dtype, device=device, workloads=planned, max_model_len=max_len, cpus=cpus,
+                engine_options=engines.options, engine_envs=engines.envs, endpoints=engines.endpoints,
                 max_batch=(max(b[0] for b in batch), max(b[1] for b in batch)))
 
