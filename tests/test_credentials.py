@@ -1,4 +1,4 @@
-"""Credentials (issue 19): keys by reference only, refused literally without being echoed, TLS
+"""Credentials: keys by reference only, refused literally without being echoed, TLS
 verified by default, and one redaction step that no secret survives."""
 
 from __future__ import annotations

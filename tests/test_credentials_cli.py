@@ -1,4 +1,4 @@
-"""Credentials end to end through the `infer-bench` CLI (issue 19): an endpoint that demands a
+"""Credentials end to end through the `infer-bench` CLI: an endpoint that demands a
 bearer key, the key passed by environment variable; nothing the run writes or prints contains
 it; a literal key on the command line exits 2 without echoing it; a wrong key gives a failed row
 that says 401, not a crash.

@@ -1,5 +1,5 @@
 """Engines in environments of their own: the worker under another interpreter or a launch prefix,
-speaking the versioned protocol; and every way that can go wrong (issue 13's bad inputs)."""
+speaking the versioned protocol; and every way that can go wrong (the bad inputs)."""
 
 from __future__ import annotations
 

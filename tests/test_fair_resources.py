@@ -1,4 +1,4 @@
-"""Equal resources by default (issue 15): every engine's worker is pinned to the same cores and
+"""Equal resources by default: every engine's worker is pinned to the same cores and
 uses as many compute threads; rows record it; one run directory, one writer; memory reported as
 reserved vs used."""
 

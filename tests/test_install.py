@@ -1,4 +1,4 @@
-"""infer-bench installed as a package, not from the source tree (issue 12): `pip install` of the
+"""infer-bench installed as a package, not from the source tree: `pip install` of the
 built wheel into a fresh virtual environment, then `infer-bench` run from another directory finds
 its Hydra configs (shipped as package data in `conf`) and runs. The fresh environment borrows
 this one's third-party packages through a .pth file, so nothing is downloaded."""

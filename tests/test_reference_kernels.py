@@ -82,7 +82,7 @@ def plain(spec):
     return engine, pre, dec
 
 
-# ---- the private oneDNN API (issue 12) ---------------------------------------------------
+# ---- the private oneDNN API ---------------------------------------------------
 
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"),
                     reason=f"the pinned torch is 2.13 (CPU); this is {torch.__version__}")

@@ -157,7 +157,7 @@ def fake_client_fields(load: float, limited: bool, open_loop: bool = True) -> di
 def serving_load_rows(engines: dict[str, float], mode: str = "open", loads=(1.0, 4.0, 16.0),
                       saturate_above: float = 8.0, model: str = "tiny", client_limited_at: tuple | None = None,
                       **extra: Any) -> list[dict[str, Any]]:
-    """FAKE serving rows with the load fields of issue 16: an open loop over request rates or a
+    """FAKE serving rows with the load fields: an open loop over request rates or a
     closed loop over concurrencies; every engine (name -> speed) at every load. Per-user speed
     falls and device throughput rises with the load; loads above `saturate_above` are saturated.
     mode "trace": a replayed trace, each load its mean rate (offered_rate) after a time scale.
@@ -237,7 +237,7 @@ def http_serving_rows(engine: str = "vllm-http", server_tokens=(400, 400), clien
                       failed=(0, 0), tls_verify: bool = True, auth: Any = "none",
                       launch_command: str | None = "vllm serve /models/tiny --port 8000",
                       with_metrics: bool = True, **extra: Any) -> list[dict[str, Any]]:
-    """FAKE serving rows of an engine reached over HTTP (issue 14), one per request rate, with the
+    """FAKE serving rows of an engine reached over HTTP, one per request rate, with the
     server's identity, token counts, failures and its /metrics time series."""
     rows = []
     for i, rate in enumerate((2.0, 8.0)):
@@ -266,7 +266,7 @@ def http_serving_rows(engine: str = "vllm-http", server_tokens=(400, 400), clien
 
 
 def parity_rows_teacher_forced(dtype: str = "float32") -> list[dict[str, Any]]:
-    """FAKE parity rows (issue 15): the baseline, an engine within its dtype's thresholds, one
+    """FAKE parity rows: the baseline, an engine within its dtype's thresholds, one
     failed past them, one that cannot score (greedy only). Thresholds as the row states them."""
     point = {"prompt_lens": [7, 16, 33, 64], "tokens": 32, "top_k": 8}
     key = "parity:" + json.dumps(point, sort_keys=True, separators=(",", ":"))

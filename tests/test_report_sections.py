@@ -1,6 +1,6 @@
 """The report's newer sections on FAKE rows (tests/test_report_fakes.py): resources and their
-warning, same/different machines, memory reserved vs used (issue 15), parity's teacher-forced
-table, HTTP endpoints (issue 14), capacity and energy (issue 16), and pages of partial data.
+warning, same/different machines, memory reserved vs used, parity's teacher-forced
+table, HTTP endpoints, capacity and energy, and pages of partial data.
 Each test states what the page must show for known rows."""
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 from harness.core.errors import UserError
 from harness.core.paths import REPO_ROOT
-from harness.core.results import CONFIG_FILE, ENVIRONMENT_FILE, RESULTS_FILE
+from harness.core.results import ENVIRONMENT_FILE, RESULTS_FILE
 
 STORE_SCHEMA_VERSION = 1
 DEFAULT_STORE = "runs/history.duckdb"
