@@ -1,5 +1,5 @@
-"""Parity fails an engine with a realistic bug and passes an honest one, in bfloat16 and float16
-(issue 15). The broken engines are real engines given a realistic fault, each named as such:
+"""Parity fails an engine with a realistic bug and passes an honest one, in bfloat16 and float16,
+on the random presets. The broken engines are real engines given a realistic fault, each named as such:
 - a RoPE theta off by 1 % (the checkpoint's config says 1.01 x rope_theta: the engine rotates by
   the wrong angles, an error that grows with the position);
 - a missing bias (a model with attention biases, loaded with the biases dropped);
