@@ -73,15 +73,23 @@ def slo_violations(row: dict[str, Any], slos: dict[str, float | None]) -> list[s
     return out
 
 
+def probe_outcomes(probes: list[dict[str, Any]]) -> list[tuple[float, bool, bool]]:
+    """(value, met the SLOs, saturated) of each of a search's probe rows, in order."""
+    return [(float(r["point"]["value"]), r.get("status") == "ok" and bool(r.get("meets_slo")),
+             bool(r.get("saturated"))) for r in probes]
+
+
 def _probes(rows: list[dict[str, Any]], search: str) -> list[tuple[float, bool, bool]]:
     """(value, met the SLOs, saturated) of this engine's probes so far, in order."""
-    out = []
-    for r in rows:
-        p = r.get("point") or {}
-        if r.get("workload") == WORKLOAD and p.get("search") == search and "value" in p:
-            ok = r.get("status") == "ok" and bool(r.get("meets_slo"))
-            out.append((float(p["value"]), ok, bool(r.get("saturated"))))
-    return out
+    return probe_outcomes([r for r in rows if r.get("workload") == WORKLOAD
+                           and (r.get("point") or {}).get("search") == search and "value" in r["point"]])
+
+
+def bracket(probes: list[tuple[float, bool, bool]]) -> tuple[float | None, float | None]:
+    """(the highest load that met the SLOs, the lowest load above it that did not); None: none."""
+    lo = max((v for v, ok, _ in probes if ok), default=None)
+    hi = min((v for v, ok, _ in probes if not ok and (lo is None or v > lo)), default=None)
+    return lo, hi
 
 
 def round_load(value: float, search: str) -> float:
@@ -95,10 +103,7 @@ def next_value(probes: list[tuple[float, bool, bool]], cfg: CapacityConfig) -> f
     """The next load to probe, or None when the search is done."""
     if not probes or len(probes) >= cfg.max_probes:
         return None
-    good = [v for v, ok, _ in probes if ok]
-    bad = [v for v, ok, _ in probes if not ok]
-    lo = max(good) if good else None
-    hi = min((v for v in bad if lo is None or v > lo), default=None)
+    lo, hi = bracket(probes)
     tried = {v for v, _, _ in probes}
     if hi is None:  # nothing failed yet above the best: go up
         nxt = round_load(min(lo * 2, cfg.max_value), cfg.search)  # type: ignore[operator]
@@ -172,9 +177,7 @@ class Capacity(Serving):
         search = point.params["search"]
         mine = [r for r in rows if r.get("engine") == engine]
         probes = _probes(mine, search)
-        good = [v for v, ok, _ in probes if ok]
-        lo = max(good) if good else None
-        hi = min((v for v, ok, _ in probes if not ok and (lo is None or v > lo)), default=None)
+        lo, hi = bracket(probes)
         slo = cfg.slos()
         key = "capacity_rps" if search == "rate" else "capacity_concurrency"
         limited = sorted(float(r["point"]["value"]) for r in mine if r.get("workload") == WORKLOAD

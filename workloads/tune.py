@@ -58,7 +58,8 @@ except ImportError:  # pragma: no cover - checked in Tune.check
 from adapters.base import Capabilities, Engine
 from harness.core.schema import check, spec, tune_space
 from workloads.base import Point, RunContext
-from workloads.capacity import Capacity, CapacityConfig, next_value, round_load, slo_violations
+from workloads.capacity import (Capacity, CapacityConfig, bracket, next_value, probe_outcomes, round_load,
+                                slo_violations)
 
 WORKLOAD = "tune"
 OBJECTIVES = ("capacity", "goodput_at_rate")
@@ -345,9 +346,7 @@ class Tune(Capacity):
             return []
         if "value" in p:  # a probe: the next of its search, or the search's result
             if cfg.objective == "capacity" and row.get("status") == "ok":
-                probes = [(float(r["point"]["value"]), r.get("status") == "ok" and bool(r.get("meets_slo")),
-                           bool(r.get("saturated"))) for r in _search_rows(rows, engine, p)]
-                nxt = next_value(probes, cfg)
+                nxt = next_value(probe_outcomes(_search_rows(rows, engine, p)), cfg)
                 if nxt is not None:
                     return [Point(self.name, {**p, "value": nxt, "probe": p["probe"] + 1})]
             return [self._result(p["role"], p["trial"], p["options"], p.get("round"))]
@@ -409,11 +408,8 @@ class Tune(Capacity):
             why = next((r.get("error") for r in probes if r.get("error")), None) or "no probe ran"
             return {**head, "status": "failed", "error": f"the trial's options could not run: {why}",
                     "tune_value": None, "tune_probes": len(probes)}
-        met = [r for r in ran if r.get("meets_slo")]
-        top = max(met, key=lambda r: r["point"]["value"], default=None)
-        lo = top["point"]["value"] if top else None
-        hi = min((r["point"]["value"] for r in probes if not (r.get("status") == "ok" and r.get("meets_slo"))
-                  and (lo is None or r["point"]["value"] > lo)), default=None)
+        lo, hi = bracket(probe_outcomes(probes))
+        top = next((r for r in ran if r.get("meets_slo") and r["point"]["value"] == lo), None)
         key = "capacity_rps" if cfg.search == "rate" else "capacity_concurrency"
         value = lo if cfg.objective == "capacity" else (ran[-1].get("goodput_req_s") or 0.0)
         return {**head, "tune_value": value, key: lo, "capacity_bracket": [lo, hi], "capacity_slo": cfg.slos(),
