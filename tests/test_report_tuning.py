@@ -266,6 +266,15 @@ def test_every_trial_failed_shows_no_best(tmp_path: Path) -> None:
 
 # ---- in the browser ----------------------------------------------------------------------------
 
+def drawn_figures(driver: Any) -> list[list[Any]]:
+    """[figure name, traces in its data, traces drawn] of every figure of the tuning section."""
+    return driver.execute_script("""
+        return Array.from(document.querySelectorAll('#tuning figure[data-figure]')).map(f => {
+            const el = f.querySelector('.js-plotly-plot');
+            return [f.dataset.figure, el && el.data ? el.data.length : 0,
+                    el ? el.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length : 0];});""")
+
+
 @pytest.mark.browser
 def test_trials_table_sorts_in_chromium(driver: Any, tmp_path: Path) -> None:
     rows = reference_rows() + tune_rows("vllm", [({}, 1.0, "ok"), ({"max_num_seqs": 32}, 1.5, "ok")],
@@ -274,11 +283,7 @@ def test_trials_table_sorts_in_chromium(driver: Any, tmp_path: Path) -> None:
     report = write_report([tmp_path / "run"], tmp_path / "report.html")
     browser.open_report(driver, report)
     assert [e for e in driver.get_log("browser") if e.get("level") in ("SEVERE", "ERROR")] == []
-    drawn = driver.execute_script("""
-        return Array.from(document.querySelectorAll('#tuning figure[data-figure]')).map(f => {
-            const el = f.querySelector('.js-plotly-plot');
-            return [f.dataset.figure, el && el.data ? el.data.length : 0,
-                    el ? el.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length : 0];});""")
+    drawn = drawn_figures(driver)
     assert [d[0] for d in drawn] == ["tuning-trials", "tuning-importance", "tuning-pareto"]
     assert all(d[1] > 0 and d[2] > 0 for d in drawn), drawn
     capacity_col = driver.execute_script("""
@@ -316,11 +321,7 @@ def test_real_tune_run_report_in_chromium(driver: Any, tmp_path: Path, model_cac
 
     browser.open_report(driver, out / "report.html")
     assert [e for e in driver.get_log("browser") if e.get("level") in ("SEVERE", "ERROR")] == []
-    drawn = driver.execute_script("""
-        return Array.from(document.querySelectorAll('#tuning figure[data-figure]')).map(f => {
-            const el = f.querySelector('.js-plotly-plot');
-            return [f.dataset.figure, el && el.data ? el.data.length : 0,
-                    el ? el.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length : 0];});""")
+    drawn = drawn_figures(driver)
     expected = ["tuning-trials", *(["tuning-importance"] if conclusion["tune_importance"] else []), "tuning-pareto"]
     assert [d[0] for d in drawn] == expected
     assert all(d[1] > 0 and d[2] > 0 for d in drawn), drawn
