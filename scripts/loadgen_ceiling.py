@@ -87,6 +87,17 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def pin(cpus: set[int]) -> None:
+    """Pin every thread of this process to `cpus` (sched_setaffinity(0) moves the calling thread
+    only; threads started before - by imports, the checkpoint's tokenizer - would stay where they
+    were, on the server's core too). Threads started later inherit it."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+
+
 def cpu_name() -> str:
     try:
         for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
@@ -360,7 +371,7 @@ def main() -> int:
     if not use_vllm:
         print(f"vllm bench serve: skipped ({'--no-vllm' if args.no_vllm else f'{VLLM_PY} not found'})")
     t_start = time.perf_counter()
-    os.sched_setaffinity(0, client_cpus)
+    pin(client_cpus)
     pacing = server_pacing(args.server_cpu, args.streams)
     v: dict[str, list[dict]] = {"ceiling": [], "itl": []}
     with tempfile.TemporaryDirectory() as tmp, \
@@ -369,7 +380,7 @@ def main() -> int:
         if use_vllm:
             v = vllm_steps(args, url0, url20, tmp, tokenizer, client_cpus)
         prof_text = profile_run(url0, args.streams, args.ceiling_tokens) if args.profile else ""
-    os.sched_setaffinity(0, all_cpus)
+    pin(all_cpus)
     print_pacing(pacing)
     print_table(args, h, v)
     print_done_when(args, h, v, client_cpus, all_cpus)

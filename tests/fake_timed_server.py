@@ -25,7 +25,8 @@ off (asyncio.sleep only), to compare. `GET /v1/models`, `/version` and `/health`
 is 404 (no telemetry). `GET /stats` answers what the server actually did since the last
 `/stats` (and starts over): how late its chunk writes were against their schedule, and the gaps
 between the writes of one stream (min / p50 / p99 / max, ms) - the truth the client's ITL is read
-against, so a late server is told apart from a slow client.
+against, so a late server is told apart from a slow client - and the connections it accepted, and
+how many completion requests were the first request of their connection (`cold_streams`).
 
     python tests/fake_timed_server.py --port 0 --gap-ms 20 --first-ms 50 [--cpu 0] [--coarse]
 
@@ -107,6 +108,8 @@ class TimedServer:
         self.fine = fine  # pace with wait_until's busy-wait (False: asyncio.sleep alone, up to 1 ms late)
         self.late_ns: list[int] = []  # each chunk write minus its scheduled time
         self.gaps_ns: list[int] = []  # between consecutive chunk writes of one stream
+        self.connections = 0  # connections accepted
+        self.cold_streams = 0  # completion requests that were the first request of their connection
 
     def stats(self) -> dict:
         def pct(xs: list[int]) -> dict:
@@ -115,11 +118,15 @@ class TimedServer:
                 return {"min": None, "p50": None, "p99": None, "max": None}
             at = lambda q: xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] / 1e6  # noqa: E731
             return {"min": xs[0] / 1e6, "p50": at(0.5), "p99": at(0.99), "max": xs[-1] / 1e6}
-        out = {"chunks": len(self.late_ns), "late_ms": pct(self.late_ns), "gap_ms": pct(self.gaps_ns)}
+        out = {"chunks": len(self.late_ns), "late_ms": pct(self.late_ns), "gap_ms": pct(self.gaps_ns),
+               "connections": self.connections, "cold_streams": self.cold_streams}
         self.late_ns, self.gaps_ns = [], []
+        self.connections = self.cold_streams = 0
         return out
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        first = True
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -131,6 +138,8 @@ class TimedServer:
                         length = int(h.split(":", 1)[1])
                 body = await reader.readexactly(length) if length else b""
                 if method == "POST" and path.endswith("/completions"):
+                    self.cold_streams += first
+                    first = False
                     await self.stream(json.loads(body), writer)
                 elif path.endswith("/models"):
                     writer.write(_json_response("200 OK", {"object": "list", "data": [{"id": "fake-model"}]}))
@@ -140,6 +149,7 @@ class TimedServer:
                     writer.write(_json_response("200 OK", {"version": "fake-timed-1.0"}))
                 else:
                     writer.write(_json_response("404 Not Found", {"error": {"message": "not here"}}))
+                first = False
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass

@@ -253,6 +253,26 @@ def test_a_trace_replays_at_its_recorded_offsets(tmp_path, timed_20ms):
     assert row["achieved_rate"] == pytest.approx(25.0, rel=0.1)
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_closed_loop_finds_its_connections_open_when_the_point_starts(processes):
+    """The measured burst pays no TCP handshakes: the server counts the completion requests that
+    opened their own connection, and there are none (before: every stream but the warm-up's)."""
+    import httpx
+    reqs = [Request(f"r{i}", [5] * 8, 4) for i in range(16)]
+    with running(gap_ms=5) as url:
+        stats = lambda: httpx.get(url[: -len("/v1")] + "/stats", timeout=10).json()  # noqa: E731
+        eng = engine_at(url)
+        try:
+            stats()
+            out = eng.serve_load(reqs, closed=True, concurrency=16, processes=processes)
+            seen = stats()
+        finally:
+            eng.close()
+    assert len(out["traces"]) == 16 and all(t.error is None for t in out["traces"])
+    assert seen["cold_streams"] == 0, seen
+    assert seen["connections"] >= 16
+
+
 # ---- several client processes -----------------------------------------------------------------------
 
 def test_split_deals_the_schedule_and_the_slots_deterministically():

@@ -25,6 +25,15 @@ late tick counting once per 2 ms of its stall (`lag_samples`) so the percentiles
 
 A client process (`CHILD`) reads a pickled Job on stdin, then "ping" / "start <ns>" / "stop"
 lines, and writes pickled messages on stdout: pong, first tokens, its records and stats.
+
+Before a point starts, each client opens the connections its first requests will use
+(`open_connections`: as many concurrent `GET /v1/models` as the job has requests in flight at once,
+read to the end so the connection stays in the keep-alive pool). A load generator that kept its
+connections from the point before would have them; one that opens them in the measured burst
+makes its first requests late by the TCP handshakes (about 10 ms of send lag for 64 streams on
+one core) and charges that to the server's TTFT. A server that answers the GET with an error
+still leaves its connection open; one that cannot be reached fails the point's first request,
+which says why, as before.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from adapters.endpoint.stream import ReqState, stream_completion
 CHILD = "from adapters.endpoint.client import child_main; child_main()"  # a client process's command
 TICK_S = 0.002  # the loop-lag timer's period
 PROGRESS_S = 0.1  # how often a client process reports first tokens (for the saturation check)
+OPEN_MAX = 64  # an open loop without a cap: connections opened before the point starts
 
 
 def tls_context(verify_tls: bool, ca_bundle: str | None) -> bool | ssl.SSLContext:
@@ -106,6 +116,41 @@ class Job:
     slots: int = 1  # closed loop: requests kept in flight
     max_concurrency: int | None = None  # open loop: the cap (None: none)
     ramp_up_s: float = 0.0  # closed loop: slots start one after another over this
+
+
+def connections_needed(job: Job) -> int:
+    """How many connections the job's first requests use at once: its slots (closed loop), its
+    cap (open loop), else at most OPEN_MAX."""
+    n = job.slots if job.closed else (job.max_concurrency or OPEN_MAX)
+    return max(0, min(n, len(job.items)))
+
+
+def models_url(url: str) -> str:
+    """The server's model list beside a completions URL (`.../v1/completions` -> `.../v1/models`);
+    the origin's root where the URL has no `/v1/`."""
+    at = url.rfind("/v1/")
+    if at >= 0:
+        return url[:at] + "/v1/models"
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.split('/', 1)[0]}/"
+
+
+async def open_connections(session: aiohttp.ClientSession, url: str, n: int, timeout_s: float = 10.0) -> int:
+    """Open up to `n` keep-alive connections in `session` before a point starts (the module's
+    docstring says why): n concurrent GETs of the model list, each read to the end. Returns how
+    many answered; a GET that fails is left to the point's own requests to report."""
+    target = models_url(url)
+    limit = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def one() -> bool:
+        try:
+            async with session.get(target, timeout=limit) as resp:
+                await resp.read()
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    return sum(await asyncio.gather(*(one() for _ in range(n))))
 
 
 @dataclass
@@ -408,13 +453,19 @@ class ClientActor:
         self.states: list[ReqState] = []
         self.stats = ClientStats()
         self.task: asyncio.Task | None = None
+        self.session: aiohttp.ClientSession | None = None
         gc.freeze()
 
     async def ping(self) -> int:
         return now_ns()
 
+    async def connect(self, job: Job) -> int:
+        """The job's connections, opened before its start (`open_connections`)."""
+        self.session = job.spec.session()
+        return await open_connections(self.session, job.spec.url, connections_needed(job))
+
     async def run(self, job: Job) -> tuple[list[ReqState], ClientStats]:
-        session = job.spec.session()
+        session = self.session or job.spec.session()
         self.task = asyncio.current_task()
         try:
             await run_job(job, session, self.states, self.stats)
@@ -453,6 +504,7 @@ class RayClients:
         self.refs: list[Any] = []
         self.shifts = [0] * len(jobs)
         ray.get([a.ping.remote() for a in self.actors], timeout=120)
+        ray.get([a.connect.remote(job) for a, job in zip(self.actors, jobs)], timeout=120)
 
     def measure_clocks(self, pings: int = 5) -> list[tuple[int, int]]:
         out = []
@@ -552,6 +604,7 @@ class ChildProcess:
 
     async def main(self) -> None:
         session = self.job.spec.session()
+        await open_connections(session, self.job.spec.url, connections_needed(self.job))
         self.send("ready", None)
         try:
             while not self.started.is_set():

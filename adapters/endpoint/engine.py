@@ -59,7 +59,8 @@ from adapters.endpoint.launch import ServerError, ServerProcess, free_port, rend
 from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
 from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
 from adapters.endpoint.client import (
-    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, correction, run_job, split_job, tls_context,
+    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, connections_needed, correction, open_connections,
+    run_job, split_job, tls_context,
 )
 from adapters.endpoint.stream import ITL_CHUNKING, ReqState, dumps, http_reason, stream_completion
 from harness.core.kvcalc import bytes_per_token, kv_dtype_of
@@ -740,11 +741,16 @@ class EndpointEngine(Engine):
                    should_stop: Callable[[list[tuple[int, int]], int], bool] | None) -> int:
         """The job on this engine's own loop (one client, this process); returns its start time.
         `states` fills as requests are sent; `per_process` gets the client's stats."""
+        loop = self._loop
+
+        async def connect() -> None:  # in the loop: its session is made there
+            await open_connections(loop.streams(spec), spec.url, connections_needed(job))
+
+        loop.submit(connect()).result()
         start = now_ns() + 5_000_000
         job.start_ns = start
         stats = ClientStats(pid=os.getpid())
         finished = threading.Event()
-        loop = self._loop
 
         async def go() -> None:
             try:
