@@ -27,7 +27,7 @@ from harness.core.schema import check, spec
 from harness.engines import capability_problems, resolve_engine
 from workloads import get_workload, workload_names
 from workloads.base import Point, Workload
-from workloads.parity import ParityConfig
+from workloads.parity import ParityConfig, with_prompt_lens
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Harness-level engine options: where the engine's worker runs. Not passed to the adapter.
@@ -294,8 +294,11 @@ def _check_model(model_cfg: dict[str, Any], problems: list[str]) -> ModelShape |
 
 def _plan_workloads(cfg: dict[str, Any], settings: Settings, shape: ModelShape | None,
                     problems: list[str]) -> list[PlannedWorkload]:
-    """The main workload, checked and planned, then parity (unless it is the main one or off)."""
+    """The main workload, checked and planned, then parity (unless it is the main one or off).
+    Parity's prompt lengths, where not given, follow the model (`with_prompt_lens`)."""
     planned: list[PlannedWorkload] = []
+    model_cfg = dict(cfg.get("model") or {})
+    positions = shape.max_position_embeddings if shape is not None else None
     wl_cfg_raw = dict(cfg.get("workload") or {})
     wl_name = wl_cfg_raw.get("name")
     if wl_name not in workload_names():
@@ -304,13 +307,15 @@ def _plan_workloads(cfg: dict[str, Any], settings: Settings, shape: ModelShape |
         workload = get_workload(wl_name)
         wl_cfg, probs = check(workload.config_cls, wl_cfg_raw, "workload")
         problems += probs
+        if isinstance(wl_cfg, ParityConfig):
+            wl_cfg = with_prompt_lens(wl_cfg, model_cfg, positions)
         if wl_cfg is not None and shape is not None:
             problems += workload.check(wl_cfg, shape)
         if wl_cfg is not None:
             planned.append(PlannedWorkload(workload, wl_cfg, workload.plan(wl_cfg)))
     if settings.parity and wl_name != "parity":
         parity = get_workload("parity")
-        pcfg = ParityConfig(tokens=settings.parity_tokens)
+        pcfg = with_prompt_lens(ParityConfig(tokens=settings.parity_tokens), model_cfg, positions)
         planned.append(PlannedWorkload(parity, pcfg, parity.plan(pcfg)))
     return planned
 

@@ -16,7 +16,7 @@ import pytest
 from harness.core.presets import ModelShape, load_preset
 from harness.core.train import (HELDOUT_FILE, TRAINING_FILE, TrainConfig, corpus_files, split_files,
                                 train_checkpoint, trained_name, unigram_perplexity)
-from workloads.parity import Parity, heldout_prompts, trained_here
+from workloads.parity import PROMPT_LENS, TRAINED_PROMPT_LENS, Parity, heldout_prompts, trained_here
 
 REPO = Path(__file__).resolve().parent.parent
 # a seconds-long training: a one-layer model on the first files of the stdlib
@@ -167,3 +167,27 @@ def test_parity_judges_a_checkpoint_trained_here_by_the_trained_thresholds(smoke
         assert 1.2e-4 < rows[1]["parity_mean_kl"] < 6e-3, rows[1]["parity_mean_kl"]  # between the two bounds
         assert rows[1]["status"] == expected, rows[1].get("error")
         assert rows[1]["parity_thresholds"]["set"] == ("trained checkpoint" if expected == "failed" else "random weights")
+
+
+def _parity_lens(*overrides: str) -> tuple[list[int], int]:
+    """The parity prompt lengths a run plans, and the run's max_model_len."""
+    from harness.cli import compose_job
+    from harness.config import build_plan
+    plan = build_plan(compose_job(["engines=[reference]", *overrides]))
+    return next(w.cfg.prompt_lens for w in plan.workloads if w.workload.name == "parity"), plan.max_model_len
+
+
+def test_parity_prompts_are_longer_on_a_model_trained_here(smoke_ckpt: Path) -> None:
+    """Where prompt_lens is not given: up to 512 tokens on random weights, up to 2048 on a
+    trained preset (a 1 % RoPE error leaves bf16's rounding only there), cut to a trained
+    checkpoint's positions; lengths given are kept."""
+    assert _parity_lens("model=tiny", "workload=parity")[0] == PROMPT_LENS
+    assert _parity_lens("model=tiny-trained", "workload=parity") == (TRAINED_PROMPT_LENS, 2048 + 32 + 1)
+    assert _parity_lens("model=tiny-trained", "workload=parity", "workload.prompt_lens=[64]")[0] == [64]
+    # the parity check a run adds after its main workload follows the model too
+    main = ("workload.batch_sizes=[1]", "workload.prompt_lens=[16]", "workload.output_len=4")
+    assert _parity_lens("model=tiny-trained", *main)[0] == TRAINED_PROMPT_LENS
+    assert _parity_lens("model=tiny", *main)[0] == PROMPT_LENS
+    # a checkpoint trained here, by path: its 512 positions hold prompts of at most 512 - 32 - 1
+    lens, _ = _parity_lens("model=local", f"model.path={smoke_ckpt}", "workload=parity")
+    assert lens == [128, 512 - 32 - 1], lens

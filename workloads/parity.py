@@ -17,7 +17,7 @@ trained-checkpoint thresholds apply: its distributions are peaked, so a smaller 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,21 @@ WORKLOAD = "parity"
 GREEDY_UNDECIDED = ("bfloat16", "float16")
 
 
+# The parity prompts' lengths when workload.prompt_lens is not given: random tokens of up to 512
+# on random weights; on a checkpoint trained here, windows of its held-out text of up to 2048,
+# where a 1 % RoPE error leaves bf16's rounding (at 512 it does not: docs/metrics.md, "Parity on
+# the trained preset").
+PROMPT_LENS = [64, 128, 256, 512]
+TRAINED_PROMPT_LENS = [128, 512, 1024, 2048]
+
+
 @dataclass
 class ParityConfig:
     name: str = spec(WORKLOAD)
-    prompt_lens: list[int] = spec([64, 128, 256, 512], ge=1, nonempty=True,
-                                  help="one prompt of each length, run as one batch (long: a position error grows with it)")
+    prompt_lens: list[int] | None = spec(
+        None, ge=1, nonempty=True,
+        help="one prompt of each length, run as one batch (long: a position error grows with it); "
+             "null: by model - [64,128,256,512], or [128,512,1024,2048] on a checkpoint trained here")
     tokens: int = spec(32, ge=1, le=4096, help="greedy tokens per prompt (and teacher-forced positions scored)")
     top_k: int = spec(8, ge=2, le=20, help="log-probabilities compared per position (vLLM returns at most 20)")
 
@@ -59,6 +69,29 @@ def trained_here(model_path: str | None) -> bool:
     keeps its held-out text. Such a checkpoint gets held-out prompts and the trained thresholds."""
     return bool(model_path) and (Path(model_path) / TRAINING_FILE).is_file() and \
         (Path(model_path) / HELDOUT_FILE).is_file()
+
+
+def trained_model(model_cfg: dict[str, Any]) -> bool:
+    """Whether the run's model is trained here: a preset that trains (a `train:` mapping), or a
+    checkpoint directory with its training record and held-out text."""
+    return bool(model_cfg.get("train")) or trained_here(model_cfg.get("path") or None)
+
+
+def with_prompt_lens(cfg: ParityConfig, model_cfg: dict[str, Any], max_positions: int | None = None) -> ParityConfig:
+    """`cfg` with its prompt lengths decided: as given, else by model - PROMPT_LENS, or
+    TRAINED_PROMPT_LENS on a model trained here (`trained_model`) - each cut to what the model's
+    positions (less the scored tokens) and a trained checkpoint's held-out text hold."""
+    if cfg.prompt_lens is not None:
+        return cfg
+    trained = trained_model(model_cfg)
+    lens = TRAINED_PROMPT_LENS if trained else PROMPT_LENS
+    room = [max_positions - cfg.tokens - 1] if max_positions else []
+    path = model_cfg.get("path") or None
+    if trained and trained_here(path):
+        room.append(len(np.load(Path(path) / HELDOUT_FILE, mmap_mode="r")))
+    if room:
+        lens = sorted({max(1, min(s, min(room))) for s in lens})
+    return replace(cfg, prompt_lens=list(lens))
 
 
 def heldout_prompts(model_path: str, lens: list[int]) -> list[list[int]]:
@@ -86,15 +119,17 @@ class Parity(Workload):
     roofline = False
 
     def plan(self, cfg: ParityConfig) -> list[Point]:
-        return [Point(self.name, {"prompt_lens": list(cfg.prompt_lens), "tokens": cfg.tokens, "top_k": cfg.top_k})]
+        return [Point(self.name, {"prompt_lens": list(cfg.prompt_lens or PROMPT_LENS), "tokens": cfg.tokens,
+                                  "top_k": cfg.top_k})]
 
     def max_model_len(self, cfg: ParityConfig) -> int:
         # the scored sequence is prompt + tokens, and an engine that scores through generation
         # (vLLM's prompt log-probabilities) needs room for one more
-        return max(cfg.prompt_lens) + cfg.tokens + 1
+        return max(cfg.prompt_lens or PROMPT_LENS) + cfg.tokens + 1
 
     def max_prefill_batch(self, cfg: ParityConfig) -> tuple[int, int]:
-        return len(cfg.prompt_lens), sum(cfg.prompt_lens)
+        lens = cfg.prompt_lens or PROMPT_LENS
+        return len(lens), sum(lens)
 
     def prompts(self, point: Point, ctx: RunContext) -> list[list[int]]:
         n = point.params["tokens"]
