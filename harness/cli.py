@@ -28,7 +28,7 @@ from harness.config import build_plan
 from harness.core.env import environment
 from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
 from harness.core.paths import CONF_DIR, model_cache_dir
-from harness.core.presets import preset_names, prompt_token_range, shape_from_hf_config
+from harness.core.presets import load_preset, preset_names, prompt_token_range, shape_from_hf_config
 from harness.core.redact import redact_text
 from harness.core.results import CONFIG_FILE, ENVIRONMENT_FILE, RESULTS_FILE, atomic_write_text, read_rows
 from harness.locks import lock_device, lock_run_dir
@@ -38,6 +38,7 @@ from adapters import engine_names
 from workloads import workload_names
 
 EXIT_INTERRUPTED = 130
+PARITY_MODEL = "tiny-trained"  # workload=parity's model where none is named, when it is trained here
 
 _INFO_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
                "--shell-completion", "-sc", "--resolve", "-p", "--package"}
@@ -275,8 +276,23 @@ def _app(cfg: DictConfig) -> int:
     return code
 
 
+def parity_model(overrides: list[str]) -> list[str]:
+    """`workload=parity` with no model named: PARITY_MODEL where it is already trained and cached
+    here (its distributions decide parity in bf16, random weights' do not: docs/metrics.md), said
+    on stderr; else the overrides as they are (`tiny`: nothing is trained for a default)."""
+    if "workload=parity" not in overrides or any(o.lstrip("+~").startswith(("model=", "model.")) for o in overrides):
+        return overrides
+    cache = next((o.split("=", 1)[1] for o in overrides if o.startswith("model_cache_dir=")), None)
+    path = cached_path(load_preset(PARITY_MODEL), model_cache_dir(cache if cache not in (None, "null") else None))
+    if not (path / "config.json").is_file():
+        return overrides
+    print(f"workload=parity: model={PARITY_MODEL}, trained here and cached ({path}); model=tiny for random "
+          "weights", file=sys.stderr)
+    return overrides + [f"model={PARITY_MODEL}"]
+
+
 def main() -> None:
-    sys.argv[1:] = open_mappings(sys.argv[1:])
+    sys.argv[1:] = parity_model(open_mappings(sys.argv[1:]))
     problems = check_jobs(sys.argv[1:])
     if problems:
         print(UserError(problems).render(), file=sys.stderr)

@@ -191,3 +191,18 @@ def test_parity_prompts_are_longer_on_a_model_trained_here(smoke_ckpt: Path) -> 
     # a checkpoint trained here, by path: its 512 positions hold prompts of at most 512 - 32 - 1
     lens, _ = _parity_lens("model=local", f"model.path={smoke_ckpt}", "workload=parity")
     assert lens == [128, 512 - 32 - 1], lens
+
+
+def test_parity_runs_on_the_trained_preset_where_it_is_cached(tmp_path: Path) -> None:
+    """workload=parity with no model named takes tiny-trained once it is trained and cached here,
+    and never trains it for a default; a model named is kept."""
+    from harness.checkpoint import cached_path
+    from harness.cli import PARITY_MODEL, parity_model
+    args = ["workload=parity", f"model_cache_dir={tmp_path}"]
+    assert parity_model(args) == args  # not trained here: random weights, as before
+    cached = cached_path(load_preset(PARITY_MODEL), tmp_path)
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    assert parity_model(args) == args + [f"model={PARITY_MODEL}"]
+    assert parity_model(args + ["model=tiny"]) == args + ["model=tiny"]
+    assert parity_model(["workload=sweep", f"model_cache_dir={tmp_path}"]) == ["workload=sweep", f"model_cache_dir={tmp_path}"]
