@@ -25,8 +25,10 @@ off (asyncio.sleep only), to compare. `GET /v1/models`, `/version` and `/health`
 is 404 (no telemetry). `GET /stats` answers what the server actually did since the last
 `/stats` (and starts over): how late its chunk writes were against their schedule, and the gaps
 between the writes of one stream (min / p50 / p99 / max, ms) - the truth the client's ITL is read
-against, so a late server is told apart from a slow client - and the connections it accepted, and
-how many completion requests were the first request of their connection (`cold_streams`).
+against, so a late server is told apart from a slow client - when it wrote each chunk (`writes_ns`,
+time.perf_counter_ns(): CLOCK_MONOTONIC, the clock the client stamps with; paced runs only), the
+connections it accepted, and how many completion requests were the first request of their
+connection (`cold_streams`).
 
     python tests/fake_timed_server.py --port 0 --gap-ms 20 --first-ms 50 [--cpu 0] [--coarse]
 
@@ -108,6 +110,7 @@ class TimedServer:
         self.fine = fine  # pace with wait_until's busy-wait (False: asyncio.sleep alone, up to 1 ms late)
         self.late_ns: list[int] = []  # each chunk write minus its scheduled time
         self.gaps_ns: list[int] = []  # between consecutive chunk writes of one stream
+        self.writes_ns: list[int] = []  # when each chunk was written (time.perf_counter_ns: CLOCK_MONOTONIC)
         self.connections = 0  # connections accepted
         self.cold_streams = 0  # completion requests that were the first request of their connection
 
@@ -119,8 +122,8 @@ class TimedServer:
             at = lambda q: xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] / 1e6  # noqa: E731
             return {"min": xs[0] / 1e6, "p50": at(0.5), "p99": at(0.99), "max": xs[-1] / 1e6}
         out = {"chunks": len(self.late_ns), "late_ms": pct(self.late_ns), "gap_ms": pct(self.gaps_ns),
-               "connections": self.connections, "cold_streams": self.cold_streams}
-        self.late_ns, self.gaps_ns = [], []
+               "connections": self.connections, "cold_streams": self.cold_streams, "writes_ns": self.writes_ns}
+        self.late_ns, self.gaps_ns, self.writes_ns = [], [], []
         self.connections = self.cold_streams = 0
         return out
 
@@ -173,6 +176,8 @@ class TimedServer:
             finish = "length" if sent + k == n else None
             frame = _frame(_event(range(sent, sent + k), finish))
             now = time.perf_counter_ns()
+            if self.gap_s > 0:
+                self.writes_ns.append(now)
             late.append(now - int(due * 1e9))
             if last:
                 gaps.append(now - last)

@@ -72,6 +72,55 @@ def test_tokens_of_one_chunk_share_its_time_and_chunks_keep_the_gap():
     assert abs(fields["itl_chunk_s"] - 0.010) < 0.003
 
 
+def test_tokens_are_stamped_when_their_bytes_came_off_the_socket():
+    """A loop busy HOG_S at a time (other streams' parsing, a slow callback) delays the task that
+    reads a stream, not the socket read: a token's time is when the loop read its bytes, at most
+    one busy spell after the server wrote them (median about half of one), never after the next
+    (reading-task stamps were one to two spells late)."""
+    import asyncio
+    import statistics
+    import time
+
+    import httpx
+
+    from adapters.endpoint.client import ClientSpec
+    from adapters.endpoint.stream import ReqState, stream_completion
+    hog_s = 0.02
+
+    async def read_while_busy(url: str) -> ReqState:
+        spec = ClientSpec(url + "/completions")
+        session = spec.session()
+        loop = asyncio.get_running_loop()
+        done = []
+
+        def hog() -> None:  # due at once, so it runs in every loop pass, after that pass's socket reads
+            end = time.perf_counter() + hog_s
+            while time.perf_counter() < end:
+                pass
+            if not done:
+                loop.call_later(0, hog)
+
+        st = ReqState("r0", 1, 10)
+        loop.call_later(0, hog)
+        try:
+            await stream_completion(session, spec.url, {"model": "m", "prompt": [5], "max_tokens": 10, "stream": True},
+                                    st, None, 30)
+        finally:
+            done.append(True)
+            await session.close()
+        return st
+
+    with running(gap_ms=50, first_ms=50) as url:
+        stats = url[: -len("/v1")] + "/stats"
+        httpx.get(stats, timeout=10)
+        st = asyncio.run(read_while_busy(url))
+        writes = httpx.get(stats, timeout=10).json()["writes_ns"]
+    assert st.ok and len(st.token_times) == len(writes) == 10, (st.error, writes)
+    late_s = [(t - w) / 1e9 for t, w in zip(st.token_times, writes)]
+    assert min(late_s) >= 0, late_s  # one clock (CLOCK_MONOTONIC) on both sides
+    assert statistics.median(late_s) < hog_s, late_s
+
+
 # ---- the serving workload through the load generator --------------------------------------------
 
 def context(model_path: str = "") -> RunContext:

@@ -55,7 +55,7 @@ from typing import Any, Callable
 import aiohttp
 
 from adapters.base import now_ns
-from adapters.endpoint.stream import ReqState, stream_completion
+from adapters.endpoint.stream import ReqState, stamp_reads, stream_completion
 
 CHILD = "from adapters.endpoint.client import child_main; child_main()"  # a client process's command
 TICK_S = 0.002  # the loop-lag timer's period
@@ -87,9 +87,11 @@ class ClientSpec:
     request_timeout_s: float = 600.0
 
     def session(self) -> aiohttp.ClientSession:
-        """An aiohttp session (call inside the running loop): no connection limit, keep-alive."""
+        """An aiohttp session (call inside the running loop): no connection limit, keep-alive,
+        every socket read stamped (`StampedHandler`)."""
         conn = aiohttp.TCPConnector(limit=0, ssl=tls_context(self.verify_tls, self.ca_bundle),
                                     enable_cleanup_closed=True)
+        stamp_reads(conn)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         return aiohttp.ClientSession(connector=conn, headers=self.headers, timeout=timeout, trust_env=False)
 

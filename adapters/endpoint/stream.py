@@ -8,8 +8,11 @@ Token counting (docs/metrics.md, "Over HTTP"): tokens, not chunks. Per chunk, in
      `stream_options.continuous_usage_stats`);
   4. otherwise one token per chunk that carries text (then the final usage decides: a
      difference is flagged as a token-count mismatch, never averaged away).
-Timing: every token of a chunk is stamped where the stream is read, in the reading loop: with
-the time (`adapters.base.now_ns()`) of the socket read that completed its event, so tokens that
+Timing: every token of a chunk is stamped in the reading loop with the time
+(`adapters.base.now_ns()`) at which the loop read the bytes that completed its event off the
+socket: aiohttp's connection protocol is subclassed to stamp each socket read
+(`StampedHandler.data_received`) before the bytes are parsed or the stream's task runs, so time the
+loop spends on other streams' events in the same pass is not charged to this one. Tokens that
 arrive together are 0 s apart. Nothing is handed to another thread per token.
 
 Transport: aiohttp (as `vllm bench serve`), the body read in whatever pieces the socket gives
@@ -21,12 +24,14 @@ against httpx's line iterator and aiohttp's own line iterator on a known-timing 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from aiohttp.client_proto import ResponseHandler
 
 from adapters.base import now_ns
 
@@ -40,6 +45,34 @@ except ImportError:  # pragma: no cover - orjson is a dependency; the standard l
 
     def dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
+
+class StampedHandler(ResponseHandler):
+    """aiohttp's connection protocol, stamping every socket read with the time the loop read it
+    (`read_ns`), before the bytes are parsed or any reading task runs."""
+
+    read_ns = 0
+
+    def data_received(self, data: bytes) -> None:
+        if data:
+            self.read_ns = now_ns()
+        super().data_received(data)
+
+
+def stamp_reads(connector: aiohttp.BaseConnector) -> None:
+    """Make `connector`'s connections StampedHandler (aiohttp builds them with its `_factory`)."""
+    factory = getattr(connector, "_factory", None)
+    if isinstance(factory, functools.partial) and factory.func is ResponseHandler:
+        connector._factory = functools.partial(StampedHandler, *factory.args, **factory.keywords)
+
+
+def read_clock(resp: aiohttp.ClientResponse) -> Callable[[], int]:
+    """When the bytes a read just returned came off the socket: the connection's last socket
+    read (StampedHandler), else now."""
+    proto = resp.connection.protocol if resp.connection is not None else None
+    if isinstance(proto, StampedHandler):
+        return lambda: proto.read_ns or now_ns()
+    return now_ns
+
 
 ITL_CHUNKING = ("per token; the tokens of one SSE chunk all get that chunk's arrival time (ITL 0 between "
                 "them); itl_chunk_s gives the gaps between chunks instead")
@@ -188,15 +221,17 @@ def _data(block: bytes) -> bytes | None:
     return b"\n".join(data) if data else None
 
 
-async def read_events(content: aiohttp.StreamReader, state: ReqState, on_tokens: OnTokens) -> bool:
+async def read_events(content: aiohttp.StreamReader, state: ReqState, on_tokens: OnTokens,
+                      clock: Callable[[], int] = now_ns) -> bool:
     """Read the events of a response body into `state` as the socket gives them; True once
-    `[DONE]` came. Every event completed by one read is stamped with that read's time."""
+    `[DONE]` came. Every event completed by one read is stamped with `clock()` after it: when
+    the bytes came off the socket (`read_clock`), else the read's time."""
     buf = b""
     while True:
         piece = await content.readany()
         if not piece:
             break
-        t = now_ns()
+        t = clock()
         more = content.read_nowait()  # everything else already buffered (aiohttp hands out one HTTP chunk a time)
         if more:
             piece += more
@@ -240,7 +275,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
                     text = (await resp.read()).decode("utf-8", "replace")
                     state.fail(*http_reason(resp.status, resp.reason or "", text))
                     return
-                if not await read_events(resp.content, state, on_tokens):
+                if not await read_events(resp.content, state, on_tokens, read_clock(resp)):
                     state.fail("stream ended early (no [DONE])",
                                f"the stream ended after {n_of()} without [DONE]")
                 else:
