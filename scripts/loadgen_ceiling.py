@@ -18,7 +18,7 @@ defaults give each its own core. Measured, in one sitting:
   1. the ceiling: output tokens/s ingested from a server with gap 0 (closed loop, --streams
      streams of --ceiling-tokens tokens), --runs runs per tool;
   2. ITL at a true gap of 20 ms (--streams streams of --itl-tokens tokens): p50, p99 and the
-     largest ITL seen, --itl-runs runs of each tool; the p99 error is printed per run, against the
+     largest ITL seen, --itl-runs runs of each tool, alternating; the p99 error is printed per run, against the
      nominal 20 ms and against the gaps the server itself measured in the same run (a few
      millisecond-long stalls of the machine move a p99 of 64 streams by themselves, so one run
      says little: compare the tools' runs side by side);
@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 
@@ -249,14 +250,21 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def harness_steps(args: argparse.Namespace, url0: str, url20: str, tmp: str) -> dict[str, list[dict]]:
-    """Steps 1-4 for the harness: the ceiling, the 20 ms ITL, client_processes=2 against 1, a trace."""
+def harness_steps(args: argparse.Namespace, url0: str, url20: str, tmp: str,
+                  vllm_itl: Callable[[int], dict] | None = None) -> dict[str, list[dict]]:
+    """Steps 1-4 for the harness: the ceiling, the 20 ms ITL (each run followed by one of
+    `vllm_itl`'s), client_processes=2 against 1, a trace."""
     eng0, eng20 = engine_at(url0), engine_at(url20)
     try:
         res = {"ceiling": [harness_run(eng0, args.streams, args.ceiling_tokens, 1, f"c{i}") for i in range(args.runs)]}
         print("harness ceiling runs:", json.dumps(res["ceiling"]), flush=True)
-        res["itl"] = [harness_run(eng20, args.streams, args.itl_tokens, 1, f"i{i}") for i in range(args.itl_runs)]
+        res["itl"], res["vllm_itl"] = [], []
+        for i in range(args.itl_runs):  # run by run with vllm bench's: a noisy spell of the machine hits both
+            res["itl"].append(harness_run(eng20, args.streams, args.itl_tokens, 1, f"i{i}"))
+            if vllm_itl is not None:
+                res["vllm_itl"].append(vllm_itl(i))
         print("harness 20 ms runs:", json.dumps(res["itl"]), flush=True)
+        print("vllm bench serve 20 ms runs:", json.dumps(res["vllm_itl"]), flush=True)
         res["two"], res["one"] = [], []
         for i in range(args.runs):  # interleaved: a slow spell of the machine hits both
             res["two"].append(harness_run(eng0, args.streams, args.ceiling_tokens, 2, f"p{i}"))
@@ -270,17 +278,21 @@ def harness_steps(args: argparse.Namespace, url0: str, url20: str, tmp: str) -> 
     return res
 
 
-def vllm_steps(args: argparse.Namespace, url0: str, url20: str, tmp: str, tokenizer: str,
-               client_cpus: set[int]) -> dict[str, list[dict]]:
-    """Steps 1-2 for vllm bench serve, in its own environment, on the client cores."""
-    root0, root20 = url0[: -len("/v1")], url20[: -len("/v1")]
-    jobs = [{"root": root0, "tokenizer": tokenizer, "tokens": args.ceiling_tokens, "streams": args.streams,
-             "dir": tmp, "name": f"c{i}.json"} for i in range(args.runs)]
-    jobs += [{"root": root20, "tokenizer": tokenizer, "tokens": args.itl_tokens, "streams": args.streams,
-              "dir": tmp, "name": f"i{i}.json"} for i in range(args.itl_runs)]
+def vllm_ceiling(args: argparse.Namespace, url0: str, tmp: str, tokenizer: str, client_cpus: set[int]) -> list[dict]:
+    """Step 1 for vllm bench serve, in its own environment, on the client cores."""
+    jobs = [{"root": url0[: -len("/v1")], "tokenizer": tokenizer, "tokens": args.ceiling_tokens,
+             "streams": args.streams, "dir": tmp, "name": f"c{i}.json"} for i in range(args.runs)]
     out = vllm_runs(jobs, client_cpus)
-    print("vllm bench serve runs:", json.dumps(out), flush=True)
-    return {"ceiling": out[:args.runs], "itl": out[args.runs:]}
+    print("vllm bench serve ceiling runs:", json.dumps(out), flush=True)
+    return out
+
+
+def vllm_itl_run(args: argparse.Namespace, url20: str, tmp: str, tokenizer: str, client_cpus: set[int]):
+    """Step 2 for vllm bench serve: one 20 ms run a call (the harness's runs interleave with them)."""
+    def run(i: int) -> dict:
+        return vllm_runs([{"root": url20[: -len("/v1")], "tokenizer": tokenizer, "tokens": args.itl_tokens,
+                           "streams": args.streams, "dir": tmp, "name": f"i{i}.json"}], client_cpus)[0]
+    return run
 
 
 def fmt(xs: list[dict], k: str, f: str = "{:,.0f}") -> str:
@@ -395,9 +407,10 @@ def main() -> int:
     v: dict[str, list[dict]] = {"ceiling": [], "itl": []}
     with tempfile.TemporaryDirectory() as tmp, \
             running(gap_ms=0, cpu=args.server_cpu) as url0, running(gap_ms=20, cpu=args.server_cpu) as url20:
-        h = harness_steps(args, url0, url20, tmp)
+        itl = vllm_itl_run(args, url20, tmp, tokenizer, client_cpus) if use_vllm else None
+        h = harness_steps(args, url0, url20, tmp, itl)
         if use_vllm:
-            v = vllm_steps(args, url0, url20, tmp, tokenizer, client_cpus)
+            v = {"ceiling": vllm_ceiling(args, url0, tmp, tokenizer, client_cpus), "itl": h["vllm_itl"]}
         prof_text = profile_run(url0, args.streams, args.ceiling_tokens) if args.profile else ""
     pin(all_cpus)
     print_pacing(pacing)
