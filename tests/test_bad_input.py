@@ -1,6 +1,5 @@
 """Bad input: one clear message naming the field, exit code 2, nothing run, no results file."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -68,7 +67,6 @@ def test_bad_override_named(overrides, expected):
     assert any(expected in p for p in problems), problems
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 @pytest.mark.parametrize("option,expected", [("kv_cache_dtype=int8", "vLLM on CPU supports"),
                                              ("block_size=16", "multiple of 32")])
 def test_vllm_options_checked_before_start(option, expected):
