@@ -23,7 +23,7 @@ from adapters.reference.engine import ReferenceEngine
 from harness.checkpoint import ensure_checkpoint
 from harness.core.parity import compare_scores, verdict
 from harness.core.presets import load_preset
-from workloads.parity import ParityConfig, greedy_tokens
+from workloads.parity import PROMPT_LENS, greedy_tokens
 from workloads.prompts import synthetic_prompts
 
 from plugins.broken_engines import ShiftedBlockReads
@@ -86,7 +86,7 @@ def tiny_with_bias(model_cache):
 
 def prompts_for(shape_vocab: int):
     return [synthetic_prompts(1, n, 0, shape_vocab, (0, 1, 2), 0, f"parity/{i}")[0]
-            for i, n in enumerate(ParityConfig().prompt_lens)]
+            for i, n in enumerate(PROMPT_LENS)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
