@@ -85,6 +85,7 @@ class ClientSpec:
     ca_bundle: str | None = None
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 600.0
+    models_url: str | None = None  # the server's model list, which open_connections GETs (None: none)
 
     def session(self) -> aiohttp.ClientSession:
         """An aiohttp session (call inside the running loop): no connection limit, keep-alive,
@@ -127,21 +128,14 @@ def connections_needed(job: Job) -> int:
     return max(0, min(n, len(job.items)))
 
 
-def models_url(url: str) -> str:
-    """The server's model list beside a completions URL (`.../v1/completions` -> `.../v1/models`);
-    the origin's root where the URL has no `/v1/`."""
-    at = url.rfind("/v1/")
-    if at >= 0:
-        return url[:at] + "/v1/models"
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://{rest.split('/', 1)[0]}/"
-
-
-async def open_connections(session: aiohttp.ClientSession, url: str, n: int, timeout_s: float = 10.0) -> int:
-    """Open up to `n` keep-alive connections in `session` before a point starts (the module's
-    docstring says why): n concurrent GETs of the model list, each read to the end. Returns how
-    many answered; a GET that fails is left to the point's own requests to report."""
-    target = models_url(url)
+async def open_connections(session: aiohttp.ClientSession, job: Job, timeout_s: float = 10.0) -> int:
+    """Open the keep-alive connections `job`'s first requests use (`connections_needed`) in
+    `session` before the point starts (the module's docstring says why): that many concurrent
+    GETs of the server's model list, each read to the end. Returns how many answered; a GET that
+    fails is left to the point's own requests to report."""
+    target = job.spec.models_url
+    if target is None:
+        return 0
     limit = aiohttp.ClientTimeout(total=timeout_s)
 
     async def one() -> bool:
@@ -152,7 +146,7 @@ async def open_connections(session: aiohttp.ClientSession, url: str, n: int, tim
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
-    return sum(await asyncio.gather(*(one() for _ in range(n))))
+    return sum(await asyncio.gather(*(one() for _ in range(connections_needed(job)))))
 
 
 @dataclass
@@ -464,7 +458,7 @@ class ClientActor:
     async def connect(self, job: Job) -> int:
         """The job's connections, opened before its start (`open_connections`)."""
         self.session = job.spec.session()
-        return await open_connections(self.session, job.spec.url, connections_needed(job))
+        return await open_connections(self.session, job)
 
     async def run(self, job: Job) -> tuple[list[ReqState], ClientStats]:
         session = self.session or job.spec.session()
@@ -606,7 +600,7 @@ class ChildProcess:
 
     async def main(self) -> None:
         session = self.job.spec.session()
-        await open_connections(session, self.job.spec.url, connections_needed(self.job))
+        await open_connections(session, self.job)
         self.send("ready", None)
         try:
             while not self.started.is_set():

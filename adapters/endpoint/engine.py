@@ -59,7 +59,7 @@ from adapters.endpoint.launch import ServerError, ServerProcess, free_port, rend
 from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
 from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
 from adapters.endpoint.client import (
-    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, connections_needed, correction, open_connections,
+    ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, correction, open_connections,
     run_job, split_job, tls_context,
 )
 from adapters.endpoint.stream import ITL_CHUNKING, ReqState, dumps, http_reason, stream_completion
@@ -526,7 +526,7 @@ class EndpointEngine(Engine):
             cfg = self.cfg
             self._spec_cache = ClientSpec(self.base + "/completions", self._client_kwargs()["headers"],
                                           bool(cfg.verify_tls), str(cfg.ca_bundle) if cfg.ca_bundle else None,
-                                          cfg.connect_timeout_s, cfg.request_timeout_s)
+                                          cfg.connect_timeout_s, cfg.request_timeout_s, self.base + "/models")
         return self._spec_cache
 
     def _max_tokens(self, prompt: list[int], max_new_tokens: int | None) -> int:
@@ -744,7 +744,7 @@ class EndpointEngine(Engine):
         loop = self._loop
 
         async def connect() -> None:  # in the loop: its session is made there
-            await open_connections(loop.streams(spec), spec.url, connections_needed(job))
+            await open_connections(loop.streams(spec), job)
 
         loop.submit(connect()).result()
         start = now_ns() + 5_000_000
