@@ -52,6 +52,8 @@ def run(model: str, dtype: str, out: Path, vllm: bool, prompt_lens: str | None =
            "workload=parity", "roofline=false", "quiet=true", f"hydra.run.dir={out}"] + \
         ([f"workload.prompt_lens=[{prompt_lens}]"] if prompt_lens else [])
     print("$ INFER_BENCH_ENGINES=... infer-bench " + " ".join(cmd[3:]), flush=True)
+    # the harness appends to a run directory's results; a rerun's table must hold this run's rows only
+    (out / "results.jsonl").unlink(missing_ok=True)
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if not (out / "results.jsonl").exists():
         raise SystemExit(f"infer-bench failed ({r.returncode}):\n{r.stderr[-3000:]}")

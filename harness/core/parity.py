@@ -47,13 +47,15 @@ THRESHOLDS: dict[str, tuple[float, float, float]] = {
     "float16": (0.1, 5e-4, 0.99),
 }
 # The same for checkpoints trained here (tiny-trained; prompts of held-out text), measured with
-# scripts/parity_thresholds.py --models tiny-trained: honest engines differ by at most 4.1e-5 of
-# KL in bf16 and 6.4e-7 in fp16, a dropped attention bias by 3.3e-4-3.9e-4 and a 1 % RoPE error
-# by 6.7e-6 (fp16) and, at positions up to 2048, 6.3e-4 (bf16).
+# scripts/parity_thresholds.py --models tiny-trained and tests/test_train_parity.py on the
+# 1200-step tiny-trained: honest engines differ by at most 1.5e-4 of KL (0.11 nats) in bf16 and
+# 2.4e-6 (0.028 nats) in fp16; the mildest separable bugs are a dropped attention bias in bf16
+# (3.9e-3, 0.62 nats) and a 1 % RoPE error at prompts of at most 512 tokens in fp16 (3.4e-5,
+# 0.17 nats). Each bound sits near the geometric mean of the two (docs/metrics.md, "Quality").
 THRESHOLDS_TRAINED: dict[str, tuple[float, float, float]] = {
     "float32": THRESHOLDS["float32"],
-    "bfloat16": (0.1, 1.2e-4, 0.98),
-    "float16": (0.01, 2e-6, 0.99),
+    "bfloat16": (0.25, 7.5e-4, 0.98),
+    "float16": (0.07, 9e-6, 0.99),
 }
 
 
