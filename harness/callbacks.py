@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from harness.core.errors import UserError
 from harness.core.results import load_results
-from harness.outcome import record_exit, write_run_report
+from harness.outcome import jobs_exit, record_exit, write_run_report
 from workloads import get_workload, workload_names
 
 
@@ -35,6 +35,5 @@ class MultirunSummary(Callback):
                 continue
             print(f"\n== {name} ==")
             print(get_workload(name).summary(wrows))
-        if any(r.get("status") in ("failed", "unverified") for r in rows):  # jobs may have run in other processes
-            record_exit(1)
+        record_exit(jobs_exit(sweep_dir))  # jobs may have run in other processes (joblib)
         write_run_report(sweep_dir)

@@ -21,6 +21,7 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from harness.checkpoint import cached_path, ensure_checkpoint
@@ -32,7 +33,7 @@ from harness.core.presets import load_preset, preset_names, prompt_token_range, 
 from harness.core.redact import redact_text
 from harness.core.results import CONFIG_FILE, ENVIRONMENT_FILE, RESULTS_FILE, atomic_write_text, read_rows
 from harness.locks import lock_device, lock_run_dir
-from harness.outcome import EXIT, record_exit, write_run_report
+from harness.outcome import EXIT, record_exit, write_job_exit, write_run_report
 from harness.runner import Runner
 from adapters import engine_names
 from workloads import workload_names
@@ -273,6 +274,8 @@ def _resume_rows(resume: Any, out_dir: Path) -> list[dict[str, Any]]:
 def _app(cfg: DictConfig) -> int:
     code = run_job(cfg)
     record_exit(code)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # for the multirun's end, whichever process this job ran in
+        write_job_exit(Path(HydraConfig.get().runtime.output_dir), code)
     return code
 
 

@@ -13,10 +13,25 @@ from harness.core.errors import EXIT_OK
 from reports import write_report
 
 EXIT: dict[str, int] = {"code": EXIT_OK}
+# A multirun job's exit code, written into its own output directory: jobs that ran in other
+# processes (hydra/launcher=joblib) cannot record theirs in this process's EXIT.
+JOB_EXIT_FILE = "exit_code"
 
 
 def record_exit(code: int) -> None:
     EXIT["code"] = max(EXIT["code"], code)
+
+
+def write_job_exit(out_dir: Path, code: int) -> None:
+    """Leave a multirun job's exit code where the multirun's end reads it (jobs_exit)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / JOB_EXIT_FILE).write_text(f"{code}\n")
+
+
+def jobs_exit(sweep_dir: Path) -> int:
+    """The highest exit code the jobs under a multirun's sweep directory left (write_job_exit)."""
+    codes = [int(p.read_text().strip() or EXIT_OK) for p in sweep_dir.rglob(JOB_EXIT_FILE)]
+    return max(codes, default=EXIT_OK)
 
 
 def write_run_report(out_dir: Path) -> None:

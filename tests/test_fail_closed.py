@@ -58,6 +58,23 @@ def test_a_named_engine_that_is_unavailable_fails_the_run(tmp_path, tiny_ckpt):
     assert "hf was named in engines= and is unavailable" in out and "is missing there" in out
 
 
+@pytest.mark.skipif(not shutil.which("python3"), reason="needs a bare python3 to make an environment without psutil")
+def test_a_parallel_multirun_fails_when_its_jobs_fail(tmp_path, tiny_ckpt):
+    # joblib runs the jobs in other processes, whose exit codes used to be lost: each job said
+    # "exit 1" (hf named and unavailable) and the multirun exited 0
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    sweep = tmp_path / "sweep"
+    quick = [q for q in QUICK if not q.startswith("workload.batch_sizes=")]
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                        "model=local", f"model.path={tiny_ckpt}", "engines=[hf]", f"engine_options.hf.python={bare}/bin/python",
+                        "parity=false", "workload.batch_sizes=[1],[2]", *quick, f"hydra.sweep.dir={sweep}"],
+                       capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert out.count("hf was named in engines= and is unavailable") == 2, out
+    assert r.returncode == 1, out
+
+
 @pytest.mark.slow
 def test_parity_fails_a_broken_engine_through_the_workload(tmp_path, tiny_ckpt):
     # the bug-injection tests call the comparison functions directly; this drives Parity.finalize_row
