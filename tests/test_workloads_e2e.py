@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from harness.core.results import read_rows
-from tests_support import documented_fields, vllm_available
+from tests_support import documented_fields, vllm_available, vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -85,3 +85,20 @@ def test_workload_specific_expectations(run):
         assert waste[("paged", 16)] < waste[("paged", 32)] < waste[("paged", 128)]  # bigger blocks, more waste
         assert waste[("contiguous", 16)] > waste[("paged", 16)]
     assert ok
+
+
+@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (no .venv-vllm, no $INFER_BENCH_VLLM_PYTHON)")
+def test_kv_memory_reads_vllms_cache_while_its_sequences_are_live(tmp_path, tiny_ckpt):
+    # vLLM frees a sequence with its last token: the point used to read its cache after the last
+    # one, and got 0 tokens stored in 0 slots (waste "-")
+    cmd = [sys.executable, "-m", "harness.cli", "engines=[vllm]", "model=local", f"model.path={tiny_ckpt}",
+           "workload=kv_memory", *CASES["kv_memory"], "workload.kv_dtypes=[auto]", "workload.block_sizes=[32]",
+           "workload.layouts=[paged]", "quiet=true", "parity=false", f"hydra.run.dir={tmp_path}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (row,) = read_rows(tmp_path / "results.jsonl")
+    assert row["status"] == "ok", row.get("error")
+    assert row["tokens_stored"] == row["tokens_expected"] > 0
+    # whole blocks of 32 per sequence, the last one partly empty
+    slots = sum(-(-(n + 2) // 32) * 32 for n in row["prompt_lens"])
+    assert row["slots_allocated"] == slots and row["kv_waste_frac"] == pytest.approx(1 - row["tokens_stored"] / slots)

@@ -100,7 +100,9 @@ class KVMemory(Workload):
         rng = np.random.default_rng(seed_for(ctx.seed, f"{self.name}/lengths"))
         lens = dist.sample(cfg.num_sequences, rng)  # type: ignore[union-attr]
         prompts = [ctx.prompts(1, n, f"{self.name}/p{i}")[0] for i, n in enumerate(lens)]
-        pre = engine.prefill(prompts, max_new_tokens=cfg.output_len)
+        # one token more than the point decodes: an engine that frees a sequence with its last token
+        # (vLLM) still holds every sequence's blocks when the cache is read below
+        pre = engine.prefill(prompts, max_new_tokens=cfg.output_len + 1)
         dec = engine.decode(cfg.output_len - 1) if cfg.output_len > 1 else None
         info = engine.kv_cache_info()
         engine.release()
