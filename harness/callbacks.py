@@ -17,6 +17,7 @@ from workloads import get_workload, workload_names
 class MultirunSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        record_exit(jobs_exit(sweep_dir))  # first: jobs may have run in other processes (joblib), rows or none
         try:
             files = load_results([sweep_dir], "multirun")
         except UserError as e:
@@ -35,5 +36,4 @@ class MultirunSummary(Callback):
                 continue
             print(f"\n== {name} ==")
             print(get_workload(name).summary(wrows))
-        record_exit(jobs_exit(sweep_dir))  # jobs may have run in other processes (joblib)
         write_run_report(sweep_dir)

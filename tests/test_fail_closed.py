@@ -75,6 +75,18 @@ def test_a_parallel_multirun_fails_when_its_jobs_fail(tmp_path, tiny_ckpt):
     assert r.returncode == 1, out
 
 
+def test_a_parallel_multirun_whose_jobs_wrote_no_rows_keeps_their_exit_code(tmp_path):
+    # each job refuses its input (resume= names another directory) and writes no results: the
+    # multirun's end used to stop at "no results" before reading the jobs' codes, and exit 0
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                        "engines=[reference]", "model=tiny", "workload.batch_sizes=[1],[2]", *QUICK[1:],
+                        f"+resume={tmp_path / 'elsewhere'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                       capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert out.count("this run writes to") == 2 and "no results.jsonl" in out, out
+    assert r.returncode == 2, out
+
+
 @pytest.mark.slow
 def test_parity_fails_a_broken_engine_through_the_workload(tmp_path, tiny_ckpt):
     # the bug-injection tests call the comparison functions directly; this drives Parity.finalize_row
