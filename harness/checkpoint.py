@@ -7,6 +7,14 @@ library, so that engines which want a tokenizer find one.
 A preset used by a run is materialised once into the cache directory (keyed by the shape and
 the seed) and reused afterwards. The directory appears atomically (written under a temporary
 name, then renamed), so a killed run never leaves a half-written model behind.
+
+Trained presets are shipped with the project (SHIPPED_DIR/<preset>: the checkpoint that
+`infer-bench-model --train --preset <preset>` wrote, its training record and a SHA256SUMS
+file), so every machine scores the same weights and nothing trains on first use. A run takes the
+shipped checkpoint while it matches the preset (shape, training settings, seed and
+harness.core.train.TRAIN_FORMAT, `shipped_checkpoint`); a preset changed since (or a training
+code change that bumped TRAIN_FORMAT) is trained into the cache instead, under the name
+`trained_name` gives it.
 """
 
 from __future__ import annotations
@@ -93,15 +101,102 @@ def write_checkpoint(shape: ModelShape, out: Path, seed: int = 0, device: str = 
     model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     _build_tokenizer(shape.vocab_size, out)
-    (out / "infer_bench_preset.json").write_text(json.dumps({"preset": shape.to_dict(), "seed": seed}, indent=2))
+    (out / PRESET_FILE).write_text(json.dumps({"preset": shape.to_dict(), "seed": seed}, indent=2))
     return out
 
 
 def cached_path(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path:
+    """Where a run finds the checkpoint of (shape, seed): a trained preset's shipped checkpoint
+    where it matches, else the model cache's directory for it (materialised on first use)."""
     if shape.trained:  # named after the Python version and the hash of what it was trained on
         from harness.core.train import TrainConfig, trained_name
+        shipped = shipped_checkpoint(shape, seed)
+        if shipped is not None:
+            return shipped
         return cache_dir / trained_name(shape, TrainConfig.from_mapping(shape.train), seed)
     return cache_dir / f"{shape.name}-{shape_key(shape, seed)}"
+
+
+# ---- shipped checkpoints ------------------------------------------------------------------
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"  # package data: harness/shipped/<preset>/
+PRESET_FILE = "infer_bench_preset.json"  # the preset a checkpoint was written from, and its seed
+CHECKSUMS_FILE = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` checks a checkpoint directory
+
+
+def _same_shape(stored: dict[str, Any], shape: ModelShape) -> bool:
+    """Whether a stored preset dict describes `shape`. Read back through ModelShape, so a field
+    added to ModelShape since (with its default) matches; one since removed does not."""
+    try:
+        then = ModelShape(**stored)
+    except TypeError:
+        return False
+    a, b = then.to_dict(), shape.to_dict()
+    a.pop("train", None), b.pop("train", None)
+    return a == b
+
+
+def shipped_mismatch(shape: ModelShape, seed: int = 0, root: Path | None = None) -> str | None:
+    """Why the shipped checkpoint of trained preset `shape` is not the one a run of (shape, seed)
+    takes (None: it is): missing, written from another shape, other training settings, another
+    seed, or an older TRAIN_FORMAT."""
+    from harness.core.train import TRAIN_FORMAT, TRAINING_FILE, TrainConfig
+    d = (root or SHIPPED_DIR) / shape.name
+    if not ((d / "config.json").is_file() and (d / PRESET_FILE).is_file() and (d / TRAINING_FILE).is_file()):
+        return f"no shipped checkpoint in {d}"
+    stored = json.loads((d / PRESET_FILE).read_text())
+    record = json.loads((d / TRAINING_FILE).read_text())
+    if not _same_shape(stored.get("preset") or {}, shape):
+        return f"{d} was written from another shape of {shape.name} (its {PRESET_FILE})"
+    try:
+        same_train = TrainConfig.from_mapping(record.get("train")) == TrainConfig.from_mapping(shape.train)
+    except (TypeError, ValueError):
+        same_train = False
+    if not same_train:
+        return f"{d} was trained with other settings than the preset's train: mapping"
+    if stored.get("seed") != seed or record.get("seed") != seed:
+        return f"{d} was trained with seed {record.get('seed')}, not {seed}"
+    if record.get("format") != TRAIN_FORMAT:
+        return f"{d} was trained by TRAIN_FORMAT {record.get('format')}, the training code is at {TRAIN_FORMAT}"
+    return None
+
+
+def shipped_checkpoint(shape: ModelShape, seed: int = 0, root: Path | None = None) -> Path | None:
+    """The shipped checkpoint of trained preset `shape`, if it is the one (shape, seed) trains."""
+    return None if shipped_mismatch(shape, seed, root) else (root or SHIPPED_DIR) / shape.name
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_checksums(ckpt: Path) -> Path:
+    """SHA256SUMS over every file of the checkpoint directory (sorted; sha256sum's format)."""
+    files = sorted(p for p in ckpt.iterdir() if p.is_file() and p.name != CHECKSUMS_FILE)
+    (ckpt / CHECKSUMS_FILE).write_text("".join(f"{_sha256(p)}  {p.name}\n" for p in files))
+    return ckpt / CHECKSUMS_FILE
+
+
+def checksum_problems(ckpt: Path) -> list[str]:
+    """What does not match the checkpoint's SHA256SUMS: a file changed, missing, or not listed.
+    Empty: every file is as recorded."""
+    sums = ckpt / CHECKSUMS_FILE
+    if not sums.is_file():
+        return [f"{sums} is missing"]
+    listed = {}
+    for line in sums.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        listed[name] = digest
+    problems = [f"{name}: missing" if not (ckpt / name).is_file() else f"{name}: its SHA-256 is not the recorded one"
+                for name, digest in listed.items()
+                if not (ckpt / name).is_file() or _sha256(ckpt / name) != digest]
+    problems += [f"{p.name}: not in {CHECKSUMS_FILE}" for p in sorted(ckpt.iterdir())
+                 if p.is_file() and p.name != CHECKSUMS_FILE and p.name not in listed]
+    return problems
 
 
 def random_baseline(shape: ModelShape, seed: int = 0) -> Any:
@@ -128,7 +223,8 @@ def write_trained(shape: ModelShape, out: Path, seed: int = 0, progress: bool = 
     twin = ModelShape(**{**shape.to_dict(), "train": None})
     train_checkpoint(shape, out, cfg, seed, progress=progress,
                      baselines={"random_preset": random_baseline(twin, seed)})
-    (out / "infer_bench_preset.json").write_text(json.dumps({"preset": shape.to_dict(), "seed": seed}, indent=2))
+    (out / PRESET_FILE).write_text(json.dumps({"preset": shape.to_dict(), "seed": seed}, indent=2))
+    write_checksums(out)
     return out
 
 

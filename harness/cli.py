@@ -24,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.checkpoint import cached_path, ensure_checkpoint
+from harness.checkpoint import cached_path, ensure_checkpoint, shipped_checkpoint, shipped_mismatch
 from harness.config import build_plan
 from harness.core.env import environment
 from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
@@ -39,7 +39,7 @@ from adapters import engine_names
 from workloads import workload_names
 
 EXIT_INTERRUPTED = 130
-PARITY_MODEL = "tiny-trained"  # workload=parity's model where none is named, when it is trained here
+PARITY_MODEL = "tiny-trained"  # workload=parity's model where none is named, when its checkpoint is at hand
 
 _INFO_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
                "--shell-completion", "-sc", "--resolve", "-p", "--package"}
@@ -184,7 +184,8 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
         cache = model_cache_dir(plan.settings.model_cache_dir)
         if not (cached_path(plan.shape, cache) / "config.json").exists():
             say(f"model {plan.shape.name}: training it from scratch into {cache} (first use: minutes; "
-                f"infer-bench-model --train --preset {plan.shape.name} does it ahead) ..." if plan.shape.trained else
+                f"infer-bench-model --train --preset {plan.shape.name} does it ahead; the shipped checkpoint "
+                f"is not this preset's: {shipped_mismatch(plan.shape)}) ..." if plan.shape.trained else
                 f"model {plan.shape.name}: materialising random weights into {cache} (first use) ...")
         model_path = str(ensure_checkpoint(plan.shape, cache))
     plan.token_range = prompt_token_range(shape_from_hf_config(model_path), model_path)
@@ -280,17 +281,20 @@ def _app(cfg: DictConfig) -> int:
 
 
 def parity_model(overrides: list[str]) -> list[str]:
-    """`workload=parity` with no model named: PARITY_MODEL where it is already trained and cached
-    here (its distributions decide parity in bf16, random weights' do not: docs/metrics.md), said
-    on stderr; else the overrides as they are (`tiny`: nothing is trained for a default)."""
+    """`workload=parity` with no model named: PARITY_MODEL where its checkpoint is at hand -
+    shipped with the project (harness/shipped/) or trained here and cached (its distributions decide
+    parity in bf16, random weights' do not: docs/metrics.md) - said on stderr; else the overrides as
+    they are (`tiny`: nothing is trained for a default)."""
     if "workload=parity" not in overrides or any(o.lstrip("+~").startswith(("model=", "model.")) for o in overrides):
         return overrides
     cache = next((o.split("=", 1)[1] for o in overrides if o.startswith("model_cache_dir=")), None)
     path = cached_path(load_preset(PARITY_MODEL), model_cache_dir(cache if cache not in (None, "null") else None))
     if not (path / "config.json").is_file():
         return overrides
-    print(f"workload=parity: model={PARITY_MODEL}, trained here and cached ({path}); model=tiny for random "
-          "weights", file=sys.stderr)
+    where = "shipped with infer-bench" if path == shipped_checkpoint(load_preset(PARITY_MODEL)) else \
+        "trained here and cached"
+    print(f"workload=parity: model={PARITY_MODEL}, {where} ({path}); model=tiny for random weights",
+          file=sys.stderr)
     return overrides + [f"model={PARITY_MODEL}"]
 
 

@@ -3,9 +3,11 @@
 The checkpoint has random weights drawn with a fixed seed, a config.json, model.safetensors
 and a locally built tokenizer; `AutoModelForCausalLM.from_pretrained(DIR)` loads it.
 
-`infer-bench-model --train --preset tiny-trained` trains a trained preset (harness.core.train:
-the Python standard library's source, a BPE tokenizer, minutes on a CPU) into the model cache,
-where runs find it (or into --out), and prints its held-out perplexity beside the baselines.
+`infer-bench-model --train --preset tiny-trained --out DIR` trains a trained preset
+(harness.core.train: the Python standard library's source, a BPE tokenizer, minutes on a CPU) into
+DIR and prints its held-out perplexity beside the baselines. Without --out it trains into the
+model cache, where runs find it; a preset shipped with the project (tiny-trained,
+harness/shipped/) is not trained again: its record is printed (runs use the shipped checkpoint).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(shape, out: Path | None, args: argparse.Namespace) -> int:
-    from harness.checkpoint import cached_path, ensure_checkpoint, write_trained
+    from harness.checkpoint import cached_path, checksum_problems, ensure_checkpoint, shipped_checkpoint, write_trained
     from harness.core.paths import model_cache_dir
     from harness.core.train import TRAINING_FILE, summary_lines
     t0 = time.perf_counter()
@@ -75,7 +77,14 @@ def _train(shape, out: Path | None, args: argparse.Namespace) -> int:
         cache = model_cache_dir(args.model_cache_dir)
         target = cached_path(shape, cache, args.seed)
         cached = (target / "config.json").exists()
-        if cached:
+        if cached and target == shipped_checkpoint(shape, args.seed):
+            problems = checksum_problems(target)
+            print(f"{shape.name}: shipped with infer-bench in {target}; runs use it, nothing is trained. "
+                  f"Checksums: {'; '.join(problems) if problems else 'every file as recorded in SHA256SUMS'}.")
+            print(f"  to train a copy of your own: infer-bench-model --train --preset {shape.name} --out DIR, "
+                  "then model=local model.path=DIR (docs/metrics.md, \"Quality\": when and how to replace the "
+                  "shipped one)")
+        elif cached:
             print(f"{shape.name}: already trained and cached in {target}")
         else:
             print(f"{shape.name}: training into {target} ...", flush=True)

@@ -69,6 +69,21 @@ def parity(engine_cls, path: Path, dtype: str, prompts, teacher=None):
                     for s in scores]
 
 
+@pytest.fixture(scope="session")
+def reference_baseline():
+    """parity(ReferenceEngine, path, dtype, prompts) - the honest baseline several tests compare
+    against - run once per checkpoint, dtype and prompts in a session and shared (the reference
+    engine gives the same tokens and scores for the same inputs)."""
+    done: dict = {}
+
+    def get(path: Path, dtype: str, prompts):
+        key = (str(path), dtype, json.dumps(prompts))
+        if key not in done:
+            done[key] = parity(ReferenceEngine, path, dtype, prompts)
+        return done[key]
+    return get
+
+
 def check(base, scores, dtype):
     fields = compare_scores(base, scores, dtype)
     return fields, verdict(fields, dtype)[1]
@@ -90,10 +105,10 @@ def prompts_for(shape_vocab: int):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_rope_theta_off_by_1_percent_fails_and_transformers_passes(small, tmp_path, dtype):
+def test_rope_theta_off_by_1_percent_fails_and_transformers_passes(small, tmp_path, dtype, reference_baseline):
     prompts = prompts_for(load_preset("small").vocab_size)
     broken = copy_with(small, tmp_path / "rope", config=rope_theta_off_by_1_percent)
-    greedy, base = parity(ReferenceEngine, small, dtype, prompts)
+    greedy, base = reference_baseline(small, dtype, prompts)
     _, honest = parity(HFEngine, small, dtype, prompts, teacher=greedy)
     fields, why = check(base, honest, dtype)
     assert why is None, (dtype, fields)
@@ -115,10 +130,10 @@ def test_a_missing_bias_fails(tiny_with_bias, tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_a_kv_block_read_from_the_wrong_offset_fails(small, dtype, monkeypatch):
+def test_a_kv_block_read_from_the_wrong_offset_fails(small, dtype, reference_baseline):
     prompts = prompts_for(load_preset("small").vocab_size)
     chunked = {"max_num_batched_tokens": 64}  # later chunks read their context back from the pool
-    greedy, base = parity(ReferenceEngine, small, dtype, prompts)
+    greedy, base = reference_baseline(small, dtype, prompts)
     honest_engine = type("ChunkedReference", (ReferenceEngine,), {"load": lambda self, m, o: ReferenceEngine.load(
         self, m, {**o, **chunked})})
     _, honest = parity(honest_engine, small, dtype, prompts, teacher=greedy)

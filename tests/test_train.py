@@ -1,7 +1,7 @@
 """Trained presets (harness.core.train): the corpus rule, the split by file, the cache name, and a
 seconds-long smoke training whose checkpoint transformers loads. The full tiny-trained preset is
-never trained here (minutes): `infer-bench-model --train --preset tiny-trained` does it once and
-caches it."""
+never trained here (minutes): it is shipped (harness/shipped/, tests/test_shipped.py), made by
+`infer-bench-model --train --preset tiny-trained --out DIR`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.checkpoint import checksum_problems
 from harness.core.parity import thresholds
 from harness.core.presets import ModelShape, load_preset
 from harness.core.train import (HELDOUT_FILE, TRAINING_FILE, TrainConfig, corpus_files, split_files,
@@ -138,6 +139,17 @@ def test_model_cli_trains_a_preset_into_out(tmp_path: Path) -> None:
     assert record["train"]["steps"] == 2 and record["corpus"]["files"] > 100
     assert json.loads((out / "infer_bench_preset.json").read_text())["preset"]["name"] == "tiny-trained"
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / HELDOUT_FILE).is_file()
+    assert checksum_problems(out) == []  # what a shipped checkpoint's test checks: its SHA256SUMS
+
+
+def test_model_cli_does_not_retrain_the_shipped_preset(tmp_path: Path) -> None:
+    from harness.checkpoint import shipped_mismatch
+    assert shipped_mismatch(load_preset("tiny-trained")) is None  # else the command would train (minutes)
+    r = subprocess.run([sys.executable, "-m", "harness.model_cli", "--train", "--preset", "tiny-trained",
+                        "--model-cache-dir", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "shipped with infer-bench" in r.stdout and "every file as recorded in SHA256SUMS" in r.stdout, r.stdout
+    assert "held-out perplexity" in r.stdout and not any(tmp_path.iterdir())  # printed its record, trained nothing
 
 
 def _parity_row(engine: str, model_path: Path, top_lp: list[list[float]]) -> dict:
@@ -195,13 +207,16 @@ def test_parity_prompts_are_longer_on_a_model_trained_here(smoke_ckpt: Path) -> 
     assert lens == [128, 512 - 32 - 1], lens
 
 
-def test_parity_runs_on_the_trained_preset_where_it_is_cached(tmp_path: Path) -> None:
-    """workload=parity with no model named takes tiny-trained once it is trained and cached here,
-    and never trains it for a default; a model named is kept."""
+def test_parity_runs_on_the_trained_preset_where_it_is_cached(tmp_path: Path, monkeypatch) -> None:
+    """workload=parity with no model named takes tiny-trained where its checkpoint is shipped (as
+    it is) or trained and cached here, and never trains it for a default; a model named is kept."""
+    import harness.checkpoint
     from harness.checkpoint import cached_path
     from harness.cli import PARITY_MODEL, parity_model
     args = ["workload=parity", f"model_cache_dir={tmp_path}"]
-    assert parity_model(args) == args  # not trained here: random weights, as before
+    assert parity_model(args) == args + [f"model={PARITY_MODEL}"]  # the shipped checkpoint
+    monkeypatch.setattr(harness.checkpoint, "SHIPPED_DIR", tmp_path / "nothing-shipped")
+    assert parity_model(args) == args  # neither shipped nor trained here: random weights
     cached = cached_path(load_preset(PARITY_MODEL), tmp_path)
     cached.mkdir(parents=True)
     (cached / "config.json").write_text("{}")

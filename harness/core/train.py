@@ -14,7 +14,7 @@ The checkpoint directory is a standard Hugging Face checkpoint (config.json, mod
 tokenizer files) plus:
   - `heldout.npy`: the held-out files' token ids, one stream (files joined by </s>): the
     quality workload's text;
-  - `training.json`: the corpus (Python version, files, digest), the training settings, the
+  - `training.json`: the corpus (Python version, its files, digest), the training settings, the
     loss curve, wall time, and the held-out perplexity beside two baselines (the unigram
     perplexity of the same tokenizer, and the same architecture with its initial random
     weights) and the median top-1/top-2 log-probability margin.
@@ -23,6 +23,12 @@ The same interpreter (the same stdlib files) and seed give the same corpus and t
 weights (on the same torch build and thread count); a different Python version gives a
 different corpus, and the cache directory's name says which: `<preset>-py<version>-<hash>`,
 the hash covering the corpus digest, the shape, the training settings and the seed.
+
+So that every machine scores the same weights, tiny-trained's checkpoint is shipped with the
+project (harness/shipped/, harness.checkpoint.shipped_checkpoint); runs take it instead of
+training. Bump TRAIN_FORMAT with any change here that changes what training produces: the
+shipped checkpoint then no longer matches, its test fails, and it is retrained and replaced
+(docs/metrics.md, "Quality").
 """
 
 from __future__ import annotations
@@ -290,7 +296,7 @@ def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int =
         "format": TRAIN_FORMAT,
         "seed": seed,
         "corpus": {"python": platform.python_version(), "stdlib": str(root), "files": len(files),
-                   "train_files": len(train_files), "heldout_files": held_files,
+                   "file_list": files, "train_files": len(train_files), "heldout_files": held_files,
                    "digest": corpus_digest(root, files), "train_tokens": int(len(train_ids)),
                    "heldout_tokens": int(len(held_ids))},
         "train": asdict(cfg),
@@ -302,6 +308,7 @@ def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int =
         "baselines": extra,
         "wall_s": {"tokenizer": round(tokenizer_s, 1), "train": round(train_s, 1),
                    "total": round(time.perf_counter() - t_start, 1)},
+        "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }
     (out / TRAINING_FILE).write_text(json.dumps(record, indent=2))
