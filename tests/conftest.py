@@ -1,4 +1,5 @@
-"""Shared fixtures: locally materialised checkpoints (random weights, fixed seed)."""
+"""Shared fixtures: locally materialised checkpoints (random weights, fixed seed); the --must-run option
+(tests/plugins/must_run.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from harness.checkpoint import ensure_checkpoint
 from harness.core.presets import load_preset
+from plugins.must_run import pytest_addoption, pytest_configure  # noqa: F401  (--must-run GLOB)
 
 REPO = Path(__file__).resolve().parent.parent
 
