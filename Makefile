@@ -1,6 +1,7 @@
 # infer-bench: set-up and the two everyday commands.
 #   make demo   create .venv (and .venv-vllm for vLLM), install everything, run the demo sweep and its report
 #   make test   the same set-up (+ Chromium for browser tests), then every test and the import-layer check
+#               (independent steps two at a time: see `test` below)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -20,7 +21,7 @@ VLLM_ARGS := engine_options.vllm.python=$(VLLM_VENV)/bin/python
 VLLM_ENV  := INFER_BENCH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
 endif
 
-.PHONY: venv demo test test-fast browser-deps clean
+.PHONY: venv demo test test-main test-vllm test-fast browser-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,14 +53,31 @@ browser-deps:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
+# Suites that must run on this machine kind: a test matching one of these that skipped (or a
+# pattern no test matched) fails the session (tests/plugins/must_run.py). The trained-preset
+# parity tests run everywhere (the preset is shipped); vLLM's own tests wherever make builds
+# .venv-vllm. A skip for a missing GPU or TensorRT-LLM is not in these lists and stays a skip.
+MUST_RUN      ?= 'tests/test_train_parity.py::*'
+VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tests/test_vllm_kvdtype.py::*'
+
 # Every test: the import layers, the whole suite in the harness's environment (engine runs that
-# need vLLM go through .venv-vllm), then vLLM's in-process adapter tests under vLLM's interpreter.
-test: venv browser-deps
+# need vLLM go through .venv-vllm), and vLLM's in-process adapter tests under vLLM's interpreter.
+# The steps run two at a time where they are independent (the machine has 2 cores; set-up is mostly
+# pip and disk): the two environments install side by side, vLLM's own tests run as soon as
+# .venv-vllm is there, beside the rest of the set-up, and the main suite starts once both are done,
+# so no other test runs beside its timing tests. Lines of the steps interleave whole (-Oline).
+# DURATIONS: the slowest tests listed at the end (docs/platform.md, "CI time").
+DURATIONS ?= 30
+test:
+	@$(MAKE) --no-print-directory -j2 -Oline test-main
+
+test-main: venv browser-deps $(if $(WITH_VLLM),test-vllm)
 	$(BIN)/lint-imports
-	$(VLLM_ENV) $(BIN)/pytest -m "" -q
-ifdef WITH_VLLM
-	$(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider tests/test_vllm*.py tests/test_trtllm*.py
-endif
+	$(VLLM_ENV) $(BIN)/pytest -m "" -q --durations=$(DURATIONS) $(foreach g,$(MUST_RUN),--must-run $(g))
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
+	    tests/test_vllm*.py tests/test_trtllm*.py
 
 test-fast: venv
 	$(BIN)/pytest -q
