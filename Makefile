@@ -65,19 +65,23 @@ VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tes
 # The steps run two at a time where they are independent (the machine has 2 cores; set-up is mostly
 # pip and disk): the two environments install side by side, vLLM's own tests run as soon as
 # .venv-vllm is there, beside the rest of the set-up, and the main suite starts once both are done,
-# so no other test runs beside its timing tests. Lines of the steps interleave whole (-Oline).
+# so no other test runs beside its timing tests. vLLM's tests write into runs/test-vllm.log, printed
+# whole when they end (the set-up's output goes on meanwhile); the main suite prints as it goes.
 # DURATIONS: the slowest tests listed at the end (docs/platform.md, "CI time").
 DURATIONS ?= 30
 test:
-	@$(MAKE) --no-print-directory -j2 -Oline test-main
+	@$(MAKE) --no-print-directory -j2 test-main
 
 test-main: venv browser-deps $(if $(WITH_VLLM),test-vllm)
 	$(BIN)/lint-imports
 	$(VLLM_ENV) $(BIN)/pytest -m "" -q --durations=$(DURATIONS) $(foreach g,$(MUST_RUN),--must-run $(g))
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
-	    tests/test_vllm*.py tests/test_trtllm*.py
+	@mkdir -p runs
+	@echo "vLLM's own tests (.venv-vllm), beside the set-up: runs/test-vllm.log"
+	@$(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
+	    tests/test_vllm*.py tests/test_trtllm*.py > runs/test-vllm.log 2>&1; code=$$?; \
+	  echo "---- vLLM's own tests (.venv-vllm), exit $$code:"; cat runs/test-vllm.log; exit $$code
 
 test-fast: venv
 	$(BIN)/pytest -q
