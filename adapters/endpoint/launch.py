@@ -148,7 +148,11 @@ class ServerProcess:
 
     def _died(self, when: str) -> str:
         self.proc.wait()  # type: ignore[union-attr]
-        return f"the server exited {when} ({self.exit_text()})" + self._tail_text()
+        # its last words first (a server refusing its flags says why there: vLLM's ValueError), so
+        # that a one-line view of the error has them
+        last = next((x.strip() for x in reversed(self.last_lines().splitlines()) if x.strip()), "")
+        return (f"the server exited {when} ({self.exit_text()})" + (f": {last[:300]}" if last else "")
+                + self._tail_text())
 
     def died_text(self) -> str:
         return self._died("while running")
