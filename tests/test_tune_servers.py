@@ -356,3 +356,20 @@ def test_every_flag_record_holds_together():
                 dist, problems = distribution(f.tune, f.name)
                 assert dist is not None and not problems, (kind.name, f.name)
                 assert not [p for v in _ends(dist) for p in f.problems(v, f.name, "1.1.0")], (kind.name, f.name)
+
+
+def test_bad_server_spaces_exit_2_naming_each_field(tmp_path):
+    """An unknown flag, a value out of the server's range and a space on an attached endpoint,
+    given at once: the run exits 2 before anything runs, naming each field and what to do."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "engines=[vllm-serve,remote]", "model=tiny",
+                        "workload=tune", "workload.slo_ttft_p99_s=1", "endpoints.remote.url=http://127.0.0.1:9/v1",
+                        "endpoints.remote.kind=vllm", "+workload.space.vllm-serve.max-num-seq=[8]",
+                        "+workload.space.vllm-serve.block-size=[0,32]", "+workload.space.remote.max-num-seqs=[8]",
+                        f"hydra.run.dir={out}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "workload.space.vllm-serve.max-num-seq: vllm-serve's server has no flag 'max-num-seq'" in r.stderr
+    assert "workload.space.vllm-serve.block-size=0: must be greater than 0" in r.stderr
+    assert "workload.space.remote: endpoint remote is attached" in r.stderr
+    assert "Give endpoints.remote.launch" in r.stderr and "Traceback" not in r.stderr
+    assert not (out / "results.jsonl").exists()
