@@ -373,3 +373,23 @@ def test_bad_server_spaces_exit_2_naming_each_field(tmp_path):
     assert "workload.space.remote: endpoint remote is attached" in r.stderr
     assert "Give endpoints.remote.launch" in r.stderr and "Traceback" not in r.stderr
     assert not (out / "results.jsonl").exists()
+
+
+def test_a_server_refusing_its_flags_has_its_words_on_the_errors_first_line(tmp_path):
+    """A server that exits at start says why in its last error line, not always its last line
+    (vLLM's pydantic error ends with a 'For further information visit ...' line): that line is
+    on the first line of the load's error, where a one-line view (the summary) shows it."""
+    from adapters.endpoint.engine import EndpointError
+    script = ("import sys\nprint('Traceback (most recent call last):')\nprint('  File \"x.py\", line 1')\n"
+              "print('pydantic_core._pydantic_core.ValidationError: 1 validation error for SchedulerConfig')\n"
+              "print('  Value error, max_num_batched_tokens (128) must be greater than or equal to max_num_seqs (256).')\n"
+              "print('    For further information visit https://errors.pydantic.dev/2.14/v/value_error')\nsys.exit(1)")
+    cfg, problems = check_endpoint("refuses", {"kind": "vllm", "launch": ["{python}", "-c", script, "{port}"]})
+    assert not problems
+    eng = endpoint_engine_class("refuses", cfg)()
+    with pytest.raises(EndpointError) as e:
+        eng.load(ModelSpec("/m", "m", "float32", "cpu", 64, run_dir=str(tmp_path)), {})
+    eng.close()
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("endpoint refuses: the server exited during start-up (exit code 1): Value error, "
+                            "max_num_batched_tokens (128) must be greater than or equal to max_num_seqs (256).")

@@ -603,7 +603,8 @@ class Tune(Capacity):
             if r.get("tune_note"):
                 lines.append(f"          {r['engine']:<9} {r['tune_note']}")
             if r.get("tune_loads"):
-                what = "server launches (start to ready)" if r.get("tune_best_launch_command") else "engine loads"
+                server = r.get("tune_best_launch_command") or r.get("tune_default_launch_command")
+                what = "server launches (start to ready)" if server else "engine loads"
                 lines.append(f"          {r['engine']:<9} {r['tune_loads']} {what} took "
                              f"{r.get('tune_load_s_total') or 0:.1f} s, outside every measurement")
             if r.get("tune_best_launch_command"):
