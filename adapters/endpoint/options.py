@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
+
 from adapters.base import is_pos_int
 from adapters.endpoint.flags import flag_args, flag_problems, overridden_standards
 from adapters.endpoint.kinds import KINDS, LaunchContext, LaunchExtras, given, kv_dtype_name
@@ -145,7 +147,6 @@ def with_server_flags(kind: str, flags: dict[str, Any], ctx: LaunchContext, extr
     args, keys = flag_args(KINDS[kind].flags, flags)
     out = LaunchExtras(list(extras.args) + args, dict(extras.env), dict(extras.files))
     if keys:
-        import yaml  # (only for kinds that take an options file)
         doc = yaml.safe_load(out.files.get(ctx.options_file) or "") or {}
         for dotted, value in keys.items():
             *parents, leaf = dotted.split(".")
