@@ -141,6 +141,13 @@ def _ends(dist: BaseDistribution) -> list[Any]:
     return [dist.low, dist.high]  # type: ignore[attr-defined]
 
 
+def value_problems(values: Any, where: str, check_one: Any) -> list[str]:
+    """A space entry's problems: its shape (`distribution`), then each value bounding it checked
+    by `check_one(value) -> [problem]` (the option's schema, a server flag's bounds)."""
+    dist, problems = distribution(values, where)
+    return problems if dist is None else problems + [p for v in _ends(dist) for p in check_one(v)]
+
+
 def flatten(space: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A space whose keys Hydra nested at their dots (kv_cache_config.tokens_per_block) as flat
     dotted keys; a {low, high, ...} range is a value, not a level."""
@@ -170,12 +177,8 @@ def flag_space(name: str, flags: dict[str, Any], given: dict[str, Any] | None,
             problems.append(f"{where}.{flag}: {name}'s server has no flag {flag!r} the harness knows (a flag is "
                             f"named as the server spells it, without its dashes). Its flags: {', '.join(flags)}.")
             continue
-        dist, probs = distribution(values, f"{where}.{flag}")
-        problems += probs
-        if dist is None:
-            continue
-        for v in _ends(dist):
-            problems += flags[flag].problems(v, f"{where}.{flag}", version)
+        problems += value_problems(values, f"{where}.{flag}",
+                                   lambda v, f=flags[flag]: f.problems(v, f"{where}.{f.name}", version))
     return space, problems
 
 
@@ -204,13 +207,8 @@ def engine_space(name: str, cls: type[Engine], given: dict[str, Any] | None) -> 
         if option not in known:
             problems.append(f"{where}.{option}: {name} has no option {option!r}. Its options: {', '.join(sorted(known))}.")
             continue
-        dist, probs = distribution(values, f"{where}.{option}")
-        problems += probs
-        if dist is None:
-            continue
-        for v in _ends(dist):
-            _, probs = check(cls.options_cls, {option: v}, where)
-            problems += probs
+        problems += value_problems(values, f"{where}.{option}",
+                                   lambda v, o=option: check(cls.options_cls, {o: v}, where)[1])
     return space, problems
 
 
