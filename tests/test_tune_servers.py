@@ -27,6 +27,7 @@ from adapters.endpoint.kinds import KINDS
 from adapters.endpoint.options import option_problems
 from harness.core.paths import REPO_ROOT
 from harness.core.results import read_rows
+from tests_support import documented_fields
 from workloads.tune import engine_space
 
 STRICT = str(Path(__file__).with_name("fake_servers_strict.py"))
@@ -228,6 +229,8 @@ def test_each_trial_relaunches_the_server_a_refused_flag_is_a_pruned_row_and_the
                        cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_rows(out / "results.jsonl")
+    doc = documented_fields()
+    assert not {k for x in rows for k in x} - doc, "fields missing from docs/results-schema.md"
     trials = [x for x in rows if x["point"].get("result") and x["point"]["role"] == "trial"]
     assert [x["tune_trial"] for x in trials] == [1, 2, 3, 4, 5]
     refused = [x for x in trials if x["status"] == "failed"]
