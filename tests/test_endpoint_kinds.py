@@ -315,10 +315,7 @@ def test_a_report_warns_when_servers_ran_with_different_memory_shares(tmp_path):
 def test_vllm_own_parser_takes_every_mapped_flag():
     """Every standard option's flag, as the harness writes it for a GPU launch, parsed by vLLM's
     own command-line parser (in vLLM's environment): each lands on the engine argument it means."""
-    import json
-    import subprocess
-
-    from tests_support import vllm_python
+    from tests_support import vllm_parse, vllm_python
     py = vllm_python()
     if py is None:
         pytest.skip("no Python environment with vLLM here (make venv builds .venv-vllm)")
@@ -326,15 +323,7 @@ def test_vllm_own_parser_takes_every_mapped_flag():
             "gpu_memory_utilization": 0.8, "tensor_parallel_size": 2, "chunked_prefill": False, "max_num_seqs": 64,
             "max_num_batched_tokens": 4096}
     plan = faked("vllm-serve")().launch_plan(spec("/models/m", device="cuda", dtype="bfloat16"), opts, port=8000)
-    argv = plan["command"][plan["command"].index("--model"):]
-    code = ("import json, sys\n"
-            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-            "ns = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
-            "print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, (int, float, str, bool))}))")
-    r = subprocess.run([str(py), "-c", code, *argv], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ns = json.loads(r.stdout.strip().splitlines()[-1])
+    ns = vllm_parse(py, plan["command"][plan["command"].index("--model"):])
     assert {k: ns[k] for k in ("kv_cache_dtype", "block_size", "enable_prefix_caching", "kv_cache_memory_bytes",
                                "gpu_memory_utilization", "tensor_parallel_size", "enable_chunked_prefill",
                                "max_num_seqs", "max_num_batched_tokens", "enforce_eager")} == {

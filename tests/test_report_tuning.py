@@ -4,6 +4,7 @@ engine; never measured), and in headless Chromium: the trials table sorts by a c
 
 from __future__ import annotations
 
+import html as htmllib
 import json
 import re
 import subprocess
@@ -251,6 +252,38 @@ def test_nsga2_front_and_goodput_objective(tmp_path: Path) -> None:
     assert fig["layout"]["yaxis"]["title"]["text"].startswith("goodput at the rate")
     assert "on the Pareto front" not in table_headers(page(tmp_path, reference_rows(), name="tpe"),
                                                       "tuning-trials-reference")
+
+
+def test_server_trials_show_their_launch_time_and_the_best_launch_command_to_copy(tmp_path: Path) -> None:
+    """A launched server's trials (FAKE rows as workload tune writes them for an endpoint): its flags
+    are the option columns, each trial its launch-to-ready seconds, a refused flag a red row with
+    the server's words; the best configuration's launch command is shown open, as shell lines to
+    copy (its options file as a here-document, the environment, the command), the defaults' folded."""
+    flags = [({}, 2.0, "ok"), ({"max-num-seqs": 64}, 3.0, "ok"), ({"max-num-seqs": 256}, None, "failed")]
+    rows = tune_rows("vllm-serve", flags)
+    cmd = {0: "python -m vllm.entrypoints.openai.api_server --port 1234",
+           1: "python -m vllm.entrypoints.openai.api_server --port 2345 --max-num-seqs 64 "
+              "--extra_llm_api_options /run/x.yaml"}
+    for r in rows:
+        p = r["point"]
+        if p.get("result") and r["status"] == "ok":
+            r.update(tune_load_s=12.5 + p["trial"], tune_ready_s=11.0 + p["trial"], tune_launch_command=cmd[p["trial"]])
+        if p.get("tune") == "conclusion":
+            r.update(tune_best_launch_command=cmd[1], tune_best_launch_env={"VLLM_SERVER_DEV_MODE": "1", "GONE": None},
+                     tune_best_server_extra_options={"x.yaml": "max_batch_size: 64\n"},
+                     tune_default_launch_command=cmd[0], tune_loads=2, tune_load_s_total=27.0)
+    html = page(tmp_path, rows)
+    trials = by_header(html, "tuning-trials-vllm-serve")
+    assert [r["max-num-seqs"] for r in trials] == ["(configured)", "64", "256"]
+    assert [r["launch to ready s"] for r in trials] == ["11.00", "12.00", "–"]
+    pres = re.findall(r'<details class="pre"( open)?>\s*<summary>(.*?)</summary>\s*<pre>(.*?)</pre>', html, re.S)
+    best = [(o, htmllib.unescape(t)) for o, s_, t in pres if "launch command of the best configuration (trial 1)" in s_]
+    assert best and best[0][0] == " open"
+    assert best[0][1].splitlines() == ["cat > /run/x.yaml <<'EOF'", "max_batch_size: 64", "EOF",
+                                       "env -u GONE VLLM_SERVER_DEV_MODE=1 " + cmd[1]]
+    default = [(o, htmllib.unescape(t)) for o, s_, t in pres if "launch command of its defaults" in s_]
+    assert default == [("", cmd[0])]
+    assert any("2 launches in the run took 27 s" in s_ for _, s_, _ in pres)
 
 
 def test_every_trial_failed_shows_no_best(tmp_path: Path) -> None:

@@ -24,6 +24,15 @@ The rows, per engine, in order:
    with its Student-t interval, each option's importance (Optuna's fANOVA evaluator) and the
    budget. A space in which no trial met the SLOs fails the run (exit 1): it admitted nothing.
 
+A launched HTTP endpoint is tuned over its server's own flags (`space.<endpoint>.<flag>`; by
+default the flags its kind's record marks, adapters/endpoint/flags.py): each trial relaunches the
+server with the trial's flags (they reach it as `engine_options.<endpoint>.server_flags`), its
+launch and readiness time is recorded in the trial's row and is no part of any measurement, and
+a flag the server refuses at launch makes a failed, pruned trial with the server's own words.
+An attached endpoint (a URL) is refused: nothing can restart it. With `endpoints.<name>.dry_run`
+every trial fails at once with the command it would have launched, and the conclusion says
+"dry run" instead of failing.
+
 The study lives in the run directory (`tune.journal`, Optuna's journal storage), so `+resume=`
 continues where a run stopped: trials already asked are reused (never asked twice), and the rows
 already written are not measured again. docs/tuning.md says how to read it and why this is not
@@ -57,6 +66,7 @@ except ImportError:  # pragma: no cover - checked in Tune.check
 
 from adapters.base import Capabilities, Engine
 from harness.core.schema import check, spec, tune_space
+from harness.core.shell import launch_script
 from workloads.base import Point, RunContext
 from workloads.capacity import (Capacity, CapacityConfig, bracket, next_value, probe_outcomes, round_load,
                                 slo_violations)
@@ -67,6 +77,8 @@ SAMPLERS = ("tpe", "nsga2", "random")
 JOURNAL = "tune.journal"
 SEARCH_ROLES = ("default", "trial")
 CONFIRM_ROLES = ("confirm-default", "confirm-best")
+SERVER_FLAGS = "server_flags"  # the endpoint option a trial's flags go in (adapters/endpoint/options.py)
+DRY_RUN = "(dry run, nothing started)"  # what a dry-run endpoint's load fails with (adapters/endpoint/engine.py)
 VERDICTS = ("gain confirmed", "no significant difference", "best < default", "not measured")
 
 
@@ -129,14 +141,62 @@ def _ends(dist: BaseDistribution) -> list[Any]:
     return [dist.low, dist.high]  # type: ignore[attr-defined]
 
 
+def value_problems(values: Any, where: str, check_one: Any) -> list[str]:
+    """A space entry's problems: its shape (`distribution`), then each value bounding it checked
+    by `check_one(value) -> [problem]` (the option's schema, a server flag's bounds)."""
+    dist, problems = distribution(values, where)
+    return problems if dist is None else problems + [p for v in _ends(dist) for p in check_one(v)]
+
+
+def flatten(space: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A space whose keys Hydra nested at their dots (kv_cache_config.tokens_per_block) as flat
+    dotted keys; a {low, high, ...} range is a value, not a level."""
+    out: dict[str, Any] = {}
+    for k, v in space.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and not set(v) <= {"low", "high", "log", "step"}:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def flag_space(name: str, flags: dict[str, Any], given: dict[str, Any] | None,
+               version: str | None) -> tuple[dict[str, Any], list[str]]:
+    """A launched server's space over its own flags (`flags`: {name: ServerFlag}, from its
+    kind's record): as given, else the flags the record marks; problems name
+    `workload.space.<endpoint>.<flag>`."""
+    where = f"workload.space.{name}"
+    space = flatten(dict(given)) if given is not None else {f: d.tune for f, d in flags.items() if d.tune is not None}
+    if not space:
+        return {}, [f"{where}: the space is empty: {name}'s record marks no flag to tune by default. Give some, e.g. "
+                    f"+{where}.<flag>=[a,b]; its flags: {', '.join(flags)}."]
+    problems = []
+    for flag, values in space.items():
+        if flag not in flags:
+            problems.append(f"{where}.{flag}: {name}'s server has no flag {flag!r} the harness knows (a flag is "
+                            f"named as the server spells it, without its dashes). Its flags: {', '.join(flags)}.")
+            continue
+        problems += value_problems(values, f"{where}.{flag}",
+                                   lambda v, f=flags[flag]: f.problems(v, f"{where}.{f.name}", version))
+    return space, problems
+
+
 def engine_space(name: str, cls: type[Engine], given: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """The space an engine is searched over (as given, else its schema's default) and the problems
-    with it, each naming `workload.space.<engine>.<option>`."""
+    with it, each naming `workload.space.<engine>.<option>`; a launched server's space is over
+    its own flags (`cls.tuning_flags()`)."""
     where = f"workload.space.{name}"
     if cls.options_cls is None:
-        return {}, [f"workload=tune: {name} takes no options the harness can set per trial (an HTTP endpoint's "
-                    "server is launched once per run); tune the engine in-process, or run its server per "
-                    "configuration with workload=capacity."]
+        hook = getattr(cls, "tuning_flags", None)  # an HTTP endpoint (adapters/endpoint/engine.py)
+        if hook is None:
+            return {}, [f"workload=tune: {name} takes no options the harness can set per trial; tune the engine "
+                        "in-process, or run it per configuration with workload=capacity."]
+        flags, why = hook()
+        if why:
+            return {}, [f"{where if given is not None else 'workload=tune'}: {why}"]
+        version = getattr(cls, "declared_version", lambda: None)()
+        return flag_space(name, flags, given, version)
     space = dict(given) if given is not None else tune_space(cls.options_cls)
     if not space:
         return {}, [f"{where}: the space is empty: {name} marks no option to tune by default. Give some, e.g. "
@@ -147,13 +207,8 @@ def engine_space(name: str, cls: type[Engine], given: dict[str, Any] | None) -> 
         if option not in known:
             problems.append(f"{where}.{option}: {name} has no option {option!r}. Its options: {', '.join(sorted(known))}.")
             continue
-        dist, probs = distribution(values, f"{where}.{option}")
-        problems += probs
-        if dist is None:
-            continue
-        for v in _ends(dist):
-            _, probs = check(cls.options_cls, {option: v}, where)
-            problems += probs
+        problems += value_problems(values, f"{where}.{option}",
+                                   lambda v, o=option: check(cls.options_cls, {o: v}, where)[1])
     return space, problems
 
 
@@ -167,6 +222,27 @@ def distributions(space: dict[str, Any]) -> dict[str, BaseDistribution]:
 
 
 # ---- rows of one search -----------------------------------------------------------------------
+def launch_fields(probes: list[dict[str, Any]]) -> dict[str, Any]:
+    """What loading the trial's configuration cost and, for a launched server, what it ran: from
+    the probe that loaded it (the first of the search). tune_load_s: the engine's load (a server:
+    stop the previous one, start, wait until ready, identify), tune_ready_s: a server's start to
+    readiness; neither is in any measurement."""
+    first = next((r for r in probes if isinstance(r.get("load_time_s"), (int, float))), None)
+    out: dict[str, Any] = {}
+    if first is None:
+        return out
+    info = first.get("engine_info") if isinstance(first.get("engine_info"), dict) else {}
+    out["tune_load_s"] = first["load_time_s"]
+    if info.get("server_ready_s") is not None:
+        out["tune_ready_s"] = info["server_ready_s"]
+    if first.get("launch_command"):
+        out["tune_launch_command"] = first["launch_command"]
+        out["tune_launch_env"] = info.get("launch_env")
+        out["tune_server_extra_options"] = first.get("server_extra_options")
+    return out
+
+
+
 def _same_search(p: dict[str, Any], q: dict[str, Any]) -> bool:
     return all(p.get(k) == q.get(k) for k in ("role", "trial", "round"))
 
@@ -220,7 +296,7 @@ class Tune(Capacity):
     summary_columns = [
         ("tune_role", "role", "s"), ("tune_trial", "trial", "d"), ("tune_options", "options", "s"),
         ("tune_value", "value", "g"), ("capacity_bracket", "bracket", "s"), ("output_tok_s", "out tok/s", ".1f"),
-        ("per_user_tok_s", "tok/s/user", ".1f"), ("tune_probes", "probes", "d"),
+        ("per_user_tok_s", "tok/s/user", ".1f"), ("tune_probes", "probes", "d"), ("tune_load_s", "load s", ".1f"),
     ]
 
     def __init__(self) -> None:
@@ -282,7 +358,10 @@ class Tune(Capacity):
 
     # ---- in the engine's process --------------------------------------------------------
     def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
-        return dict(point.params.get("options") or {})
+        options = dict(point.params.get("options") or {})
+        if caps is not None and SERVER_FLAGS in caps.options:  # a launched server: relaunched with the flags
+            return {SERVER_FLAGS: options} if options else {}
+        return options
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: TuneConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -404,6 +483,7 @@ class Tune(Capacity):
             return {**copy, **head, **status, "tune_repeat_of": p["repeat_of"], "tune_probes": 0}
         probes = _search_rows(rows, engine, p)
         ran = [r for r in probes if r.get("status") == "ok"]
+        head.update(launch_fields(probes))
         if not ran:
             why = next((r.get("error") for r in probes if r.get("error")), None) or "no probe ran"
             return {**head, "status": "failed", "error": f"the trial's options could not run: {why}",
@@ -426,6 +506,9 @@ class Tune(Capacity):
                 r.get("tune_value") if r.get("status") == "ok" else None)
         pairs = [(v.get("confirm-default"), v.get("confirm-best")) for _, v in sorted(rounds.items())]
         default_value = default.get("tune_value") if default else None
+        searches = [r for r in rows if r.get("engine") == engine and r.get("workload") == WORKLOAD
+                    and "value" in (r.get("point") or {})]
+        loads = [r["load_time_s"] for r in searches if isinstance(r.get("load_time_s"), (int, float))]
         out: dict[str, Any] = {
             "tune_objective": cfg.objective, "tune_metric": ("capacity_rps" if cfg.search == "rate" else
                                                              "capacity_concurrency") if cfg.objective == "capacity"
@@ -446,7 +529,14 @@ class Tune(Capacity):
             "tune_confirm": confirm_ratio(pairs) if pairs else {"rounds": 0, "verdict": "not measured",
                                                                 "ratio": None, "interval": None},
             "tune_importance": None, "tune_note": None,
+            # (re)loads of the engine (launches of a server) and their time, none of it measured
+            "tune_loads": len(loads), "tune_load_s_total": sum(loads) if loads else None,
         }
+        for key, row in (("best", best), ("default", default)):  # a launched server's command, copyable
+            if row is not None and row.get("tune_launch_command"):
+                out[f"tune_{key}_launch_command"] = row["tune_launch_command"]
+                out[f"tune_{key}_launch_env"] = row.get("tune_launch_env")
+                out[f"tune_{key}_server_extra_options"] = row.get("tune_server_extra_options")
         notes = []
         try:
             study = self._study(engine, cfg)
@@ -462,6 +552,11 @@ class Tune(Capacity):
         except (RuntimeError, ValueError) as e:
             notes.append(f"option importances not computed ({e})")
         good_trials = [r for r in trials if r.get("status") == "ok" and r.get("tune_value")]
+        searched = trials + ([default] if default else [])
+        if searched and all(DRY_RUN in str(r.get("error") or "") for r in searched):
+            why = (f"dry run (endpoints.{engine}.dry_run=true): nothing was started; the command each trial would "
+                   "have launched is in its row's error")
+            return {**out, "tune_note": why, "status": "skipped", "error": why}
         if not good_trials:
             failed = out["tune_trials_failed"]
             why = (f"the space admitted nothing: none of the {len(trials)} trials met the SLOs "
@@ -473,8 +568,8 @@ class Tune(Capacity):
     # ---- verdicts ----------------------------------------------------------------------
     def expected_failure(self, row: dict[str, Any]) -> bool:
         """A trial's options that cannot run are a pruned trial, not a failure of the run (the
-        conclusion fails when no trial ran)."""
-        return (row.get("point") or {}).get("role") == "trial"
+        conclusion fails when no trial ran); a dry-run endpoint's points fail by design."""
+        return (row.get("point") or {}).get("role") == "trial" or DRY_RUN in str(row.get("error") or "")
 
     def summary(self, rows: list[dict[str, Any]]) -> str:
         """One line per trial (its probes are in the results), then best vs default per engine."""
@@ -505,4 +600,19 @@ class Tune(Capacity):
                 lines.append(f"          {r['engine']:<9} confirmation: {c['note']}")
             if r.get("tune_note"):
                 lines.append(f"          {r['engine']:<9} {r['tune_note']}")
+            if r.get("tune_loads"):
+                server = r.get("tune_best_launch_command") or r.get("tune_default_launch_command")
+                what = "server launches (start to ready)" if server else "engine loads"
+                lines.append(f"          {r['engine']:<9} {r['tune_loads']} {what} took "
+                             f"{r.get('tune_load_s_total') or 0:.1f} s, outside every measurement")
+            if r.get("tune_best_launch_command"):
+                lines.append(f"          {r['engine']:<9} best configuration's launch command:\n"
+                             + launch_script(r.get("tune_best_launch_command"), r.get("tune_best_launch_env"),
+                                             r.get("tune_best_server_extra_options"), indent="            "))
+        for r in rows:  # a dry run: what each trial would have launched
+            if (r.get("workload") == self.name and (r.get("point") or {}).get("result")
+                    and DRY_RUN in str(r.get("error") or "")):
+                p = r["point"]
+                lines.append(f"dry run   {r['engine']:<9} {p['role']} {p['trial']} {p['options'] or ''}: "
+                             + str(r["error"]).split(DRY_RUN, 1)[1].lstrip(": "))
         return "\n".join(lines)

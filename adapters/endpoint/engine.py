@@ -57,7 +57,8 @@ from adapters.endpoint import telemetry
 from adapters.endpoint.config import EndpointConfig, template_fields
 from adapters.endpoint.launch import ServerError, ServerProcess, free_port, render
 from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
-from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
+from adapters.endpoint.flags import ServerFlag, overridden_standards
+from adapters.endpoint.options import SERVER_FLAGS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
 from adapters.endpoint.client import (
     ClientProcesses, ClientSpec, ClientStats, Item, Job, RayClients, correction, open_connections,
     run_job, split_job, tls_context,
@@ -122,7 +123,7 @@ class EndpointEngine(Engine):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         cfg = cls.endpoint
-        if cfg.launch is None:
+        if cfg.launch is None or cfg.dry_run:  # a dry run starts nothing: the server need not be here
             return None
         python = cfg.python or sys.executable
         first = cfg.launch[0]
@@ -158,7 +159,24 @@ class EndpointEngine(Engine):
             dtypes=("float32", "bfloat16", "float16"), devices=("cpu", "cuda"), kv_dtypes=kv_dtypes,
             prefix_caching=prefix, chunked_prefill=False, no_cache_mode=False, contiguous_layout=False,
             continuous_batching=True, paged=paged, logits=False, scores=kind.scores,
-            options=STANDARD_ENDPOINT_OPTIONS)
+            options=STANDARD_ENDPOINT_OPTIONS + ((SERVER_FLAGS,) if cfg.launched and kind.flags else ()))
+
+    @classmethod
+    def tuning_flags(cls) -> tuple[dict[str, ServerFlag], str | None]:
+        """The server's own flags workload=tune may search ({name: ServerFlag}), or why there are
+        none: an attached server is not relaunched, a generic one has no record of its flags."""
+        cfg = cls.endpoint
+        if not cfg.launched:
+            return {}, (f"endpoint {cls.name} is attached (endpoints.{cls.name}.url): the harness did not start it "
+                        "and cannot restart it with each trial's flags. Give endpoints."
+                        f"{cls.name}.launch (the server's command, with {{port}}; e.g. a preset of conf/endpoint/) "
+                        "instead of its url, and the harness launches it per trial.")
+        kind = KINDS[cfg.kind]
+        if not kind.flags:
+            return {}, (f"endpoint {cls.name} is a kind={cfg.kind} server, whose flags the harness does not know; "
+                        f"give endpoints.{cls.name}.kind (vllm, sglang, trtllm, infer-bench) or run its server per "
+                        "configuration with workload=capacity.")
+        return {f.name: f for f in kind.flags}, None
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
@@ -203,6 +221,8 @@ class EndpointEngine(Engine):
         self.launch_command: str | None = None
         self.server_argv: list[str] | None = None
         self.server_extra_options: dict[str, str] | None = None  # file name -> text (trtllm's YAML)
+        self.launch_env: dict[str, str | None] | None = None  # the environment the harness gave it (None: removed)
+        self.ready_s: float | None = None  # start to readiness, seconds
         self.options_used: dict[str, Any] = {}
         self.differing: dict[str, Any] | None = None
         self.settings: dict[str, Any] | None = None
@@ -271,7 +291,9 @@ class EndpointEngine(Engine):
         return LoadInfo(load_time_s=time.perf_counter() - t0, engine_version=self.server_version,
                         details={"transport": "http", "kind": cfg.kind, "url": self.redactor.text(self.base),
                                  "launch_command": self.launch_command, "server_model": self.model_name,
-                                 "options": dict(options), "options_used": dict(self.options_used)})
+                                 "options": dict(options), "options_used": dict(self.options_used),
+                                 "server_ready_s": self.ready_s, "launch_env": self.launch_env,
+                                 "server_extra_options": self.server_extra_options})
 
     async def _make_client(self, kwargs: dict[str, Any]) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -294,6 +316,10 @@ class EndpointEngine(Engine):
         if "api_key" in template_fields(cfg.launch or [])[0]:
             values["api_key"] = self._key()
         used = {**kind.launch_defaults, **(cfg.cpu_options if on_cpu else {}), **given(options)}
+        # a server flag overrides the defaults the harness would give the same setting (the run's own
+        # standard options beside such a flag are refused by option_problems)
+        for k in overridden_standards(kind.flags, options.get(SERVER_FLAGS) or {}) - set(given(options)):
+            used.pop(k, None)
         log_dir = Path(model.run_dir) / "logs" if model.run_dir else None
         options_file = str((log_dir.parent if log_dir else Path(_tmpdir())) / f"endpoint-{self.name}-llm-api-options.yaml")
         ctx = LaunchContext(options_file=options_file, dtype=model.dtype, device=str(model.device),
@@ -348,11 +374,14 @@ class EndpointEngine(Engine):
         self.root = f"{scheme}://{netloc}"
         self.base = self.root + "/v1"
         self.model_name = served
+        self.launch_env = {k: (None if v is None else self.redactor.text(v)) for k, v in env.items()} or None
+        t0 = time.perf_counter()
         self.server.start()
         try:
             self.server.wait_ready(self.root, cfg.ready_timeout_s, kwargs, KINDS[cfg.kind].ready_paths)
         except ServerError as e:
             raise EndpointError(f"endpoint {self.name}: {e}") from None
+        self.ready_s = time.perf_counter() - t0
 
     def _get(self, url: str, timeout: float | None = None) -> httpx.Response:
         assert self._loop is not None and self._client is not None
@@ -1056,12 +1085,20 @@ def differing_from_defaults(kind: ServerKind, used: dict[str, Any], command: lis
                             files: dict[str, str]) -> dict[str, Any]:
     """Each setting the harness gave the server that is not the server's own default:
     {option: {"value", "default"}} (default: the kind's record, or "unknown"), plus
-    graph capture turned off by a launch argument."""
+    graph capture turned off by a launch argument; a server flag (`server_flags`) by its own
+    name, against the default its record states."""
     out: dict[str, Any] = {}
     for k, v in given(used).items():
+        if k == SERVER_FLAGS:
+            continue
         d = kind.defaults.get(k, "unknown")
         if v != d:
             out[k] = {"value": v, "default": d}
+    decl = {f.name: f for f in kind.flags}
+    for k, v in (used.get(SERVER_FLAGS) or {}).items():
+        if v is not None and k in decl and v != decl[k].default:
+            out[k] = {"value": v, "default": decl[k].default if decl[k].default is not None else "unknown",
+                      "server_flag": True}
     eager = [a for a in command if a in kind.eager_flags]
     if eager:
         out["cuda_graphs"] = {"value": False, "default": True, "flag": eager[0]}
@@ -1075,11 +1112,15 @@ def server_settings(kind: ServerKind, used: dict[str, Any], command: list[str],
     are in effect; the others as given, or "default" for the server's own (each server's own
     default is the fair setting; `options_differing_from_defaults` says what it is)."""
     out: dict[str, Any] = {}
+    standard = {k: v for k, v in given(used).items() if k != SERVER_FLAGS}
+    for f in kind.flags:  # a server flag that is a standard option's setting counts as that option
+        if f.value_of and (used.get(SERVER_FLAGS) or {}).get(f.name) is not None:
+            standard[f.value_of] = used[SERVER_FLAGS][f.name]
     for k in ("gpu_memory_utilization", "chunked_prefill", "tensor_parallel_size", "max_num_seqs",
               "max_num_batched_tokens", "kv_cache_bytes"):
         if k not in kind.options:
             continue
-        v, d = given(used).get(k), kind.defaults.get(k)
+        v, d = standard.get(k), kind.defaults.get(k)
         if isinstance(d, bool):  # on/off: the effective value, whoever chose it
             out[k] = d if v is None else v
         else:  # servers each at their own default compare equal ("default"), whatever it is

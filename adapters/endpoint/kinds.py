@@ -12,10 +12,13 @@ checked (run here, read from source, fake only).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from adapters.endpoint.flags import SGLANG_FLAGS, TRTLLM_FLAGS, VLLM_FLAGS, ServerFlag, schema_flags
+from adapters.endpoint.flags import version_tuple as _version_tuple
+from adapters.reference.config import EngineConfig
 
 _KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -99,6 +102,9 @@ class ServerKind:
     # standard options the harness gives every launch of the kind unless the run sets them
     # (recorded in the rows like any other option)
     launch_defaults: dict[str, Any] = field(default_factory=dict)
+    # the server's own launch flags (adapters/endpoint/flags.py): workload=tune's space for it and
+    # engine_options.<endpoint>.server_flags; () : none known (put them in the launch template)
+    flags: tuple[ServerFlag, ...] = ()
 
 
 # ---- request fields -------------------------------------------------------------------------------
@@ -238,11 +244,6 @@ def _vllm_checks(p: str, o: dict[str, Any], device: str, version: str | None) ->
     return []
 
 
-def _version_tuple(v: str | None) -> tuple[int, ...] | None:
-    m = re.match(r"\s*(?:[A-Za-z_-]+\s+)?(\d+)\.(\d+)", str(v or ""))
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 def _trtllm_checks(p: str, o: dict[str, Any], device: str, version: str | None) -> list[str]:
     out = []
     if "block_size" in o:
@@ -278,6 +279,7 @@ VLLM = ServerKind(
     options=("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
              "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens"),
     map_options=_vllm,
+    flags=VLLM_FLAGS,
     # src: vllm/config/cache.py (gpu_memory_utilization 0.92), vllm/engine/arg_utils.py (0.32.0):
     # _set_default_max_num_seqs_and_batched_tokens_args (API server: by device memory; CPU 128 / 2048),
     # _set_default_chunked_prefill_and_prefix_caching_args (on where the model supports them)
@@ -313,6 +315,7 @@ SGLANG = ServerKind(
     options=("kv_dtype", "block_size", "prefix_caching", "gpu_memory_utilization", "tensor_parallel_size",
              "chunked_prefill", "max_num_seqs", "max_num_batched_tokens"),
     map_options=_sglang,
+    flags=SGLANG_FLAGS,
     # src: sglang/srt/arg_groups/fields/schedule.py, memory.py, parallel.py (0.5.23); the None
     # defaults are filled in by server_args.py from the GPU's memory
     defaults={"kv_dtype": "auto", "block_size": 1, "prefix_caching": True,
@@ -342,6 +345,7 @@ TRTLLM = ServerKind(
     options=("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
              "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens"),
     map_options=_trtllm,
+    flags=TRTLLM_FLAGS,
     # src: tensorrt_llm/llmapi/llm_args.py (main): KvCacheConfig, BaseLlmArgs
     defaults={"kv_dtype": "auto", "block_size": 32, "prefix_caching": True, "gpu_memory_utilization": 0.9,
               "tensor_parallel_size": 1, "chunked_prefill": False, "max_num_seqs": 2048,
@@ -366,6 +370,8 @@ INFER_BENCH = ServerKind(
     ready_paths=("/health",), version_paths=("/version",), reset_path="/reset_prefix_cache", reset_hint="",
     prompt_ids=True, token_ids=True, continuous_usage=False, accepted_fields=None, scores=True,
     kv_dtypes=("auto", "int8", "fp8"), options=INFER_BENCH_OPTIONS, map_options=_infer_bench,
+    # src: adapters/reference/config.py: the reference engine's schema (num_threads: the harness's)
+    flags=schema_flags(EngineConfig, INFER_BENCH_OPTIONS, leave_out=("num_threads",)),
     threads_option="engine_options.num_threads={}",  # equal resources: the run's threads
     # src: adapters/reference/config.py (this repository)
     defaults={"kv_dtype": "auto", "prefix_caching": True, "block_size": 16, "max_num_seqs": 256,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ import httpx
 from harness.core.redact import Redactor
 
 SUPERVISOR = str(Path(__file__).with_name("supervise.py"))
+_ERROR_LINE = re.compile(r"(?i)\b\w*(error|exception)\b\s*[:,]")
 _LIVE: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()
 
 
@@ -148,7 +150,13 @@ class ServerProcess:
 
     def _died(self, when: str) -> str:
         self.proc.wait()  # type: ignore[union-attr]
-        return f"the server exited {when} ({self.exit_text()})" + self._tail_text()
+        # its last words first (a server refusing its flags says why there), so that a one-line view
+        # of the error has them: the last line that names an error (a traceback's last exception;
+        # vLLM's pydantic "Value error, ..." before its "For further information" line), else its last
+        lines = [x.strip() for x in self.last_lines().splitlines() if x.strip()]
+        last = next((x for x in reversed(lines) if _ERROR_LINE.search(x)), lines[-1] if lines else "")
+        return (f"the server exited {when} ({self.exit_text()})" + (f": {last[:300]}" if last else "")
+                + self._tail_text())
 
     def died_text(self) -> str:
         return self._died("while running")

@@ -19,6 +19,9 @@ Options (null or absent: the server's own default, nothing is passed):
                           docs/engines/servers.md)
   kv_cache, kv_layout     only `on` / `paged`: no cache or a contiguous layout cannot be asked
                           of a server over HTTP
+  server_flags            {flag: value}: the server's own launch flags, as its kind's record
+                          declares them (adapters/endpoint/flags.py; workload=tune searches them);
+                          a flag and a standard option that set the same thing cannot both be given
 Only a launched server can take options: an attached one runs with what it was started with
 (`endpoints.<name>.attached_options` says what that was), and points that need other values
 are skipped with the reason.
@@ -28,7 +31,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
+
 from adapters.base import is_pos_int
+from adapters.endpoint.flags import flag_args, flag_problems, overridden_standards
 from adapters.endpoint.kinds import KINDS, LaunchContext, LaunchExtras, given, kv_dtype_name
 
 STANDARD_ENDPOINT_OPTIONS = ("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
@@ -36,9 +42,10 @@ STANDARD_ENDPOINT_OPTIONS = ("kv_dtype", "block_size", "prefix_caching", "kv_cac
                              "kv_cache", "kv_layout")
 _INTS = ("block_size", "kv_cache_bytes", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens")
 _BOOLS = ("prefix_caching", "chunked_prefill")
+SERVER_FLAGS = "server_flags"  # engine_options.<endpoint>.server_flags: {flag: value}
 
-__all__ = ["STANDARD_ENDPOINT_OPTIONS", "LaunchContext", "LaunchExtras", "given", "kv_dtype_name",
-           "launch_extras", "option_problems"]
+__all__ = ["SERVER_FLAGS", "STANDARD_ENDPOINT_OPTIONS", "LaunchContext", "LaunchExtras", "given", "kv_dtype_name",
+           "launch_extras", "option_problems", "server_flag_problems", "with_server_flags"]
 
 
 def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: str = "cpu",
@@ -50,7 +57,7 @@ def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: s
     k_ = KINDS[kind]
     problems: list[str] = []
     for k, v in options.items():
-        if k not in STANDARD_ENDPOINT_OPTIONS:
+        if k not in STANDARD_ENDPOINT_OPTIONS and k != SERVER_FLAGS:
             problems.append(f"{p}{k}: unknown option. Known options: {', '.join(STANDARD_ENDPOINT_OPTIONS)}.")
     if options.get("kv_cache") not in (None, "on", True):
         problems.append(f"{p}kv_cache={options['kv_cache']}: a server cannot be asked over HTTP to run without "
@@ -70,7 +77,13 @@ def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: s
                         "(e.g. 0.9), or null for the server's own.")
     if problems:
         return problems
-    asked = given(options)
+    flags = options.get(SERVER_FLAGS) or {}
+    asked = {k: v for k, v in given(options).items() if k != SERVER_FLAGS}
+    if flags and attached is not None:
+        return [f"{p}{SERVER_FLAGS}: endpoint {endpoint} is attached ({url}) and cannot be restarted with other "
+                f"flags. Give endpoints.{endpoint}.launch (its command, with {{port}}) instead of its url to let the "
+                "harness start the server with them."]
+    problems += server_flag_problems(endpoint, kind, flags, asked, server_version)
     if attached is not None:  # an attached server: it runs with what it was started with
         declared = given(attached)
         for k, v in asked.items():
@@ -99,4 +112,49 @@ def launch_extras(kind: str, options: dict[str, Any], ctx: LaunchContext | str) 
     """The arguments (and files) that give `options` to a kind's server. Pure: unit-tested."""
     if isinstance(ctx, str):
         ctx = LaunchContext(options_file=ctx)
-    return KINDS[kind].map_options(given(options), ctx)
+    extras = KINDS[kind].map_options({k: v for k, v in given(options).items() if k != SERVER_FLAGS}, ctx)
+    return with_server_flags(kind, options.get(SERVER_FLAGS) or {}, ctx, extras)
+
+
+def server_flag_problems(endpoint: str, kind: str, flags: Any, asked: dict[str, Any],
+                         server_version: str | None = None) -> list[str]:
+    """Problems with `engine_options.<endpoint>.server_flags` (a tuning trial's flags come this
+    way): flags the kind's record does not declare, values outside the server's bounds, and a flag
+    given beside the standard option that sets the same thing (`asked`, the options given)."""
+    p = f"engine_options.{endpoint}.{SERVER_FLAGS}"
+    if not flags:
+        return []
+    k_ = KINDS[kind]
+    if not k_.flags:
+        return [f"{p}: the harness knows no flags of a kind={kind} server; put them into the launch template "
+                f"(endpoints.{endpoint}.launch)."]
+    problems = flag_problems(k_.flags, flags, p, server_version)
+    if problems or not isinstance(flags, dict):
+        return problems
+    both = sorted(overridden_standards(k_.flags, flags) & set(asked))
+    for std in both:
+        names = [f.name for f in k_.flags if std in f.standard and flags.get(f.name) is not None]
+        problems.append(f"{p}.{names[0]} and engine_options.{endpoint}.{std} set the same thing; give one of them.")
+    return problems
+
+
+def with_server_flags(kind: str, flags: dict[str, Any], ctx: LaunchContext, extras: LaunchExtras) -> LaunchExtras:
+    """`extras` with the server's own flags added: arguments after the standard options' (the
+    caller leaves out the standard options a flag overrides), YAML keys merged into the options
+    file (a flag's value wins over the standard mapping's). Pure: unit-tested."""
+    if not flags:
+        return extras
+    args, keys = flag_args(KINDS[kind].flags, flags)
+    out = LaunchExtras(list(extras.args) + args, dict(extras.env), dict(extras.files))
+    if keys:
+        doc = yaml.safe_load(out.files.get(ctx.options_file) or "") or {}
+        for dotted, value in keys.items():
+            *parents, leaf = dotted.split(".")
+            node = doc
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        out.files[ctx.options_file] = yaml.safe_dump(doc, sort_keys=False)
+        if ctx.options_file not in out.args:
+            out.args += ["--extra_llm_api_options", ctx.options_file]
+    return out

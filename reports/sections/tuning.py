@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from reports.blocks import Block, Cell, Figure, Note, Table, fmt_num, nice, num_cell
+from harness.core.shell import launch_script
+from reports.blocks import Block, Cell, Figure, Note, Pre, Table, fmt_num, nice, num_cell
 from reports.data import ReportData, add_series
 from reports.figures import bars, base_layout, esc, series_styles
 from reports.sections.capacity import SATURATED_COLOUR, bracket_text, load_label, pareto_figure, slo_text
@@ -113,6 +114,7 @@ def trials_frame(rows: pd.DataFrame) -> pd.DataFrame:
                     "bracket": bracket_text(bracket, search) if bracket else "–",
                     "output_tok_s": _num(r.get("output_tok_s")), "per_user_tok_s": _num(r.get("per_user_tok_s")),
                     "probes": int(_num(r.get("tune_probes"))) if _num(r.get("tune_probes")) is not None else None,
+                    "load_s": _num(r.get("tune_load_s")), "ready_s": _num(r.get("tune_ready_s")),
                     "status": r.get("status") or "ok",
                     "error": r.get("error") if not ok else None})
     tf = pd.DataFrame(out, dtype=object)            # None stays None, ints stay ints
@@ -162,6 +164,10 @@ def conclusions_frame(rows: pd.DataFrame) -> pd.DataFrame:
                     "pareto_trials": [int(v) for v in r["tune_pareto_trials"] if _num(v) is not None]
                     if isinstance(r.get("tune_pareto_trials"), list) else None,
                     "importance": _dict(r.get("tune_importance")) or None,
+                    "launches": {k: (r.get(f"tune_{k}_launch_command"), _dict(r.get(f"tune_{k}_launch_env")),
+                                     _dict(r.get(f"tune_{k}_server_extra_options")))
+                                 for k in ("best", "default") if isinstance(r.get(f"tune_{k}_launch_command"), str)},
+                    "loads": _num(r.get("tune_loads")), "load_s_total": _num(r.get("tune_load_s_total")),
                     "note": r.get("tune_note") if isinstance(r.get("tune_note"), str) and r.get("tune_note") else None})
     return pd.DataFrame(out, dtype=object)
 
@@ -244,6 +250,7 @@ def trials_table(tf: pd.DataFrame, series: str, label: str) -> Table:
     g = tf[tf["series"] == series]
     opts = list(dict.fromkeys(k for o in g["options"] for k in o))
     front = g["on_front"].notna().any()
+    ready = "ready_s" in g and g["ready_s"].notna().any()  # a launched server: start to ready
     rows, classes = [], []
     for r in g.to_dict("records"):
         ok = r["status"] == "ok"
@@ -257,17 +264,22 @@ def trials_table(tf: pd.DataFrame, series: str, label: str) -> Table:
                        for k in opts],
                      value, Cell(r["bracket"], cls="num"),
                      num_cell(r["output_tok_s"]), num_cell(r["per_user_tok_s"]), num_cell(r["probes"]),
+                     num_cell(r["ready_s"] if ready else r["load_s"]),
                      *([Cell("yes" if r["on_front"] else "no")] if front else []),
                      Cell(str(r["status"]), cls="" if ok else f"status-{r['status']}"),
                      Cell(str(r["error"] or ""), cls="error" if not ok else "")])
         classes.append("bad" if not ok else "good" if r["best"] else "")
     return Table(["trial", "role", *opts, label, "bracket [meets, misses]", "device tok/s",
-                  "per-user tok/s", "probes", *(["on the Pareto front"] if front else []), "status", "error"], rows,
+                  "per-user tok/s", "probes", "launch to ready s" if ready else "load s",
+                  *(["on the Pareto front"] if front else []), "status", "error"], rows,
                  f"{series}: every trial of the search (trial 0 is the engine's configured options, its defaults); "
                  "the capacity is the largest load at which every SLO held with that trial's options; device and "
                  "per-user tok/s are at that load. A repeat is a configuration the sampler proposed again: its "
                  "earlier trial's value, not measured twice. ★ and green: the best trial; red: a trial whose options "
-                 "could not run. Click a column's header to sort by it.",
+                 "could not run (a server that refused its flags: its own words in the error). Load s: reloading "
+                 "the engine with the trial's options; a launched server's launch to ready s: its start until it "
+                 "answered ready, on every trial it was relaunched for. Neither is in any measurement. Click a "
+                 "column's header to sort by it.",
                  f"tuning-trials-{series}", classes, sortable=True)
 
 
@@ -414,6 +426,14 @@ def conclusion_blocks(conc: pd.DataFrame, tf: pd.DataFrame) -> list[Block]:
     if conc.empty:
         return []
     blocks: list[Block] = [conclusion_table(conc, tf)]
+    for c in conc.to_dict("records"):  # a launched server: the best configuration's command, to copy
+        for key, what in (("best", f"the best configuration (trial {c['best_trial']})"), ("default", "its defaults")):
+            launch = c["launches"].get(key)
+            if launch and (key == "best" or c["best_trial"] != 0):
+                blocks.append(Pre(f"{c['series']}: launch command of {what}"
+                                  + (f", {c['loads']:.0f} launches in the run took {c['load_s_total']:.0f} s outside "
+                                     "every measurement" if key == "best" and c["loads"] and c["load_s_total"] else ""),
+                                  launch_script(*launch), open=key == "best"))
     differ = budget_differences(conc)
     if differ:
         blocks.append(Note("The engines were not tuned with the same budget, so their best configurations are "
