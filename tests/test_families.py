@@ -267,3 +267,44 @@ def test_inconsistent_preset_exits_2_from_the_cli():
                         "engines=[hf]"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "layer_types" in (r.stdout + r.stderr) and "Traceback" not in r.stderr
+
+
+# ---- the roofline: active parameters, experts touched, KV by group ---------------------------
+def test_roofline_uses_active_parameters_and_the_experts_a_batch_touches():
+    from harness.core.roofline import (Ceilings, annotate, decode_bytes_per_step, decode_weight_bytes,
+                                       experts_touched, prefill_flops)
+    mix = load_preset("mixtral-8x7b")
+    total, active = mix.num_parameters(), mix.active_parameters()
+    per_expert = 3 * 4096 * 14336
+    assert total - active == 32 * (8 - 2) * per_expert
+    assert experts_touched(mix, 1) == 2 and abs(experts_touched(mix, 1000) - 8) < 1e-9
+    assert decode_weight_bytes(mix, "bfloat16", 1) == active * 2  # one token: its 2 experts per layer
+    assert decode_weight_bytes(mix, "bfloat16", 1000) == pytest.approx(total * 2)  # a big batch: all of them
+    two = 8 * (1 - (1 - 2 / 8) ** 2)  # two tokens: 3.5 experts expected per layer
+    assert decode_weight_bytes(mix, "bfloat16", 2) == pytest.approx((active + 32 * (two - 2) * per_expert) * 2)
+    # prefill: 2 x active non-embedding weights per token + the LM head once + causal attention
+    embed = 32000 * 4096
+    s = 512
+    assert prefill_flops(mix, 1, s) == 2 * (active - 2 * embed) * s + 2 * embed + 32 * 2 * 32 * 256 * s * s / 2
+    # decode: a window's layers read at most the window, a hybrid's linear layers their state
+    oss = load_preset("gpt-oss-20b")
+    kv = decode_bytes_per_step(oss, "bfloat16", "bf16", 1, 4096) - decode_weight_bytes(oss, "bfloat16", 1)
+    assert kv == 12 * 2 * 8 * 64 * 2 * 4096 + 12 * 2 * 8 * 64 * 2 * 127
+    nxt = load_preset("qwen3-next-80b-a3b")
+    kv = decode_bytes_per_step(nxt, "bfloat16", "bf16", 1, 1000) - decode_weight_bytes(nxt, "bfloat16", 1)
+    assert kv == 12 * 2 * 2 * 256 * 2 * 1000 + 36 * ((4 - 1) * (2 * 16 * 128 + 32 * 128) + 32 * 128 * 128) * 2
+    ceil = Ceilings("cpu", "cpu", "bfloat16", 2, 1e10, 1e11, "now")
+    row = {"batch_size": 1, "prompt_len": 64, "output_len": 8, "dtype": "bfloat16", "prefill_latency_s": 0.1,
+           "decode_step_latency_s": 0.01}
+    out = annotate(row, load_preset("tiny-mixtral"), ceil)
+    assert out["model_params_active"] < out["model_params_total"] == load_preset("tiny-mixtral").num_parameters()
+    assert out["decode_bytes_per_step"] == decode_bytes_per_step(load_preset("tiny-mixtral"), "bfloat16", "bf16", 1,
+                                                                 64 + 8 / 2)
+
+
+def test_roofline_of_an_uncounted_family_says_why():
+    from harness.core.roofline import Ceilings, annotate
+    shape = shape_from_mapping({**load_preset("tiny").to_dict(), "architecture": "olmo"})
+    out = annotate({"batch_size": 1, "prompt_len": 8, "output_len": 4, "dtype": "float32", "prefill_latency_s": 1},
+                   shape, Ceilings("cpu", "cpu", "float32", 2, 1e10, 1e11, "now"))
+    assert list(out) == ["roofline_note"] and "olmo" in out["roofline_note"]
