@@ -73,3 +73,31 @@ def test_transformers_runs_it_and_its_cache_is_the_estimate(models, name):
         assert held == g.tokens_per_sequence
         per_token = (layer.keys[0, :, 0].numel() + layer.values[0, :, 0].numel()) * 4
         assert per_token * g.layers == g.bytes_per_token
+
+
+# ---- the reference engine refuses what it does not run -------------------------------------
+def _plan(*overrides):
+    from harness.cli import compose_job
+    from harness.config import build_plan
+    return build_plan(compose_job(list(overrides)))
+
+
+@pytest.mark.parametrize("name", TINY_FAMILIES)
+def test_reference_refuses_every_family_it_lacks_in_one_line(name):
+    plan = _plan(f"model={name}", "engines=[reference,hf]")
+    why = plan.unavailable["reference"]
+    assert "\n" not in why and why.startswith("the reference engine runs dense full-attention")
+    assert "hf" not in plan.unavailable
+    shape = load_preset(name)
+    lacks = {"qk-norm": shape.qk_norm, "mixture-of-experts": bool(shape.num_experts),
+             "attention sinks": shape.attention_sinks, "sliding": "sliding" in shape.layer_kinds(),
+             "latent": "latent" in shape.layer_kinds(), "linear": "linear" in shape.layer_kinds()}
+    for word, has in lacks.items():
+        assert (word in why) == has, (word, why)
+
+
+def test_reference_runs_the_dense_families_and_alone_cannot_run_gemma():
+    from harness.core.errors import UserError
+    assert "reference" not in _plan("model=tiny", "engines=[reference,hf]").unavailable
+    with pytest.raises(UserError, match="no engine can run tiny-gemma3. reference: the reference engine runs"):
+        _plan("model=tiny-gemma3", "engines=[reference]")

@@ -504,6 +504,8 @@ class VLLMEngine(Engine):
         info.blocks_peak = max(self._peak_in_use, info.blocks_in_use)
         info.slots_allocated = info.blocks_in_use * cache.block_size
         info.tokens_stored = introspect.tokens_stored(self._engine)
+        info.extra["groups"] = introspect.kv_groups(self._engine)
+        info.extra["computed_tokens"] = introspect.computed_tokens(self._engine)
         metrics = introspect.prometheus_values(self._llm) if self.options.log_stats else {}
         if metrics:
             info.prefix_cache_queries = metrics.get("vllm:prefix_cache_queries")

@@ -357,7 +357,7 @@ class ModelShape:
                        moe_intermediate_size=self.moe_intermediate_size,
                        first_k_dense_replace=_leading(self.dense_layers), n_group=1, topk_group=1,
                        norm_topk_prob=True, routed_scaling_factor=1.0, attention_bias=self.attention_bias,
-                       rope_interleave=True)
+                       rope_interleave=True, topk_method="noaux_tc")  # DeepSeek-V3's (vLLM loads the gate's bias then)
             cfg.pop("head_dim")
         elif a == "gemma3_text":
             cfg.update(layer_types=layer_types, sliding_window=self.sliding_window, hidden_activation="gelu_pytorch_tanh",
@@ -366,11 +366,10 @@ class ModelShape:
             cfg.pop("hidden_act")
         elif a == "gpt_oss":
             cfg.update(layer_types=layer_types, sliding_window=self.sliding_window, num_local_experts=self.num_experts,
-                       num_experts_per_tok=self.num_experts_per_tok, attention_bias=self.attention_bias,
-                       rope_scaling=None)
+                       num_experts_per_tok=self.num_experts_per_tok, attention_bias=self.attention_bias)
             cfg["intermediate_size"] = self.moe_intermediate_size
-            cfg.pop("rope_scaling")
-            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+            cfg.pop("rope_scaling", None)  # gpt-oss names it rope_parameters (vLLM's gpt_oss reads yarn's from it)
+            cfg["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
         return cfg
 
     @property
