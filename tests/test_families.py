@@ -308,3 +308,17 @@ def test_roofline_of_an_uncounted_family_says_why():
     out = annotate({"batch_size": 1, "prompt_len": 8, "output_len": 4, "dtype": "float32", "prefill_latency_s": 1},
                    shape, Ceilings("cpu", "cpu", "float32", 2, 1e10, 1e11, "now"))
     assert list(out) == ["roofline_note"] and "olmo" in out["roofline_note"]
+
+
+def test_vllm_refusal_is_its_own_line_and_only_from_inside_vllm():
+    from adapters.vllm.engine import model_refusal
+
+    def raised(code, filename):
+        try:
+            exec(compile(code, filename, "exec"), {})
+        except Exception as e:
+            return e
+    inside = raised("raise ValueError('Head dimension 80 is not supported by MLA.\\nmore')", "/x/vllm/mla.py")
+    assert model_refusal(inside) == "ValueError: Head dimension 80 is not supported by MLA."
+    assert model_refusal(raised("raise ValueError('Head dimension 80 is not supported')", "/x/adapters/ours.py")) is None
+    assert model_refusal(raised("raise RuntimeError('out of memory')", "/x/vllm/worker.py")) is None

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Capabilities, Engine
-from harness.core.kvcalc import (blocks_now, bytes_per_token, held_tokens, layer_bytes_per_token, layer_groups,
-                                 state_dtype_bytes, state_elements, kv_dtype_of)
+from harness.core.kvcalc import (blocks_now, bytes_per_token, held_tokens, kv_dtype_of, layer_bytes_per_token,
+                                 layer_groups, state_bytes)
 from harness.core.schema import spec
 from workloads.base import Point, RunContext, Workload
 from workloads.lengths import parse_length
@@ -164,6 +164,9 @@ def _merge_groups(groups: list[dict[str, Any]]) -> dict[tuple[str, Any], dict[st
         for k in ("bytes_per_token", "state_bytes"):
             m[k] = None if g.get(k) is None or m[k] is None else m[k] + g[k]
         m["tokens_per_sequence"] = max(m["tokens_per_sequence"], g.get("tokens_per_sequence") or 0)
+        for k in ("block_size", "state_dtypes"):
+            if g.get(k) is not None:
+                m[k] = g[k]
         if g.get("blocks_held") is not None:
             m["paged"] = True
             m["layer_blocks"] += g["blocks_held"] * g["layers"]
@@ -190,16 +193,19 @@ def group_comparison(shape: Any, kv_dtype: str, dtype: str, info: Any, seq_lens:
         row: dict[str, Any] = {"kind": kind, "window": window, "layers": layers,
                                "est_bytes_per_token": layers * layer_bytes_per_token(shape, kind, kv_dtype),
                                "engine_layers": eng.get("layers"), "engine_bytes_per_token": eng.get("bytes_per_token")}
-        if kind == "linear":
-            conv, rec = state_elements(shape)
-            row["est_state_bytes"] = layers * (conv + rec) * state_dtype_bytes(shape, dtype)
+        if kind == "linear":  # in the dtypes the engine keeps its state in (as the KV dtype, the engine's choice)
+            dtypes = eng.get("state_dtypes") or [dtype, dtype]
+            row["est_state_bytes"] = layers * state_bytes(shape, dtypes[0], dtypes[-1])
             row["engine_state_bytes"] = eng.get("state_bytes")
+            row["state_dtypes"] = dtypes
             row["est_bytes_per_token"] = row["engine_bytes_per_token"] = None
-        elif info.block_size:
-            blocks = sum(blocks_now(kind, n, info.block_size, window) for n in seq_lens)
+        elif info.block_size:  # the group's own block size (vLLM enlarges a hybrid's attention blocks)
+            block = eng.get("block_size") or info.block_size
+            blocks = sum(blocks_now(kind, n, block, window) for n in seq_lens)
+            row["block_size"] = block
             row["est_blocks"] = blocks
             row["engine_blocks"] = eng.get("blocks_per_layer")
-            row["est_bytes_held"] = blocks * info.block_size * row["est_bytes_per_token"]
+            row["est_bytes_held"] = blocks * block * row["est_bytes_per_token"]
             row["engine_bytes_held"] = eng.get("bytes_held")
         else:
             longest = (by_kind.get("full") or by_kind.get("latent") or {}).get("tokens_per_sequence")

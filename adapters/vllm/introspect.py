@@ -135,10 +135,14 @@ def kv_groups(llm_engine: Any) -> list[dict[str, Any]]:
             kind = "sliding"
         held = {rid: sum(1 for b in blocks if not getattr(b, "is_null", False))
                 for rid, blocks in _need(mgr, "req_to_blocks", "SingleTypeKVCacheManager").items()}
+        state = None
+        if kind == "linear":  # the state itself, not the page it is padded to (page_size_padded)
+            state = int(getattr(spec, "real_page_size_bytes", page)) * layers
         out.append({"spec": name, "kind": kind, "layers": layers, "page_size_bytes": page, "block_size": block,
                     "window": int(window) if window else None,
                     "bytes_per_token": None if kind == "linear" else page * layers // block,
-                    "state_bytes": page * layers if kind == "linear" else None,
+                    "state_bytes": state,
+                    "state_dtypes": [str(d).removeprefix("torch.") for d in getattr(spec, "dtypes", ())] or None,
                     "blocks_held": sum(held.values()), "blocks_held_per_request": held})
     return out
 

@@ -105,6 +105,15 @@ def state_dtype_bytes(shape: ModelShape, state_dtype: str | None = None) -> int:
     return element_bytes(name)
 
 
+def state_bytes(shape: ModelShape, state_dtype: str | None = None, recurrent_dtype: str | None = None) -> int:
+    """One linear layer's state per sequence: conv elements x the state dtype's bytes + recurrent
+    elements x recurrent_dtype's (None: the state dtype; vLLM's CPU build keeps the recurrent
+    state in float32 by default where the CPU has AVX-512-BF16, vllm/platforms/cpu.py)."""
+    conv, rec = state_elements(shape)
+    e = state_dtype_bytes(shape, state_dtype)
+    return conv * e + rec * (element_bytes(recurrent_dtype) if recurrent_dtype else e)
+
+
 def bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
     """KV-cache bytes one cached token takes in every attention layer that keeps it, K and V
     (a paged engine's page per token, all its attention layers; linear layers keep no tokens).
@@ -259,7 +268,8 @@ class KVEstimate:
 
 
 def estimate(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "fp16",
-             block_size: int | None = None, state_dtype: str | None = None) -> KVEstimate:
+             block_size: int | None = None, state_dtype: str | None = None,
+             recurrent_dtype: str | None = None) -> KVEstimate:
     """KV-cache size for `batch_size` sequences of `seq_len` tokens each, by layer group."""
     if seq_len <= 0:
         raise UserError(f"seq_len={seq_len}: must be a positive number of tokens.")
@@ -273,8 +283,7 @@ def estimate(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str
         per_token = n * layer_bytes_per_token(shape, kind, kv)
         state = 0
         if kind == "linear":
-            conv, rec = state_elements(shape)
-            state = n * (conv + rec) * state_dtype_bytes(shape, state_dtype)
+            state = n * state_bytes(shape, state_dtype, recurrent_dtype)
         tokens = held_tokens(kind, seq_len, window, block_size)
         groups.append(KVGroup(kind=kind, layers=n, window=window, bytes_per_token=per_token, state_bytes=state,
                               tokens_per_sequence=tokens, total_bytes=(per_token * tokens + state) * batch_size,
