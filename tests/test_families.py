@@ -202,11 +202,15 @@ def test_int8_and_fp8_per_group():
 
 
 def test_sliding_blocks_follow_vllms_freeing():
-    """Blocks a sliding layer holds: from the block of the first still-needed token (L - W + 1) to
-    the last, as vLLM's SlidingWindowManager frees them."""
+    """Blocks a sliding layer holds: from the block of the first still-needed token to the last,
+    as vLLM's SlidingWindowManager frees them (tests/test_vllm_families.py checks it on vLLM)."""
     from harness.core.kvcalc import blocks_now, held_tokens
-    assert blocks_now("sliding", 100, 16, 32) == 7 - (100 - 31) // 16  # ceil(100/16) - floor(69/16)
+    # vLLM frees when it schedules the step that computes token L, from the L - 1 computed before
+    assert blocks_now("sliding", 100, 16, 32) == 7 - (99 - 32 + 1) // 16  # ceil(100/16) - floor(68/16)
+    assert blocks_now("sliding", 97, 16, 32) == 7 - (96 - 32 + 1) // 16 == 3  # 65 skipped: 4 blocks freed
+    assert blocks_now("sliding", 96, 16, 32) == 6 - 64 // 16 == 2  # the last 32 tokens: blocks 4 and 5
     assert blocks_now("chunked", 100, 16, 64) == 7 - 64 // 16
+    assert blocks_now("chunked", 64, 16, 64) == 4  # token 64 opens a new chunk; 63 still computed in the old
     assert blocks_now("full", 100, 16, None) == 7
     assert held_tokens("sliding", 20, 32, None) == 20 and held_tokens("sliding", 2000, 32, None) == 31
     assert held_tokens("sliding", 2000, 32, 16) == 3 * 16  # 31 tokens over at most 3 blocks

@@ -14,7 +14,8 @@ per token for a latent). Grouped-query models keep `num_key_value_heads` K/V hea
 `num_attention_heads`. A paged cache holds whole blocks: for full and latent layers
 ceil(L / block) blocks; for sliding and chunked layers the blocks that cover the tokens they keep,
 partial blocks at both edges included, as vLLM frees them (vllm/v1/core/
-single_type_kv_cache_manager.py: get_num_skipped_tokens); see `held_tokens`.
+single_type_kv_cache_manager.py: get_num_skipped_tokens, applied when a step is scheduled);
+see `blocks_now` and `held_tokens`.
 """
 
 from __future__ import annotations
@@ -145,11 +146,15 @@ def skipped_tokens(kind: str, seq_len: int, window: int | None) -> int:
 
 
 def blocks_now(kind: str, seq_len: int, block_size: int, window: int | None) -> int:
-    """Blocks a paged cache holds for one layer group of a sequence of seq_len tokens now: those
-    from the first block with a token still needed to the last (edges included)."""
+    """Blocks a paged cache holds for one layer of a sequence of seq_len computed tokens, as vLLM
+    holds them after the step that computed the last one: from the block of the first token still
+    needed to the last block, edges included. vLLM frees the blocks before the window when it
+    schedules a step, from the tokens computed before it (L - 1), so a sliding layer holds the
+    blocks of the last W tokens (W - 1 for attention and the newest), a chunked one those of its
+    chunk as of token L - 1."""
     if kind == "linear" or seq_len <= 0:
         return 0
-    return math.ceil(seq_len / block_size) - skipped_tokens(kind, seq_len, window) // block_size
+    return math.ceil(seq_len / block_size) - skipped_tokens(kind, seq_len - 1, window) // block_size
 
 
 def held_tokens(kind: str, seq_len: int, window: int | None, block_size: int | None) -> int:
