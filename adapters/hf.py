@@ -91,10 +91,18 @@ class HFEngine(Engine):
         if threads:
             torch.set_num_threads(int(threads))
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
-            attn_implementation=opts.attn_implementation,
-        ).to(self.device).eval()
+        attn, self.attn_note = opts.attn_implementation, None
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
+                                                          attn_implementation=attn)
+        except ValueError as e:  # gpt-oss (its sinks) has no SDPA path in transformers: its own eager one
+            if attn != "sdpa" or "does not support an attention implementation" not in str(e):
+                raise
+            self.attn_note = f"sdpa: {str(e).splitlines()[0][:160]}; ran eager"
+            attn = "eager"
+            loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
+                                                          attn_implementation=attn)
+        self.model = loaded.to(self.device).eval()
         self._sync()
         cfg = self.model.config
         self._pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -105,7 +113,8 @@ class HFEngine(Engine):
             self._layer_kinds = None
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=weights,
-                        kv_pool_bytes=None, engine_version=self.version(), compute_threads=torch.get_num_threads())
+                        kv_pool_bytes=None, engine_version=self.version(), compute_threads=torch.get_num_threads(),
+                        details={"attn_implementation": attn, **({"attn_note": self.attn_note} if self.attn_note else {})})
 
     def close(self) -> None:
         self.release()
@@ -273,9 +282,13 @@ def cache_groups(cache: Any, kinds: tuple[str, ...], batch: int) -> list[dict[st
             g["tokens_per_sequence"] = max(g["tokens_per_sequence"], held)
             if held:
                 g["bytes_per_token"] += size // (held * batch)
+        dtypes = []
         for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
             for t in (states or {}).values():
                 if t is not None:
                     g["bytes"] += t.numel() * t.element_size()
                     g["state_bytes"] += t.numel() * t.element_size() // batch
+                    dtypes.append(str(t.dtype).removeprefix("torch."))
+        if dtypes:
+            g["state_dtypes"] = dtypes  # conv, recurrent (transformers keeps the recurrent one in float32)
     return list(out.values())

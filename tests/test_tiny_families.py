@@ -101,3 +101,31 @@ def test_reference_runs_the_dense_families_and_alone_cannot_run_gemma():
     assert "reference" not in _plan("model=tiny", "engines=[reference,hf]").unavailable
     with pytest.raises(UserError, match="no engine can run tiny-gemma3. reference: the reference engine runs"):
         _plan("model=tiny-gemma3", "engines=[reference]")
+
+
+# ---- the transformers adapter's per-group report -------------------------------------------
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen3-next", "tiny-deepseek-v3", "tiny-gemma3"])
+def test_hf_adapter_reports_its_cache_by_group(family_ckpts, name):
+    from adapters.base import ModelSpec
+    from adapters.hf import HFEngine
+    from workloads.kv_memory import group_comparison
+    shape = load_preset(name)
+    e = HFEngine()
+    load = e.load(ModelSpec(path=str(family_ckpts[name]), name=name, dtype="float32"), {})
+    if name == "tiny-gpt-oss":  # transformers has no SDPA path for its sinks: the adapter runs eager, and says so
+        assert load.details["attn_implementation"] == "eager" and "sdpa" in load.details["attn_note"]
+    prompts = [[10 + i for i in range(90)], [700 + i for i in range(30)]]
+    e.prefill(prompts)
+    e.decode(4)
+    info = e.kv_cache_info()
+    e.close()
+    rows = {r["kind"]: r for r in group_comparison(shape, "fp32", "float32", info, [94, 34])}
+    for kind, r in rows.items():
+        if kind != "linear":
+            assert r["match"] is True, r
+        else:  # transformers keeps the kernel's K conv columns, vLLM and the estimate K - 1
+            la = shape.linear_attention
+            channels = 2 * la["num_key_heads"] * la["key_head_dim"] + la["num_value_heads"] * la["value_head_dim"]
+            assert r["engine_state_bytes"] == r["est_state_bytes"] + r["layers"] * channels * 4
+    if "sliding" in rows:
+        assert rows["sliding"]["engine_tokens_per_sequence"] == shape.sliding_window - 1
