@@ -1,4 +1,6 @@
-"""`infer-bench-kv`: print the KV-cache size of a model at a sequence length and batch size.
+"""`infer-bench-kv`: print the KV-cache size of a model at a sequence length and batch size, by
+layer group (full, sliding window, chunked local, latent, linear/state-space: each with its
+formula and share), beside what the dense formula would say.
 
     infer-bench-kv model=llama-2-70b seq_len=4096 batch_size=8 kv_dtype=fp16
     infer-bench-kv model=local model.path=DIR seq_len=2048 block_size=16
