@@ -357,7 +357,8 @@ class ModelShape:
                        moe_intermediate_size=self.moe_intermediate_size,
                        first_k_dense_replace=_leading(self.dense_layers), n_group=1, topk_group=1,
                        norm_topk_prob=True, routed_scaling_factor=1.0, attention_bias=self.attention_bias,
-                       rope_interleave=True, topk_method="noaux_tc")  # DeepSeek-V3's (vLLM loads the gate's bias then)
+                       rope_interleave=True, topk_method="noaux_tc",  # DeepSeek-V3's (vLLM loads the gate's bias then)
+                       scoring_func="sigmoid")  # DeepSeek-V3's router; transformers always uses it, vLLM's default is softmax
             cfg.pop("head_dim")
         elif a == "gemma3_text":
             cfg.update(layer_types=layer_types, sliding_window=self.sliding_window, hidden_activation="gelu_pytorch_tanh",
