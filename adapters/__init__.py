@@ -25,6 +25,12 @@ REGISTRY: dict[str, str] = {
     "trtllm": "adapters.trtllm.engine:TRTLLMEngine",
 }
 EXTRA_ENGINES_ENV = "INFER_BENCH_ENGINES"
+# name -> "module:function(shape) -> str | None": why a registered engine cannot run a model of this
+# shape (harness.core.shapes.ModelShape), checked when the run is planned; the engine's row is then
+# `unavailable` with that line. Engines not listed are asked at load.
+MODEL_CHECKS: dict[str, str] = {
+    "reference": "adapters.reference.families:unsupported_reason",
+}
 
 
 def _extra_engines() -> dict[str, str]:
@@ -48,3 +54,12 @@ def engine_names() -> list[str]:
 def engine_class(name: str) -> type[Engine]:
     module, cls = _registry()[name].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def unsupported_model(name: str, shape: object) -> str | None:
+    """Why engine `name` cannot run a model of `shape` (None: it does not say it cannot)."""
+    target = MODEL_CHECKS.get(name)
+    if target is None:
+        return None
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)(shape)

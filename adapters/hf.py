@@ -24,7 +24,9 @@ from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
     RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns, option_names, wait_until,
 )
+from harness.core.errors import UserError
 from harness.core.kvcalc import canonical_kv_dtype
+from harness.core.presets import shape_from_hf_config
 from harness.core.schema import spec
 
 
@@ -66,6 +68,7 @@ class HFEngine(Engine):
     def __init__(self) -> None:
         self.model = None
         self._cache = None
+        self._layer_kinds: tuple[str, ...] | None = None
         self._mask = None  # [B, T] attention mask of the live batch
         self._next_pos = None  # [B, 1] position id of the next token
         self._last = None  # [B, 1] last token of every live sequence
@@ -88,17 +91,30 @@ class HFEngine(Engine):
         if threads:
             torch.set_num_threads(int(threads))
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
-            attn_implementation=opts.attn_implementation,
-        ).to(self.device).eval()
+        attn, self.attn_note = opts.attn_implementation, None
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
+                                                          attn_implementation=attn)
+        except ValueError as e:  # gpt-oss (its sinks) has no SDPA path in transformers: its own eager one
+            if attn != "sdpa" or "does not support an attention implementation" not in str(e):
+                raise
+            self.attn_note = f"sdpa: {str(e).splitlines()[0][:160]}; ran eager"
+            attn = "eager"
+            loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
+                                                          attn_implementation=attn)
+        self.model = loaded.to(self.device).eval()
         self._sync()
         cfg = self.model.config
         self._pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.kv_dtype = model.dtype
+        try:  # each layer's kind, for the per-group report (a family the reader refuses: no groups)
+            self._layer_kinds = shape_from_hf_config(model.path).layer_kinds()
+        except UserError:
+            self._layer_kinds = None
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=weights,
-                        kv_pool_bytes=None, engine_version=self.version(), compute_threads=torch.get_num_threads())
+                        kv_pool_bytes=None, engine_version=self.version(), compute_threads=torch.get_num_threads(),
+                        details={"attn_implementation": attn, **({"attn_note": self.attn_note} if self.attn_note else {})})
 
     def close(self) -> None:
         self.release()
@@ -243,4 +259,36 @@ class HFEngine(Engine):
         info.tokens_stored = int(self._mask[:, :length].sum())
         if info.slots_allocated:
             info.bytes_per_token = nbytes // info.slots_allocated
+        if self._layer_kinds is not None:
+            info.extra["groups"] = cache_groups(self._cache, self._layer_kinds, batch)
         return info
+
+
+def cache_groups(cache: Any, kinds: tuple[str, ...], batch: int) -> list[dict[str, Any]]:
+    """What transformers' cache holds, by layer kind (harness.core.kvcalc's groups): the layers,
+    the token slots one layer holds per sequence (its keys' length: a sliding layer keeps W - 1),
+    bytes per cached token over the group's layers, and a linear layer's state bytes per sequence
+    (conv + recurrent)."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind, layer in zip(kinds, cache.layers):
+        g = out.setdefault(kind, {"kind": kind, "layers": 0, "bytes": 0, "tokens_per_sequence": 0,
+                                  "bytes_per_token": 0, "state_bytes": 0})
+        g["layers"] += 1
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is not None and keys.dim() == 4 and values is not None:
+            held = int(keys.shape[-2])
+            size = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+            g["bytes"] += size
+            g["tokens_per_sequence"] = max(g["tokens_per_sequence"], held)
+            if held:
+                g["bytes_per_token"] += size // (held * batch)
+        dtypes = []
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            for t in (states or {}).values():
+                if t is not None:
+                    g["bytes"] += t.numel() * t.element_size()
+                    g["state_bytes"] += t.numel() * t.element_size() // batch
+                    dtypes.append(str(t.dtype).removeprefix("torch."))
+        if dtypes:
+            g["state_dtypes"] = dtypes  # conv, recurrent (transformers keeps the recurrent one in float32)
+    return list(out.values())

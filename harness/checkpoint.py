@@ -61,6 +61,8 @@ def _build_tokenizer(vocab_size: int, out: Path) -> None:
 #   v_proj, o_proj  sqrt(BRANCH_GAIN / d): the attention branch adds about as much as the stream holds
 #   lm_head         LOGIT_STD / sqrt(d): next-token logits of standard deviation LOGIT_STD
 #   attention biases (attention_bias shapes) N(0, BIAS_STD), not zero
+#   latent attention's q_a/q_b/kv_a projections sqrt(ATTN_LOGIT_STD / fan-in), kv_b sqrt(BRANCH_GAIN / fan-in)
+#   (they follow RMSNorms; only DeepSeek-style checkpoints have them, so no other preset changes)
 # docs/metrics.md ("Parity") gives the margins and parity errors they lead to.
 ATTN_LOGIT_STD = 2.5
 BRANCH_GAIN = 1.0
@@ -74,9 +76,18 @@ def _decisive_init(model: Any, shape: ModelShape, seed: int) -> None:
     d = shape.hidden_size
     std = {"q_proj": (ATTN_LOGIT_STD / d) ** 0.5, "k_proj": (ATTN_LOGIT_STD / d) ** 0.5,
            "v_proj": (BRANCH_GAIN / d) ** 0.5, "o_proj": (BRANCH_GAIN / d) ** 0.5, "lm_head": LOGIT_STD / d ** 0.5}
+    # latent attention (DeepSeek): q and k come out of low-rank projections behind an RMSNorm, so
+    # their standard deviation is set from each matrix's own input size (fan-in)
+    fan_in = {"q_a_proj": ATTN_LOGIT_STD ** 0.5, "q_b_proj": ATTN_LOGIT_STD ** 0.5,
+              "kv_a_proj_with_mqa": ATTN_LOGIT_STD ** 0.5, "kv_b_proj": BRANCH_GAIN ** 0.5}
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            mla = next((k for k in fan_in if f".{k}." in name), None)
+            if mla is not None and name.endswith(".weight"):
+                s = fan_in[mla] / p.shape[-1] ** 0.5
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device) * s)
+                continue
             kind = next((k for k in std if f"{k}." in name or name.startswith(k)), None)
             if kind is None:
                 continue

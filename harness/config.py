@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters import engine_class, engine_names
+from adapters import engine_class, engine_names, unsupported_model
 from adapters.base import Engine, ModelSpec
 from harness.core.errors import UserError
 from harness.core.paths import REPO_ROOT
@@ -410,6 +410,12 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     dtype = resolve_dtype(settings.dtype, shape, device, problems) if shape else "float32"
     planned = _plan_workloads(cfg, settings, shape, problems)
     engines = _resolve_engines(cfg, settings.engines, problems)
+    if shape is not None:  # an engine that knows it cannot run this model's family says so, in one line
+        refused = {n: why for n in engines.names if n not in engines.unavailable
+                   for why in [unsupported_model(n, shape)] if why}
+        engines.unavailable.update(refused)
+        if refused and len(engines.unavailable) == len(engines.names):
+            problems += [f"engines: no engine can run {shape.name}. {n}: {r}" for n, r in engines.unavailable.items()]
     for w in planned:
         problems += w.workload.check_engines(w.cfg, {n: engines.classes[n] for n in engines.names})
 

@@ -1,4 +1,6 @@
-"""`infer-bench-kv`: print the KV-cache size of a model at a sequence length and batch size.
+"""`infer-bench-kv`: print the KV-cache size of a model at a sequence length and batch size, by
+layer group (full, sliding window, chunked local, latent, linear/state-space: each with its
+formula and share), beside what the dense formula would say.
 
     infer-bench-kv model=llama-2-70b seq_len=4096 batch_size=8 kv_dtype=fp16
     infer-bench-kv model=local model.path=DIR seq_len=2048 block_size=16
@@ -45,28 +47,52 @@ def parse(argv: list[str]) -> tuple[list[str] | None, dict[str, str]]:
 
 
 def format_estimate(e: KVEstimate) -> str:
-    block = f", rounded up to blocks of {e.block_size}" if e.block_size else ""
-    return "\n".join([
-        f"model            {e.model}  ({e.layers} layers, {e.attention_heads} attention heads, "
+    block = f", rounded up to blocks of {e.block_size}" if e.block_size else " (exact tokens, no blocks)"
+    kinds = ", ".join(f"{g.layers} {g.kind}" + (f" (W={g.window})" if g.kind == "sliding" else
+                                               f" (C={g.window})" if g.kind == "chunked" else "") for g in e.groups)
+    lines = [
+        f"model            {e.model}  ({e.layers} layers: {kinds}; {e.attention_heads} attention heads, "
         f"{e.kv_heads} KV heads, head_dim {e.head_dim})",
         f"KV dtype         {e.kv_dtype}",
-        f"bytes per token  {e.bytes_per_token:,} ({human_bytes(e.bytes_per_token)})"
-        f"  = 2 x {e.layers} x {e.kv_heads} x {e.head_dim} x element bytes"
-        + (" + int8 scales" if e.kv_dtype == "int8" else ""),
-        f"sequence         {e.seq_len} tokens{block} -> {e.tokens_per_sequence} per sequence",
+        f"sequence         {e.seq_len} tokens{block}",
         f"batch            {e.batch_size}",
+        "",
+        f"{'group':<22}{'layers':>7}  {'per token':>11}  {'per sequence':>13}  {'tokens/seq':>10}  "
+        f"{'bytes':>18}  {'share':>6}  formula",
+    ]
+    for g in e.groups:
+        name = g.kind + (f" W={g.window}" if g.kind == "sliding" else f" C={g.window}" if g.kind == "chunked" else "")
+        share = g.total_bytes / e.total_bytes if e.total_bytes else 0.0
+        per_seq = f"{g.state_bytes:,}" if g.kind == "linear" else "-"
+        per_tok = "-" if g.kind == "linear" else f"{g.bytes_per_token:,}"
+        lines.append(f"{name:<22}{g.layers:>7}  {per_tok:>11}  {per_seq:>13}  {g.tokens_per_sequence:>10}  "
+                     f"{g.total_bytes:>18,}  {share:>6.1%}  {g.formula}; tokens {g.tokens_formula}")
+    lines += [
+        "",
+        f"bytes per token  {e.bytes_per_token:,} ({human_bytes(e.bytes_per_token)}) in the attention layers that keep it",
         f"total            {e.total_bytes:,} bytes = {e.gb:.2f} GB = {e.gib:.2f} GiB",
-    ])
+        f"dense formula    2 x {e.layers} x {e.kv_heads} x {e.head_dim} x element bytes = {e.dense_bytes_per_token:,} "
+        f"B/token, every layer the whole sequence -> {e.dense_total_bytes:,} bytes: "
+        + ("the same" if e.dense_total_bytes == e.total_bytes else f"{e.dense_factor:.2f}x the estimate"
+           + (" (it omits the linear layers' state)" if any(g.kind == "linear" for g in e.groups) else "")),
+    ]
+    return "\n".join(lines)
+
+
+_LETTER = {"full": "F", "sliding": "S", "chunked": "C", "latent": "M", "linear": "R"}
 
 
 def format_table(rows: list[KVEstimate]) -> str:
-    head = f"{'model':<14}{'layers':>7}{'heads':>7}{'kv_heads':>9}{'head_dim':>9}{'per token':>12}" \
-           f"{'seq':>7}{'batch':>6}{'bytes':>18}{'GB':>9}{'GiB':>9}"
+    head = f"{'model':<20}{'layers':>7}{'kv_heads':>9}{'head_dim':>9}  {'groups':<34}{'per token':>12}" \
+           f"{'seq':>8}{'batch':>6}{'bytes':>18}{'GB':>9}{'GiB':>9}{'dense/est':>10}"
     lines = [head, "-" * len(head)]
     for e in rows:
-        lines.append(f"{e.model:<14}{e.layers:>7}{e.attention_heads:>7}{e.kv_heads:>9}{e.head_dim:>9}"
-                     f"{human_bytes(e.bytes_per_token):>12}{e.seq_len:>7}{e.batch_size:>6}"
-                     f"{e.total_bytes:>18,}{e.gb:>9.2f}{e.gib:>9.2f}")
+        groups = " ".join(f"{g.layers}{_LETTER[g.kind]}" + (str(g.window) if g.window else "") for g in e.groups)
+        lines.append(f"{e.model:<20}{e.layers:>7}{e.kv_heads:>9}{e.head_dim:>9}  {groups:<34}"
+                     f"{human_bytes(e.bytes_per_token):>12}{e.seq_len:>8}{e.batch_size:>6}"
+                     f"{e.total_bytes:>18,}{e.gb:>9.2f}{e.gib:>9.2f}{e.dense_factor:>10.2f}")
+    lines.append("groups: F full, S sliding (window), C chunked (chunk), M latent (MLA), R linear / state-space (a state per sequence); "
+                 "dense/est: the dense formula's figure over the estimate")
     return "\n".join(lines)
 
 

@@ -47,3 +47,14 @@ def driver():
     d = browser.chromium(1400, 1000)
     yield d
     d.quit()
+
+
+TINY_FAMILIES = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-gemma3", "tiny-gpt-oss",
+                 "tiny-qwen3-next")
+
+
+@pytest.fixture(scope="session")
+def family_ckpts(model_cache: Path) -> dict[str, Path]:
+    """Every tiny family preset (MoE, latent attention, sliding windows, hybrid linear attention,
+    qk-norm) as a local checkpoint, materialised once per session (well under a second each)."""
+    return {name: ensure_checkpoint(load_preset(name), model_cache) for name in TINY_FAMILIES}

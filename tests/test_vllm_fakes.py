@@ -58,9 +58,10 @@ class FakeEngineCore:
             requests=self.requests,
             kv_cache_manager=SimpleNamespace(
                 block_pool=SimpleNamespace(num_gpu_blocks=self.num_blocks, get_num_free_blocks=self._free),
+                coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(req_to_blocks={})]),
                 kv_cache_config=SimpleNamespace(
                     num_blocks=self.num_blocks,
-                    kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=1024),
+                    kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=1024, block_size=16),
                                                      layer_names=["l0", "l1"])],
                     kv_cache_tensors=[SimpleNamespace(size=self.num_blocks * 2048)])))
 

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Capabilities, Engine
-from harness.core.kvcalc import bytes_per_token, kv_dtype_of
+from harness.core.kvcalc import (blocks_now, bytes_per_token, held_tokens, kv_dtype_of, layer_bytes_per_token,
+                                 layer_groups, state_bytes)
 from harness.core.schema import spec
 from workloads.base import Point, RunContext, Workload
 from workloads.lengths import parse_length
@@ -48,6 +49,23 @@ class KVMemory(Workload):
         ("kv_pool_bytes", "pool MiB", "mib"), ("tokens_stored", "tokens", "d"),
         ("slots_allocated", "slots", "d"), ("kv_waste_frac", "waste", ".3f"),
     ]
+
+    def post_summary(self, rows: list[dict[str, Any]]) -> str:
+        """Per layer group: the estimate beside each engine's figure (bytes per token, blocks held,
+        token slots per sequence, state per sequence)."""
+        lines = []
+        for r in rows:
+            for g in r.get("kv_groups") or []:
+                cols = []
+                for k, label in (("bytes_per_token", "B/token"), ("blocks", "blocks"),
+                                 ("tokens_per_sequence", "tokens/seq"), ("state_bytes", "state B/seq")):
+                    if f"est_{k}" in g:
+                        cols.append(f"{label} {g[f'est_{k}']} est / {g.get(f'engine_{k}')} engine")
+                win = f" {g['window']}" if g.get("window") else ""
+                ok = {True: "equal", False: "DIFFER", None: "engine reports no groups"}[g.get("match")]
+                lines.append(f"kv group  {r['engine']:<9} {r.get('kv_dtype')} block {r.get('block_size')}  "
+                             f"{g['kind']}{win} x{g['layers']}: {'; '.join(cols)}  ({ok})")
+        return "\n".join(lines)
 
     def check(self, cfg: KVMemoryConfig, shape: Any) -> list[str]:
         _, problems = parse_length(cfg.prompt_len, "workload.prompt_len")
@@ -126,5 +144,77 @@ class KVMemory(Workload):
             "kv_cache_bytes": info.pool_bytes,
             "prefill_latency_s": pre.latency_s,
             "decode_step_latency_s": float(np.median(dec.step_latencies_s)) if dec else None,
+            "kv_groups": group_comparison(ctx.shape, kv_dtype, ctx.dtype, info,
+                                          [n + cfg.output_len - 1 for n in lens]),
             "kv_info": info.to_dict(),
         }
+
+
+def _merge_groups(groups: list[dict[str, Any]]) -> dict[tuple[str, Any], dict[str, Any]]:
+    """An engine's groups by (kind, window). vLLM splits layers of one kind into groups of equal
+    size (Gemma 3's 4 sliding layers: 2 groups of 2), each with blocks of its own: merged, the
+    layers and bytes per token add up, bytes_held = Σ page x layers x blocks, and blocks_per_layer
+    is the blocks one layer holds (an integer when every part holds as many)."""
+    out: dict[tuple[str, Any], dict[str, Any]] = {}
+    for g in groups:
+        m = out.setdefault((g["kind"], g.get("window")), {"kind": g["kind"], "window": g.get("window"), "layers": 0,
+                                                          "bytes_per_token": 0, "bytes_held": 0, "layer_blocks": 0,
+                                                          "state_bytes": 0, "tokens_per_sequence": 0})
+        m["layers"] += g.get("layers") or 0
+        for k in ("bytes_per_token", "state_bytes"):
+            m[k] = None if g.get(k) is None or m[k] is None else m[k] + g[k]
+        m["tokens_per_sequence"] = max(m["tokens_per_sequence"], g.get("tokens_per_sequence") or 0)
+        for k in ("block_size", "state_dtypes"):
+            if g.get(k) is not None:
+                m[k] = g[k]
+        if g.get("blocks_held") is not None:
+            m["paged"] = True
+            m["layer_blocks"] += g["blocks_held"] * g["layers"]
+            m["bytes_held"] += g["blocks_held"] * g["layers"] * g["page_size_bytes"]
+    for m in out.values():
+        if m.get("paged") and m["layers"]:
+            per_layer = m["layer_blocks"] / m["layers"]
+            m["blocks_per_layer"] = int(per_layer) if per_layer.is_integer() else per_layer
+    return out
+
+
+def group_comparison(shape: Any, kv_dtype: str, dtype: str, info: Any, seq_lens: list[int]) -> list[dict[str, Any]]:
+    """The estimate beside what the engine reports, per layer group (`kv_groups` rows): bytes per
+    cached token over the group's layers; for a paged engine the blocks its sequences hold now
+    (each of seq_lens tokens: full and latent layers ceil(L / B), windowed ones from the block of
+    their first still-needed token); for a contiguous one the token slots a layer holds per
+    sequence (of its longest, padded sequence); for linear layers the state per sequence. `engine_*`
+    fields are None where the engine reports no groups."""
+    reported = _merge_groups((info.extra or {}).get("groups") or [])
+    by_kind = {g["kind"]: g for g in reported.values()}
+    out = []
+    for kind, window, layers in layer_groups(shape):
+        eng = reported.get((kind, window)) or by_kind.get(kind) or {}
+        row: dict[str, Any] = {"kind": kind, "window": window, "layers": layers,
+                               "est_bytes_per_token": layers * layer_bytes_per_token(shape, kind, kv_dtype),
+                               "engine_layers": eng.get("layers"), "engine_bytes_per_token": eng.get("bytes_per_token")}
+        if kind == "linear":  # in the dtypes the engine keeps its state in (as the KV dtype, the engine's choice)
+            dtypes = eng.get("state_dtypes") or [dtype, dtype]
+            row["est_state_bytes"] = layers * state_bytes(shape, dtypes[0], dtypes[-1])
+            row["engine_state_bytes"] = eng.get("state_bytes")
+            row["state_dtypes"] = dtypes
+            row["est_bytes_per_token"] = row["engine_bytes_per_token"] = None
+        elif info.block_size:  # the group's own block size (vLLM enlarges a hybrid's attention blocks)
+            block = eng.get("block_size") or info.block_size
+            blocks = sum(blocks_now(kind, n, block, window) for n in seq_lens)
+            row["block_size"] = block
+            row["est_blocks"] = blocks
+            row["engine_blocks"] = eng.get("blocks_per_layer")
+            row["est_bytes_held"] = blocks * block * row["est_bytes_per_token"]
+            row["engine_bytes_held"] = eng.get("bytes_held")
+        else:
+            longest = (by_kind.get("full") or by_kind.get("latent") or {}).get("tokens_per_sequence")
+            if longest is None:
+                longest = max(seq_lens) if seq_lens else 0
+            row["est_tokens_per_sequence"] = held_tokens(kind, longest, window, None)
+            row["engine_tokens_per_sequence"] = eng.get("tokens_per_sequence")
+        row["match"] = all(row[f"est_{k}"] == row[f"engine_{k}"] for k in ("bytes_per_token", "blocks", "bytes_held",
+                                                                            "state_bytes", "tokens_per_sequence")
+                           if f"est_{k}" in row) if eng else None
+        out.append(row)
+    return out

@@ -53,6 +53,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Iterator
 from importlib import metadata
@@ -170,7 +171,13 @@ class VLLMEngine(Engine):
             if problem:
                 raise ValueError(problem)
         t0 = time.perf_counter()
-        self._llm = LLM(**kwargs)
+        try:
+            self._llm = LLM(**kwargs)
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            why = model_refusal(e)
+            if why is None:
+                raise
+            raise EngineUnavailable(f"vLLM {self.version()} cannot run this model here: {why}") from None
         load_s = time.perf_counter() - t0
         self._engine = self._llm.llm_engine
         self._require_sync_scheduling()
@@ -504,6 +511,8 @@ class VLLMEngine(Engine):
         info.blocks_peak = max(self._peak_in_use, info.blocks_in_use)
         info.slots_allocated = info.blocks_in_use * cache.block_size
         info.tokens_stored = introspect.tokens_stored(self._engine)
+        info.extra["groups"] = introspect.kv_groups(self._engine)
+        info.extra["computed_tokens"] = introspect.computed_tokens(self._engine)
         metrics = introspect.prometheus_values(self._llm) if self.options.log_stats else {}
         if metrics:
             info.prefix_cache_queries = metrics.get("vllm:prefix_cache_queries")
@@ -517,3 +526,23 @@ class VLLMEngine(Engine):
         self.release()
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (some blocks are still in use)")
+
+
+_REFUSAL = re.compile(r"not supported|unsupported|not implemented|is not yet supported|does not support", re.I)
+
+
+def model_refusal(e: BaseException) -> str | None:
+    """vLLM's own one-line reason when it refuses a model (an architecture, head size or
+    attention kind its build does not support: Gemma's, DeepSeek's MLA head sizes on CPU, ...),
+    raised from inside vLLM while it builds the engine; None for anything else (a failure of ours
+    or a bug stays a failed point)."""
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    where = last.tb_frame.f_code.co_filename if last is not None else ""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if "/vllm/" not in where.replace("\\", "/") or not _REFUSAL.search(text):
+        return None
+    return f"{type(e).__name__}: {text}"

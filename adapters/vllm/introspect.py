@@ -108,6 +108,51 @@ def kv_pool(llm_engine: Any) -> dict[str, int]:
             "pool_bytes": pool}
 
 
+# vLLM's KV-cache spec classes (vllm/v1/kv_cache_interface.py) -> harness.core.kvcalc's layer kinds
+_SPEC_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "ChunkedLocalAttentionSpec": "chunked",
+               "MLAAttentionSpec": "latent", "MambaSpec": "linear"}
+
+
+def kv_groups(llm_engine: Any) -> list[dict[str, Any]]:
+    """vLLM's KV cache groups (KVCacheConfig.kv_cache_groups), each as harness.core.kvcalc's
+    layer group: its spec class and kind, layers, page_size_bytes (one block of one layer), block
+    size, window (sliding_window / attention_chunk_size), bytes per token over its layers, and the
+    blocks its single-type manager holds for the live requests now (null blocks left out: a sliding
+    layer's freed blocks are replaced by the null block)."""
+    manager = _need(scheduler(llm_engine), "kv_cache_manager", "Scheduler")
+    kcfg = _need(manager, "kv_cache_config", "KVCacheManager")
+    managers = _need(_need(manager, "coordinator", "KVCacheManager"), "single_type_managers", "KVCacheCoordinator")
+    out = []
+    for group, mgr in zip(_need(kcfg, "kv_cache_groups", "KVCacheConfig"), managers):
+        spec = _need(group, "kv_cache_spec", "KVCacheGroupSpec")
+        name = type(spec).__name__
+        layers = len(_need(group, "layer_names", "KVCacheGroupSpec"))
+        page = int(_need(spec, "page_size_bytes", "KVCacheSpec"))
+        block = int(_need(spec, "block_size", "KVCacheSpec"))
+        window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+        kind = _SPEC_KINDS.get(name, name)
+        if kind == "full" and getattr(spec, "sliding_window", None):
+            kind = "sliding"
+        held = {rid: sum(1 for b in blocks if not getattr(b, "is_null", False))
+                for rid, blocks in _need(mgr, "req_to_blocks", "SingleTypeKVCacheManager").items()}
+        state = None
+        if kind == "linear":  # the state itself, not the page it is padded to (page_size_padded)
+            state = int(getattr(spec, "real_page_size_bytes", page)) * layers
+        out.append({"spec": name, "kind": kind, "layers": layers, "page_size_bytes": page, "block_size": block,
+                    "window": int(window) if window else None,
+                    "bytes_per_token": None if kind == "linear" else page * layers // block,
+                    "state_bytes": state,
+                    "state_dtypes": [str(d).removeprefix("torch.") for d in getattr(spec, "dtypes", ())] or None,
+                    "blocks_held": sum(held.values()), "blocks_held_per_request": held})
+    return out
+
+
+def computed_tokens(llm_engine: Any) -> dict[str, int]:
+    """Each live request's computed tokens (the length its KV blocks are held for)."""
+    reqs = _need(scheduler(llm_engine), "requests", "Scheduler")
+    return {rid: int(_need(r, "num_computed_tokens", "Request")) for rid, r in reqs.items()}
+
+
 def tokens_stored(llm_engine: Any) -> int:
     """Tokens whose K/V the live requests hold (computed tokens)."""
     reqs = _need(scheduler(llm_engine), "requests", "Scheduler")

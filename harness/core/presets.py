@@ -20,115 +20,19 @@ from harness.core.errors import UserError
 from harness.core.paths import CONF_DIR, model_cache_dir
 from harness.core.results import atomic_write_text
 
-# Hugging Face architecture class and model_type for each family a preset may name.
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    architecture: str  # llama | mistral | qwen2
-    num_hidden_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    dtype: str = "float32"  # dtype the checkpoint's weights are stored in
-    # special tokens (a checkpoint's config.json; presets write 1, 2 and 0)
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
-    # what a checkpoint's config says beyond the sizes (None for presets: plain RoPE, full attention)
-    hf_architecture: str | None = None  # e.g. LlamaForCausalLM
-    rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": linear | llama3 | ..., params}
-    sliding_window: int | None = None  # the attention window, when the model uses one
-    # a trained preset's `train:` settings (harness.core.train.TrainConfig); None: random weights
-    train: dict | None = field(default=None, hash=False)
-
-    # ---- derived sizes -------------------------------------------------------------------
-    def num_parameters(self) -> int:
-        """Exact parameter count of a LLaMA-family decoder with this shape."""
-        h, d = self.hidden_size, self.head_dim
-        q = self.num_attention_heads * d
-        kv = self.num_key_value_heads * d
-        attn = h * q + 2 * h * kv + q * h
-        if self.attention_bias:
-            attn += q + 2 * kv
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_hidden_layers * per_layer + embed + head + h  # + final norm
-
-    def hf_config_dict(self) -> dict[str, Any]:
-        """A config.json for transformers, for this shape."""
-        cls, model_type = ARCHITECTURES[self.architecture]
-        cfg: dict[str, Any] = {
-            "architectures": [cls],
-            "model_type": model_type,
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "initializer_range": 0.02,
-            "bos_token_id": 1 if self.bos_token_id is None else self.bos_token_id,
-            "eos_token_id": 2 if self.eos_token_id is None else self.eos_token_id,
-            "pad_token_id": 0 if self.pad_token_id is None else self.pad_token_id,
-            "torch_dtype": self.dtype,
-            "use_cache": True,
-        }
-        if self.architecture == "llama":
-            cfg["attention_bias"] = self.attention_bias
-            cfg["mlp_bias"] = False
-        elif self.architecture == "mistral":
-            cfg["sliding_window"] = None
-        elif self.architecture == "qwen2":
-            cfg["use_sliding_window"] = False
-            cfg["sliding_window"] = None
-            cfg["max_window_layers"] = self.num_hidden_layers
-        return cfg
-
-    @property
-    def trained(self) -> bool:
-        """A preset whose weights are trained here (harness.core.train), not drawn at random."""
-        return self.train is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        if d["train"] is None:  # random presets: the dict (and their cache keys) as before
-            del d["train"]
-        return d
+# ModelShape and the families a preset may name live in harness.core.shapes; re-exported here for
+# the callers that import them from presets.
+from harness.core.shapes import ARCHITECTURES, SHAPE_FIELDS, ModelShape  # noqa: E402,F401
 
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "local")
 
 
-_SHAPE_FIELDS = set(ModelShape.__dataclass_fields__)
-
-
-def shape_from_mapping(data: dict[str, Any]) -> ModelShape:
-    """Build a ModelShape from a preset mapping (extra keys such as `path` are ignored)."""
-    return ModelShape(**{k: v for k, v in data.items() if k in _SHAPE_FIELDS})
+def shape_from_mapping(data: dict[str, Any], prefix: str = "model") -> ModelShape:
+    """Build a ModelShape from a preset mapping (extra keys such as `path` are ignored); a layer
+    list that does not fit the shape is a UserError naming the field."""
+    return ModelShape(**{k: v for k, v in data.items() if k in SHAPE_FIELDS}).check(prefix)
 
 
 def load_preset(name: str) -> ModelShape:
@@ -139,7 +43,7 @@ def load_preset(name: str) -> ModelShape:
             "or use model=local model.path=DIR for your own checkpoint."
         )
     with open(path) as f:
-        return shape_from_mapping(yaml.safe_load(f))
+        return shape_from_mapping(yaml.safe_load(f), prefix=f"model={name} (conf/model/{name}.yaml): model")
 
 
 def shape_from_hf_config(path: str | Path, field: str = "model.path") -> ModelShape:
@@ -177,7 +81,8 @@ def _shape_key(directory: Path) -> str | None:
     except metadata.PackageNotFoundError:
         version = "none"
     try:
-        parts = [(directory / "config.json").read_bytes(), version.encode(), Path(__file__).read_bytes()]
+        parts = [(directory / "config.json").read_bytes(), version.encode(), Path(__file__).read_bytes(),
+                 (Path(__file__).parent / "shapes.py").read_bytes()]
     except OSError:
         return None
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:32]
@@ -204,34 +109,37 @@ def _read_hf_config(directory: Path, path: str | Path, field: str) -> ModelShape
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{field}={path}: config.json cannot be read as a transformers config ({first}). "
                         "Point to an intact Hugging Face causal-LM checkpoint.") from None
-    cfg = getattr(cfg, "text_config", None) or cfg if not hasattr(cfg, "num_hidden_layers") else cfg
     archs = list(getattr(cfg, "architectures", None) or [])
+    if not hasattr(cfg, "num_hidden_layers") and getattr(cfg, "text_config", None) is not None:
+        cfg = cfg.text_config  # a multimodal wrapper (Gemma 3, Llama 4): its language model
     model_type = getattr(cfg, "model_type", "") or ""
-    if not any(str(a).endswith("ForCausalLM") for a in archs):
+    if not any(str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs):
         raise UserError(f"{field}={path}: config.json does not describe a causal language model "
                         f"(architectures={archs or 'missing'}). Use a *ForCausalLM checkpoint.")
     heads = int(cfg.num_attention_heads)
     head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
     dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
     rope_params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if isinstance(rope_params.get("full_attention"), dict):  # Gemma 3: per layer type; the global layers'
+        rope_params = dict(rope_params["full_attention"])
     rope = getattr(cfg, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
     rope_type = rope_params.get("rope_type") or rope_params.get("type") or "default"
-    window = getattr(cfg, "sliding_window", None)
-    mistral = model_type == "mistral" or any(str(a).startswith("Mistral") for a in archs)
-    uses_window = bool(window) and (mistral or bool(getattr(cfg, "use_sliding_window", False)))
+    fam = _family_fields(cfg, model_type, f"{field}={path}: config.json")
+    window = fam.pop("sliding_window", None)
     return ModelShape(
         name=directory.name,
-        architecture=model_type if model_type in ARCHITECTURES else model_type or "unknown",
+        architecture=model_type or "unknown",
         num_hidden_layers=int(cfg.num_hidden_layers),
         hidden_size=int(cfg.hidden_size),
         num_attention_heads=heads,
         num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=int(head_dim),
-        intermediate_size=int(getattr(cfg, "intermediate_size", None) or 4 * int(cfg.hidden_size)),
+        intermediate_size=int(fam.pop("intermediate_size", None) or getattr(cfg, "intermediate_size", None)
+                              or 4 * int(cfg.hidden_size)),
         vocab_size=int(cfg.vocab_size),
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 2048),
         rope_theta=float(rope),
-        rms_norm_eps=float(cfg.rms_norm_eps),
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")),
         dtype=str(dtype).removeprefix("torch."),
@@ -240,8 +148,131 @@ def _read_hf_config(directory: Path, path: str | Path, field: str) -> ModelShape
         pad_token_id=_first_id(getattr(cfg, "pad_token_id", None)),
         hf_architecture=str(archs[0]),
         rope_scaling=None if rope_type == "default" else {**rope_params, "rope_type": rope_type},
-        sliding_window=int(window) if uses_window else None,
-    )
+        sliding_window=int(window) if window else None,
+        **fam,
+    ).check(f"{field}={path}: config.json")
+
+
+# transformers' layer_types names -> ours
+_HF_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+             "linear_attention": "linear", "attention": "full", "mamba": "linear"}
+# what an unknown model_type may say that the dense formula cannot stand for
+_EXOTIC = ("kv_lora_rank", "q_lora_rank", "attention_chunk_size", "layer_types", "layers_block_type",
+           "num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
+           "linear_num_key_heads", "linear_conv_kernel_dim", "mamba_d_state", "mamba_n_heads", "ssm_state_size",
+           "state_size", "time_step_rank", "use_sliding_window", "sliding_window", "sliding_window_pattern")
+
+
+def _layer_types(cfg: Any, where: str, attr: str = "layer_types") -> tuple[str, ...]:
+    raw = list(getattr(cfg, attr, None) or [])
+    unknown = sorted({str(k) for k in raw if k not in _HF_KINDS})
+    if unknown:
+        raise UserError(f"{where}: {attr} has layer kind(s) {', '.join(unknown)} that infer-bench does not "
+                        f"understand (it reads {', '.join(_HF_KINDS)}); it gives no KV figure rather than a wrong one.")
+    n = int(cfg.num_hidden_layers)
+    if len(raw) != n:
+        raise UserError(f"{where}: {attr} has {len(raw)} entries for num_hidden_layers={n}.")
+    return tuple(_HF_KINDS[k] for k in raw)
+
+
+def _sparse_dense_layers(cfg: Any) -> tuple[int, ...]:
+    """Qwen3-MoE / Qwen3-Next: a layer is MoE unless in mlp_only_layers or off decoder_sparse_step."""
+    only = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return tuple(i for i in range(int(cfg.num_hidden_layers)) if i in only or (i + 1) % step != 0)
+
+
+def _family_fields(cfg: Any, model_type: str, where: str) -> dict[str, Any]:
+    """The ModelShape fields of a config beyond the dense sizes, as each family's transformers
+    config names them (read in transformers 5's configuration_<family>.py)."""
+    g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
+    n = int(cfg.num_hidden_layers)
+    if model_type in ("llama",):
+        return {}
+    if model_type in ("mistral", "mixtral"):  # one window for every layer, when set
+        out: dict[str, Any] = {"sliding_window": g("sliding_window")}
+        if model_type == "mixtral":
+            out.update(num_experts=int(g("num_local_experts")), num_experts_per_tok=int(g("num_experts_per_tok")),
+                       moe_intermediate_size=int(g("intermediate_size")))
+        return out
+    if model_type in ("qwen2", "qwen3"):
+        window = g("sliding_window") if g("use_sliding_window", False) else None
+        kinds = _layer_types(cfg, where)
+        if not window:  # transformers gives a sliding layer no window then: it attends to everything
+            kinds = tuple("full" if k == "sliding" else k for k in kinds)
+        return {"sliding_window": window if "sliding" in kinds else None,
+                "layer_types": None if set(kinds) == {"full"} else kinds, "qk_norm": model_type == "qwen3"}
+    if model_type == "qwen3_moe":
+        window = g("sliding_window") if g("use_sliding_window", False) else None
+        return {"sliding_window": window, "qk_norm": True, "num_experts": int(g("num_experts")),
+                "num_experts_per_tok": int(g("num_experts_per_tok")),
+                "moe_intermediate_size": int(g("moe_intermediate_size")), "dense_layers": _sparse_dense_layers(cfg)}
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        first = int(g("first_k_dense_replace", 0) or 0)
+        return {"kv_lora_rank": int(g("kv_lora_rank")), "q_lora_rank": g("q_lora_rank"),
+                "qk_rope_head_dim": int(g("qk_rope_head_dim")), "qk_nope_head_dim": int(g("qk_nope_head_dim")),
+                "v_head_dim": int(g("v_head_dim")), "num_experts": int(g("n_routed_experts")),
+                "num_experts_per_tok": int(g("num_experts_per_tok")),
+                "num_shared_experts": int(g("n_shared_experts", 0) or 0),
+                "moe_intermediate_size": int(g("moe_intermediate_size")), "dense_layers": tuple(range(first))}
+    if model_type in ("gemma2", "gemma3_text"):
+        kinds = _layer_types(cfg, where)
+        return {"layer_types": kinds, "sliding_window": g("sliding_window"), "qk_norm": model_type == "gemma3_text"}
+    if model_type == "gpt_oss":
+        return {"layer_types": _layer_types(cfg, where), "sliding_window": g("sliding_window"),
+                "num_experts": int(g("num_local_experts")), "num_experts_per_tok": int(g("num_experts_per_tok")),
+                "moe_intermediate_size": int(g("intermediate_size")), "attention_sinks": True}
+    if model_type == "qwen3_next":
+        return {"layer_types": _layer_types(cfg, where), "qk_norm": True,
+                "linear_attention": {"kind": "gated_deltanet", "num_key_heads": int(g("linear_num_key_heads")),
+                                     "num_value_heads": int(g("linear_num_value_heads")),
+                                     "key_head_dim": int(g("linear_key_head_dim")),
+                                     "value_head_dim": int(g("linear_value_head_dim")),
+                                     "conv_kernel": int(g("linear_conv_kernel_dim"))},
+                "num_experts": int(g("num_experts")), "num_experts_per_tok": int(g("num_experts_per_tok")),
+                "moe_intermediate_size": int(g("moe_intermediate_size")),
+                "shared_expert_intermediate_size": int(g("shared_expert_intermediate_size") or 0) or None,
+                "dense_layers": _sparse_dense_layers(cfg)}
+    if model_type == "llama4_text":
+        moe = set(g("moe_layers") or [])
+        return {"layer_types": _layer_types(cfg, where), "attention_chunk_size": g("attention_chunk_size"),
+                "num_experts": int(g("num_local_experts")), "num_experts_per_tok": int(g("num_experts_per_tok")),
+                "num_shared_experts": 1, "moe_intermediate_size": int(g("intermediate_size")),
+                "intermediate_size": int(g("intermediate_size_mlp")),
+                "dense_layers": tuple(i for i in range(n) if i not in moe)}
+    if model_type == "granitemoehybrid":
+        experts = int(g("num_local_experts", 0) or 0)
+        out = {"layer_types": _layer_types(cfg, where),
+               "linear_attention": {"kind": "mamba2", "num_heads": int(g("mamba_n_heads")),
+                                    "head_dim": int(g("mamba_d_head")), "state_size": int(g("mamba_d_state")),
+                                    "n_groups": int(g("mamba_n_groups")), "conv_kernel": int(g("mamba_d_conv"))}}
+        if experts > 1:
+            out.update(num_experts=experts, num_experts_per_tok=int(g("num_experts_per_tok")),
+                       moe_intermediate_size=int(g("intermediate_size")),
+                       shared_expert_intermediate_size=int(g("shared_intermediate_size") or 0) or None)
+        return out
+    if model_type == "jamba":
+        per_layer = list(g("layers_num_experts"))
+        out = {"layer_types": _layer_types(cfg, where),
+               "linear_attention": {"kind": "mamba", "intermediate_size": int(g("mamba_expand")) * int(cfg.hidden_size),
+                                    "state_size": int(g("mamba_d_state")), "conv_kernel": int(g("mamba_d_conv"))}}
+        if max(per_layer) > 1:
+            out.update(num_experts=max(per_layer), num_experts_per_tok=int(g("num_experts_per_tok")),
+                       moe_intermediate_size=int(cfg.intermediate_size),
+                       dense_layers=tuple(i for i, e in enumerate(per_layer) if e <= 1))
+        return out
+    if model_type == "falcon_h1":
+        raise UserError(f"{where}: model_type falcon_h1 runs attention and a Mamba-2 block side by side in every "
+                        "layer (layers_block_type 'hybrid'); infer-bench does not model that yet and gives no KV "
+                        "figure rather than a wrong one. It understands full, sliding, chunked, latent and linear "
+                        "layers, one kind per layer.")
+    said = [k for k in _EXOTIC if g(k) not in (None, False, 0, [], ())]
+    if said:
+        raise UserError(f"{where}: model_type {model_type or 'missing'} sets {', '.join(said)}, which infer-bench "
+                        "cannot interpret for this family (it reads llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, "
+                        "deepseek_v2/v3, gemma2/3, gpt_oss, qwen3_next, llama4, granitemoehybrid and jamba configs); "
+                        "it gives no KV figure rather than one from the dense formula.")
+    return {}  # an unknown dense decoder: sizes only (no parameter count: its layout is not known)
 
 
 def _first_id(v: Any) -> int | None:

@@ -5,15 +5,20 @@ memory bandwidth from a large tensor copy (bytes read + bytes written per second
 several), and matrix-product FLOP/s in the run's dtype (best of several). They are measured in
 a short-lived child process so the run's own processes start clean.
 
-Decode is bound by memory bandwidth: a step must read every weight once plus the KV cache of
-every live sequence. Prefill is bound by arithmetic: 2 FLOPs per weight per prompt token (the
-LM head only for the last token of each sequence) plus causal attention, 2 x layers x heads x
-head_dim x S^2 per sequence (QK^T and PV, half of each masked away).
+Decode is bound by memory bandwidth: a step must read every weight it uses once - for a
+mixture of experts the experts the batch's tokens are routed to, expected E x (1 - (1 - k/E)^b)
+of E per MoE layer for b tokens each choosing k uniformly - plus the KV cache of every live
+sequence by layer group (sliding layers their window, linear layers their fixed state). Prefill
+is bound by arithmetic: 2 FLOPs per *active* weight per prompt token (the LM head only for the
+last token of each sequence) plus attention, 2 x heads x (qk dim + v dim) x the keys each query
+sees, summed over positions: S^2/2 for full and latent layers, about S x W for a window W, S x C/2
+for chunks C (QK^T and PV; linear layers' recurrences are not counted).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -22,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.core.kvcalc import bytes_per_token, kv_dtype_of
+from harness.core.errors import UserError
+from harness.core.kvcalc import estimate, kv_dtype_of
 from harness.core.presets import ModelShape
 
 _ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -100,20 +106,68 @@ def cached_ceilings(device: str, dtype: str, cache_file: Path) -> Ceilings:
 
 
 def weights_bytes(shape: ModelShape, dtype: str) -> int:
+    """Every weight, every expert included: what the model holds in memory."""
     return shape.num_parameters() * _ELEM[dtype]
+
+
+def experts_touched(shape: ModelShape, tokens: int) -> float:
+    """Expected distinct routed experts of one MoE layer that `tokens` tokens use, each sent to k
+    of E experts uniformly: E x (1 - (1 - k/E)^tokens) (k for one token, E for many)."""
+    e, k = shape.num_experts, shape.num_experts_per_tok
+    if not e:
+        return 0.0
+    return e * (1 - (1 - k / e) ** max(tokens, 0))
+
+
+def decode_weight_bytes(shape: ModelShape, dtype: str, batch: int) -> float:
+    """Weights a decode step of `batch` sequences reads: everything but the routed experts, plus
+    the experts its tokens are expected to touch in each MoE layer."""
+    per_expert = shape.expert_parameters()
+    layers = shape.moe_layer_count()
+    shared = shape.active_parameters() - layers * shape.num_experts_per_tok * per_expert  # never routed
+    return (shared + layers * experts_touched(shape, batch) * per_expert) * _ELEM[dtype]
+
+
+def _attended_keys(kind: str, s: int, window: int | None) -> float:
+    """Keys all S queries of a causal prompt see in a layer of this kind, summed."""
+    if kind in ("full", "latent") or not window:
+        return s * s / 2
+    if kind == "sliding":
+        w = min(window, s)
+        return w * s - w * w / 2
+    if kind == "chunked":
+        c = min(window, s)
+        return s * c / 2
+    return 0.0  # linear: no attention over keys
 
 
 def prefill_flops(shape: ModelShape, batch: int, prompt_len: int) -> float:
     head = shape.vocab_size * shape.hidden_size
     embed = shape.vocab_size * shape.hidden_size
-    body = shape.num_parameters() - embed - (0 if shape.tie_word_embeddings else head)
+    body = shape.active_parameters() - embed - (0 if shape.tie_word_embeddings else head)
     dense = 2 * body * batch * prompt_len + 2 * head * batch
-    attn = 2 * shape.num_hidden_layers * shape.num_attention_heads * shape.head_dim * prompt_len**2 * batch
-    return float(dense + attn)
+    attn = 0.0
+    for kind in shape.layer_kinds():
+        if kind == "latent":
+            dims = (shape.qk_nope_head_dim or 0) + (shape.qk_rope_head_dim or 0) + (shape.v_head_dim or 0)
+        else:
+            dims = 2 * shape.head_dim
+        window = shape.sliding_window if kind == "sliding" else shape.attention_chunk_size
+        attn += 2 * shape.num_attention_heads * dims * _attended_keys(kind, prompt_len, window)
+    return float(dense + attn * batch)
 
 
 def decode_bytes_per_step(shape: ModelShape, dtype: str, kv_dtype: str, batch: int, mean_context: float) -> float:
-    return weights_bytes(shape, dtype) + batch * mean_context * bytes_per_token(shape, kv_dtype)
+    """Weights the step reads + the KV cache of `batch` sequences at `mean_context` tokens, by
+    layer group (exact tokens: full and latent layers the context, windowed ones at most what they
+    keep, linear layers their state)."""
+    kv = 0.0
+    for g in estimate(shape, max(math.ceil(mean_context), 1), batch, kv_dtype, state_dtype=dtype).groups:
+        if g.kind == "linear":
+            kv += g.total_bytes
+        else:
+            kv += g.bytes_per_token * min(mean_context, g.tokens_per_sequence) * batch
+    return decode_weight_bytes(shape, dtype, batch) + kv
 
 
 def annotate(row: dict[str, Any], shape: ModelShape, ceil: Ceilings) -> dict[str, Any]:
@@ -122,7 +176,12 @@ def annotate(row: dict[str, Any], shape: ModelShape, ceil: Ceilings) -> dict[str
     if not (b and s and o) or dtype not in _ELEM:
         return {}
     kv_dtype = kv_dtype_of(dtype, (row.get("kv_info") or {}).get("kv_dtype"))
-    out: dict[str, Any] = {"roofline_mem_bw_bytes_s": ceil.mem_bw_bytes_s, "roofline_matmul_flops": ceil.matmul_flops}
+    try:
+        total, active = shape.num_parameters(), shape.active_parameters()
+    except UserError as e:  # a family whose layout infer-bench does not know: no figure rather than a wrong one
+        return {"roofline_note": e.problems[0]}
+    out: dict[str, Any] = {"roofline_mem_bw_bytes_s": ceil.mem_bw_bytes_s, "roofline_matmul_flops": ceil.matmul_flops,
+                           "model_params_total": total, "model_params_active": active}
     if row.get("prefill_latency_s"):
         f = prefill_flops(shape, b, s)
         out["prefill_flops"] = f
