@@ -77,8 +77,9 @@ class ConversationConfig:
                                           "(replaces sessions' lengths; sessions caps how many)")
     max_len: int | None = spec(None, ge=2, help="dataset: a conversation is cut before the turn whose prompt + "
                                                 "reply would exceed this (default: the model's positions)")
-    warmup_sessions: int = spec(2, ge=0, help="sessions of the point's first ones replayed on unrelated tokens "
-                                              "(and forgotten) before each point: every turn's shapes once")
+    warmup_sessions: int | None = spec(None, ge=0, help="the point's first sessions replayed, all at once, on "
+                                                        "unrelated tokens (then forgotten) before it is measured; "
+                                                        "null: every session (the same batch shapes once)")
 
 
 @dataclass
@@ -313,9 +314,10 @@ class Conversation(Workload):
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: ConversationConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         sessions = self.sessions(cfg, ctx, f"conversation/{cfg.sessions}")  # the same sessions in every mode
-        if cfg.warmup_sessions:  # the same shapes (and the prefix cache's path) once, on unrelated tokens
+        n_warm = len(sessions) if cfg.warmup_sessions is None else cfg.warmup_sessions
+        if n_warm:  # the same shapes (and the prefix cache's path) once, on unrelated tokens
             warm = [Session(i, [ctx.prompts(1, len(u), f"{point.key}/warm{i}/{k}")[0] for k, u in enumerate(s.users)],
-                            list(s.caps), [0.0] * len(s.users)) for i, s in enumerate(sessions[:cfg.warmup_sessions])]
+                            list(s.caps), [0.0] * len(s.users)) for i, s in enumerate(sessions[:n_warm])]
             wc = Collector([], now_ns())
             wc.source = ConversationSource(warm, wc.start_ns, wc, cfg.separator_ids, None, False)
             for ev in engine.serve(wc.source, wc.start_ns):

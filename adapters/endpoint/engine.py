@@ -1003,7 +1003,10 @@ class EndpointEngine(Engine):
             server_argv=self.server_argv, server_extra_options=self.server_extra_options,
             server_options=dict(self.options_used) if self.cfg.launched else dict(given(self.cfg.attached_options)),
             options_differing_from_defaults=self.differing, server_settings=self.settings,
-            itl_chunking=ITL_CHUNKING, prefix_cache_reset=self.prefix_reset,
+            itl_chunking=ITL_CHUNKING, prefix_cache_reset=self.prefix_reset, api=self.cfg.api,
+            chat_template=None if not self.chat else (
+                f"separator {self.cfg.chat_separator!r}" if self.cfg.chat_separator is not None
+                else "endpoints.<name>.chat_template" if self.cfg.chat_template is not None else "the checkpoint's own"),
             output_token_ids=_token_ids_text(fields.get("token_count_source")),
             server_metrics=series, server_metrics_interval_s=self.cfg.metrics_interval_s if series is not None else None,
             server_metrics_errors=scrape_errors if series is not None else None,
