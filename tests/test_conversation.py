@@ -209,3 +209,18 @@ def test_plan_and_bad_input_name_the_field():
         with pytest.raises(UserError) as e:
             build_plan(compose_job(["engines=[reference]", "workload=conversation", override]))
         assert any(p.startswith(field) for p in e.value.problems), e.value.problems
+
+
+def test_report_frame_per_turn_and_pool():
+    import pandas as pd
+
+    from reports.data import frame
+    from reports.sections.conversation import conversation_frame, hit_frame
+    from test_report_fakes import conversation_rows
+    df = conversation_frame(frame(conversation_rows()))
+    assert len(df) == 2 * 2 * 2 * 4 and set(df["pool"]) == {"KV pool 87,376 tokens", "KV pool 640 tokens"}
+    small = df[(df["pool"] == "KV pool 640 tokens") & (df["caching"] == "caching on") & (df["turn"] == 4)]
+    assert (small["hit_rate"] < small["reusable_share"]).all()  # the eviction curve
+    hf = hit_frame(df)
+    assert {s.split(" · ")[-1] for s in hf["series"]} == {"hit rate", "reusable share"}
+    assert isinstance(hf, pd.DataFrame)
