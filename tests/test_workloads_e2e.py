@@ -23,6 +23,7 @@ CASES = {
                 "workload.output_len={dist:uniform,min:2,max:5}", "workload.slo_ttft_s=10"],
     "kv_memory": ["workload.num_sequences=4", "workload.prompt_len={dist:uniform,min:16,max:200}",
                   "workload.output_len=3"],
+    "conversation": ["workload.sessions=3", "workload.turns=3", "workload.user_tokens=24", "workload.output_tokens=3"],
 }
 ENGINES = "[reference,hf,vllm]" if vllm_available() else "[reference,hf]"
 
@@ -74,6 +75,15 @@ def test_workload_specific_expectations(run):
         assert ref_on and ref_on[0]["prefix_hit_rate"] > 0.5
         hf_on = [r for r in rows if r["engine"] == "hf" and r["point"]["prefix_caching"] is True]
         assert hf_on[0]["status"] == "skipped" and "no prefix cache" in hf_on[0]["error"]
+    if name == "conversation":  # transformers is the no-cache baseline: its caching-on point is skipped
+        hf_on = [r for r in rows if r["engine"] == "hf" and r["point"]["prefix_caching"] is True]
+        assert hf_on[0]["status"] == "skipped" and "no prefix cache" in hf_on[0]["error"]
+        for r in rows:
+            if r["status"] == "ok" and r["engine"] != "hf":
+                assert r["turns_sent"] == 9 and r["completed"] == 9
+                if r["prefix_caching"]:
+                    assert r["hit_rate"] == pytest.approx(r["reusable_share"], abs=0.05) and r["reusable_share"] > 0.3
+        assert "per turn" in stdout
     if name == "kv_memory":
         for r in rows:
             if r["status"] == "ok" and r["engine"] == "reference":
