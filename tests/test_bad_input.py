@@ -128,7 +128,7 @@ def test_cli_exit_2_no_traceback_no_results(tmp_path, args):
 @pytest.mark.parametrize("args,field", [
     (["workload=conversation", "workload.turns=0"], "workload.turns=0"),
     (["workload=conversation", "workload.think_time=gaussian"], "workload.think_time=gaussian"),
-    (["engines=[infer-bench-serve]", "workload=conversation", "+endpoints.infer-bench-serve.api=chat"],
+    (["engines=[infer-bench-serve]", "workload=conversation", "endpoints.infer-bench-serve.api=chat"],
      "endpoints.infer-bench-serve.api=chat"),
 ])
 def test_conversation_bad_input_exit_2_naming_the_field(tmp_path, args, field):

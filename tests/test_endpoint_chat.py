@@ -112,12 +112,12 @@ def test_api_chat_without_template_or_separator_is_exit_2_naming_the_field():
     from harness.core.errors import UserError
     with pytest.raises(UserError) as e:
         build_plan(compose_job(["engines=[infer-bench-serve]", "workload=conversation",
-                                "+endpoints.infer-bench-serve.api=chat"]))
+                                "endpoints.infer-bench-serve.api=chat"]))
     msg = [p for p in e.value.problems if p.startswith("endpoints.infer-bench-serve.api=chat")]
     assert msg and "chat_template=FILE" in msg[0] and "chat_separator" in msg[0], e.value.problems
     # with a separator the plan is fine
     build_plan(compose_job(["engines=[infer-bench-serve]", "workload=conversation",
-                            "+endpoints.infer-bench-serve.api=chat", "+endpoints.infer-bench-serve.chat_separator=' '"]))
+                            "endpoints.infer-bench-serve.api=chat", "endpoints.infer-bench-serve.chat_separator=' '"]))
 
 
 def test_infer_bench_serve_chat_counts_and_caches(tiny_ckpt, tmp_path):
