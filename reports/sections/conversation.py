@@ -73,14 +73,15 @@ def conversation(data: ReportData) -> list[Block]:
     blocks: list[Block] = [Figure(facet_lines(
         df.dropna(subset=["ttft_s"]), x="turn", y="ttft_s", facet=facet, colours=data.colours,
         x_title="turn", y_title="TTFT, median (ms)", scale=MS),
-        "conversation-ttft", "Median TTFT per turn index; solid: caching on, dashed: off.")]
+        "conversation-ttft", "Median TTFT per turn index, caching on and off (each line named in the legend).")]
     hf = hit_frame(df)
     if not hf.empty:
         blocks.append(Figure(facet_lines(
             hf, x="turn", y="share", facet=facet, colours=data.colours, x_title="turn",
             y_title="share of prompt tokens (%)", scale=100),
-            "conversation-hit-rate", "Engine-reported prefix-cache hit rate (solid) and the reusable share of the "
-                                     "prompt (dashed), per turn, caching on."))
+            "conversation-hit-rate", "Engine-reported prefix-cache hit rate and the reusable share of the prompt, "
+                                     "per turn, caching on (each line named in the legend; where they coincide the "
+                                     "engine reused all it could)."))
     blocks[-1].table = values_table(
         df, [Col("engine", "base_series", text=True), Col("caching", "caching", text=True), Col("pool", "pool", text=True),
              Col("turn", "turn"), Col("prompt tokens", "prompt_tokens_mean"),
