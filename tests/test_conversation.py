@@ -53,8 +53,8 @@ class FakeReplyEngine(Engine):
     def release(self):
         pass
 
-    def kv_cache_info(self):
-        return KVCacheInfo(block_size=self.BLOCK)
+    def kv_cache_info(self):  # "blocks in use": one per prompt served so far (a number to carry)
+        return KVCacheInfo(block_size=self.BLOCK, num_blocks=100, blocks_in_use=len(self.seen))
 
     def reset_prefix_cache(self):
         self.seen = []
@@ -123,6 +123,8 @@ def test_turn_3_prompt_is_the_history_with_the_engines_own_replies(ctx):
     assert t[3]["reusable_share"] == pytest.approx(12 / 21)
     assert t[3]["hit_rate"] == pytest.approx(12 / 21)  # the fake cache supplies exactly that
     assert t[1]["reusable_share"] == 0 and t[1]["hit_rate"] == 0
+    # occupancy sampled at each turn's first token: the fake's blocks in use / its 100 blocks
+    assert t[1]["kv_occupancy"] == pytest.approx((1 + 2 + 3) / 3 / 100)
 
 
 def test_separator_ids_between_messages(ctx):

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters.base import Capabilities, Engine, Request, RequestSource, now_ns
+from adapters.base import Capabilities, Engine, Request, RequestSource, TokenEvent, now_ns
 from harness.core.errors import UserError
 from harness.core.metrics import RequestTrace, serving_metrics
 from harness.core.schema import spec
@@ -329,11 +329,19 @@ class Conversation(Workload):
         source = ConversationSource(sessions, start, collector, cfg.separator_ids, cfg.concurrency,
                                     cfg.session_rate is not None, info0.block_size)
         collector.source = source
+        # in-process engines: the KV blocks in use at each turn's first token (a server's /metrics is
+        # scraped on its own, endpoints.<name>.metrics_interval_s: server_metrics)
+        sample_kv = getattr(engine, "serve_load", None) is None
+        occupancy: dict[str, int] = {}
         sampler = ctx.sampler().start()
         events = engine.serve(source, start)
         try:
             for ev in events:
                 collector.feed(ev)
+                if sample_kv and isinstance(ev, TokenEvent) and ev.index == 0:
+                    blocks = engine.kv_cache_info().blocks_in_use  # the pool as this turn's prefill left it
+                    if blocks is not None:
+                        occupancy[ev.request_id] = blocks
         finally:
             events.close()
         mem = sampler.stop()
@@ -343,8 +351,8 @@ class Conversation(Workload):
         if not row["completed"]:
             raise RuntimeError(f"no turn of the point completed: {row['failed_request_reasons']}")
         records = [source.records[t.request_id] for t in traces]
-        per_request = [request_record(rec, tr) for rec, tr in zip(records, traces)]
-        turns = turn_rows(per_request)
+        per_request = [request_record(rec, tr, occupancy.get(tr.request_id)) for rec, tr in zip(records, traces)]
+        turns = turn_rows(per_request, info.num_blocks)
         later = [r["ttft_s"] for r in per_request if r["turn"] > 1 and r["ttft_s"] is not None and r["ok"]]
         hits = _delta(info.prefix_cache_hits, info0.prefix_cache_hits)
         queries = _delta(info.prefix_cache_queries, info0.prefix_cache_queries)
@@ -393,13 +401,13 @@ def _delta(after: Any, before: Any) -> Any:
     return after - (before or 0) if after is not None else None
 
 
-def request_record(rec: TurnRecord, tr: RequestTrace) -> dict[str, Any]:
+def request_record(rec: TurnRecord, tr: RequestTrace, kv_blocks: int | None = None) -> dict[str, Any]:
     ok = not tr.error and tr.n_out > 0
     return {"session": rec.session, "turn": rec.turn, "request_id": rec.request_id, "ok": ok,
             "error": tr.error, "prompt_tokens": rec.prompt_tokens, "history_tokens": rec.history_tokens,
             "new_tokens": rec.new_tokens, "reusable_tokens": rec.reusable_tokens,
             "cached_tokens": tr.cached_tokens, "output_tokens": tr.n_out,
-            "ttft_s": tr.ttft_s, "tpot_s": tr.tpot_s, "e2el_s": tr.e2el_s}
+            "ttft_s": tr.ttft_s, "tpot_s": tr.tpot_s, "e2el_s": tr.e2el_s, "kv_blocks_in_use": kv_blocks}
 
 
 def _share(reqs: list[dict[str, Any]], key: str) -> float | None:
@@ -409,9 +417,10 @@ def _share(reqs: list[dict[str, Any]], key: str) -> float | None:
     return sum(r[key] for r in use) / total if use and total else None
 
 
-def turn_rows(reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def turn_rows(reqs: list[dict[str, Any]], num_blocks: int | None = None) -> list[dict[str, Any]]:
     """One entry per turn index: requests, mean lengths, history / reusable share, the hit rate the
-    engine reported, prefilled vs reused tokens, TTFT / TPOT / E2EL."""
+    engine reported, prefilled vs reused tokens, TTFT / TPOT / E2EL, and the KV pool's occupancy
+    at the turn's first tokens (blocks in use / the pool's blocks, mean over its requests)."""
     out = []
     for k in sorted({r["turn"] for r in reqs}):
         mine = [r for r in reqs if r["turn"] == k]
@@ -423,8 +432,10 @@ def turn_rows(reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         prompt = sum(r["prompt_tokens"] for r in ok)
         hit = _share(ok, "cached_tokens")
         reusable = _share(ok, "reusable_tokens")
+        blocks = [r["kv_blocks_in_use"] for r in ok if r.get("kv_blocks_in_use") is not None]
         out.append({
             "turn": k, "requests": len(mine), "completed": len(ok),
+            "kv_occupancy": sum(blocks) / len(blocks) / num_blocks if blocks and num_blocks else None,
             "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
             "history_tokens_mean": sum(r["history_tokens"] for r in ok) / len(ok) if ok else 0.0,
             "new_tokens_mean": sum(r["new_tokens"] for r in ok) / len(ok) if ok else 0.0,

@@ -39,7 +39,8 @@ def conversation_frame(rows: pd.DataFrame) -> pd.DataFrame:
                         "ttft_s": t.get("ttft_s"), "hit_rate": t.get("hit_rate"),
                         "reusable_share": t.get("reusable_share"),
                         "hit_minus_reusable": t.get("hit_minus_reusable"),
-                        "prompt_tokens_mean": t.get("prompt_tokens_mean"), "requests": t.get("requests")})
+                        "prompt_tokens_mean": t.get("prompt_tokens_mean"), "requests": t.get("requests"),
+                        "kv_occupancy": t.get("kv_occupancy")})
     f = pd.DataFrame(out)
     if f.empty:
         return f
@@ -86,6 +87,7 @@ def conversation(data: ReportData) -> list[Block]:
         df, [Col("engine", "base_series", text=True), Col("caching", "caching", text=True), Col("pool", "pool", text=True),
              Col("turn", "turn"), Col("prompt tokens", "prompt_tokens_mean"),
              Col("reusable %", "reusable_share", 100), Col("hit rate %", "hit_rate", 100),
-             Col("hit − reusable (pts)", "hit_minus_reusable", 100), Col("TTFT ms", "ttft_s", MS, better="lower")],
+             Col("hit − reusable (pts)", "hit_minus_reusable", 100), Col("KV in use %", "kv_occupancy", 100),
+             Col("TTFT ms", "ttft_s", MS, better="lower")],
         "conversation-values", group=["pool", "turn"])
     return blocks
