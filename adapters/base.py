@@ -71,6 +71,11 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     arrival_s: float = 0.0
+    # A conversation's turn (workloads/conversation.py): its messages in order, each
+    # {"role": "user" | "assistant", "ids": token ids}; `prompt_ids` is their concatenation.
+    # An endpoint with api=chat sends these (as text) to /v1/chat/completions; other engines
+    # take `prompt_ids`. None: a plain prompt.
+    messages: list[dict[str, Any]] | None = None
 
 
 class RequestSource:
@@ -195,6 +200,10 @@ class TokenEvent:
     token_id: int
     time_ns: int
     finished: bool = False
+    # prompt tokens the engine took from its prefix cache for this request, where it says so per
+    # request (the reference engine and vLLM on the first token; a server's usage
+    # prompt_tokens_details.cached_tokens on the last); None: not reported on this event
+    cached_tokens: int | None = None
 
 
 @dataclass

@@ -6,6 +6,11 @@ Serves on http://HOST:PORT until SIGINT/SIGTERM (FastAPI on uvicorn):
   POST /v1/completions   streamed (SSE) or not; prompt as token ids or text; `max_tokens`,
                          `ignore_eos`, `min_tokens`, `return_token_ids`, `stream_options.include_usage`
                          (and `continuous_usage_stats`), `prompt_logprobs` (teacher-forced scores)
+  POST /v1/chat/completions  the same fields with `messages` ({role, content} with text) instead of
+                         `prompt`: the prompt is the tokenizer's chat template applied to them
+                         (`apply_chat_template`, add_generation_prompt; chat_template=FILE replaces
+                         the checkpoint's own); chunks carry `delta.content`. Usage carries
+                         `prompt_tokens_details.cached_tokens` (the prefix cache's share).
   GET  /v1/models, /health, /version, /metrics (Prometheus)
   POST /reset_prefix_cache
 Decoding is greedy (the reference engine's only mode; `temperature` is accepted and ignored).
@@ -42,6 +47,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from adapters.base import Request as EngineRequest
+from adapters.endpoint.config import chat_prompt_ids
 from harness import __version__
 from harness.core.errors import EXIT_BAD_INPUT, UserError
 from harness.core.paths import CONF_DIR
@@ -67,6 +73,8 @@ class ServeSettings:
     api_key_env: str | None = spec(None, help="demand `Authorization: Bearer <$VAR>` on /v1/*")
     model_cache_dir: str | None = spec(None, help="where presets are materialised")
     seed: int = spec(0, ge=0, help="checkpoint seed of a preset")
+    chat_template: str | None = spec(None, help="a Jinja chat template file for /v1/chat/completions "
+                                     "(null: the checkpoint's own)")
     log_level: str = spec("warning", choices=("critical", "error", "warning", "info", "debug"),
                           help="uvicorn's log level")
 
@@ -261,6 +269,7 @@ class Runtime:
     version: str
     counters: dict[str, float]
     compute_threads: int | None = None
+    chat_template: str | None = None  # the text of chat_template=FILE (None: the tokenizer's own)
 
 
 def _error(message: str, status: int, kind: str = "invalid_request_error") -> Any:
@@ -365,7 +374,50 @@ def build_app(rt: Runtime) -> Any:
         except BadRequest as e:
             return _error(str(e), e.status)
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error("the request body is not JSON", 400)
+        try:
+            return await _completion(rt, _chat_as_completion(rt, body), chat=True)
+        except BadRequest as e:
+            return _error(str(e), e.status)
+
     return app
+
+
+CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "stream", "stream_options",
+               "ignore_eos", "min_tokens", "return_token_ids", "n", "add_generation_prompt"}
+
+
+def _chat_as_completion(rt: Runtime, body: Any) -> dict[str, Any]:
+    """A chat body as the completion body it amounts to: `messages` templated into `prompt` ids."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - CHAT_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}: this server takes {', '.join(sorted(CHAT_FIELDS))}")
+    msgs = body.get("messages")
+    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                    and isinstance(m.get("content"), str) for m in msgs)):
+        raise BadRequest("`messages` must be a non-empty list of {role, content} with text content")
+    if rt.tokenizer is None:
+        raise BadRequest("this model has no tokenizer: chat needs one (and a chat template)")
+    if rt.chat_template is None and not getattr(rt.tokenizer, "chat_template", None):
+        raise BadRequest("this model's tokenizer has no chat template: start the server with chat_template=FILE, "
+                         "or use /v1/completions")
+    try:
+        ids = chat_prompt_ids(rt.tokenizer, [{"role": m["role"], "content": m["content"]} for m in msgs],
+                              rt.chat_template)
+    except Exception as e:
+        raise BadRequest(f"the chat template failed on these messages: {e}") from None
+    out = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "add_generation_prompt")}
+    if body.get("max_completion_tokens") is not None:
+        out["max_tokens"] = body["max_completion_tokens"]
+    out["prompt"] = ids
+    return out
 
 
 @dataclass
@@ -417,7 +469,7 @@ def _parse_completion(rt: Runtime, body: Any) -> Completion:
                       prompt_logprobs=plp)
 
 
-async def _completion(rt: Runtime, body: Any) -> Any:
+async def _completion(rt: Runtime, body: Any, chat: bool = False) -> Any:
     req = _parse_completion(rt, body)
     prompt_logprobs = None
     if req.prompt_logprobs is not None:
@@ -435,7 +487,8 @@ async def _completion(rt: Runtime, body: Any) -> Any:
         raise BadRequest(str(first), 400 if isinstance(first, ValueError) else 500)
     rt.counters["requests"] += 1
     rt.counters["prompt_tokens"] += len(req.ids)
-    out = _Output(rt, req, rid, int(time.time()), prompt_logprobs)
+    out = _Output(rt, req, rid, int(time.time()), prompt_logprobs, chat)
+    out.cached = getattr(first, "cached_tokens", None)
     tokens = _tokens(rt, req, rid, sink, first)
     if not req.stream:
         return await out.whole(tokens)
@@ -475,17 +528,35 @@ async def _tokens(rt: Runtime, req: Completion, rid: str, sink: Sink,
 class _Output:
     """One request's response: whole (a JSON object) or streamed (SSE chunks), in vLLM's format."""
 
-    def __init__(self, rt: Runtime, req: Completion, rid: str, created: int, prompt_logprobs: list[Any] | None):
+    def __init__(self, rt: Runtime, req: Completion, rid: str, created: int, prompt_logprobs: list[Any] | None,
+                 chat: bool = False):
         self.rt, self.req, self.rid, self.created, self.prompt_logprobs = rt, req, rid, created, prompt_logprobs
         self.out_ids: list[int] = []
+        self.chat = chat
+        self.cached: int | None = None  # prompt tokens the prefix cache supplied (the first event says)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         n_in, n_out = len(self.req.ids), len(self.out_ids)
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        out: dict[str, Any] = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        if self.cached is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached}
+        return out
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        return {"id": self.rid, "object": "text_completion", "created": self.created,
+        obj = ("chat.completion.chunk" if self.req.stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created,
                 "model": self.rt.served_model_name, "choices": choices, "usage": usage}
+
+    def _choice(self, text: str, reason: str | None, first: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        if not self.req.stream:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": reason}
+        delta: dict[str, Any] = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     async def whole(self, tokens: AsyncIterator[tuple[int, str | None]]) -> dict[str, Any]:
         reason = None
@@ -494,8 +565,7 @@ class _Output:
                 self.out_ids.append(tid)
         except Exception as e:
             raise BadRequest(f"generation failed: {e}", 500) from None
-        choice: dict[str, Any] = {"index": 0, "text": _detok(self.rt, self.out_ids, len(self.out_ids)),
-                                  "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        choice = self._choice(_detok(self.rt, self.out_ids, len(self.out_ids)), reason, True)
         if self.req.return_ids:
             choice["token_ids"] = self.out_ids
             choice["prompt_token_ids"] = self.req.ids
@@ -509,8 +579,7 @@ class _Output:
         try:
             async for tid, reason in tokens:
                 self.out_ids.append(tid)
-                choice: dict[str, Any] = {"index": 0, "text": _detok(self.rt, self.out_ids, 1), "logprobs": None,
-                                          "finish_reason": reason, "stop_reason": None}
+                choice = self._choice(_detok(self.rt, self.out_ids, 1), reason, first_chunk)
                 if self.req.return_ids:
                     choice["token_ids"] = [tid]
                     if first_chunk:
@@ -628,6 +697,9 @@ def build_plan(cfg: dict[str, Any]) -> ServePlan:
         if api_key is None:
             problems.append(f"api_key_env={settings.api_key_env}: the variable is not set (or empty). "
                             f"export {settings.api_key_env}=... first.")
+    if settings.chat_template and not Path(settings.chat_template).expanduser().is_file():
+        problems.append(f"chat_template={settings.chat_template}: no such file. Give a Jinja chat template file "
+                        "(or leave it null for the checkpoint's own).")
     if problems:
         raise UserError(list(dict.fromkeys(problems)))
     return ServePlan(settings, shape, model_cfg, dtype, device, options, max_len, api_key)
@@ -674,7 +746,8 @@ def serve(plan: ServePlan, sock: socket.socket) -> int:
     et.start()
     rt = Runtime(et, s.served_model_name or plan.shape.name, plan.max_model_len, tokenizer, eos, plan.api_key,
                  f"infer-bench-serve {__version__} (reference engine {engine_version()})",
-                 {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0}, engine.compute_threads)
+                 {"requests": 0, "success": 0, "prompt_tokens": 0, "generation_tokens": 0}, engine.compute_threads,
+                 Path(s.chat_template).expanduser().read_text() if s.chat_template else None)
     app = build_app(rt)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

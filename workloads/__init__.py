@@ -17,6 +17,7 @@ REGISTRY: dict[str, str] = {
     "capacity": "workloads.capacity:Capacity",
     "quality": "workloads.quality:Quality",
     "tune": "workloads.tune:Tune",
+    "conversation": "workloads.conversation:Conversation",
 }
 
 

@@ -112,6 +112,8 @@ class Collector:
             if self.source is not None:
                 self.source.finished(ev.request_id, ev.time_ns)
             return False
+        if ev.cached_tokens is not None:
+            tr.cached_tokens = ev.cached_tokens
         if ev.index != tr.n_out:
             raise RuntimeError(f"request {ev.request_id}: token {ev.index} arrived after {tr.n_out} tokens")
         tr.token_times_ns.append(ev.time_ns)
@@ -119,6 +121,15 @@ class Collector:
         if self.source is not None and (ev.finished or tr.n_out >= self.expected[ev.request_id]):
             self.source.finished(ev.request_id, ev.time_ns)
         return tr.n_out == 1
+
+    def add(self, r: Request) -> None:
+        """A request made while the point runs (a conversation's next turn)."""
+        self.requests[r.request_id] = r
+        self.expected[r.request_id] = r.max_new_tokens
+        self._traces[r.request_id] = RequestTrace(r.request_id, 0, len(r.prompt_ids))
+
+    def trace(self, request_id: str) -> RequestTrace:
+        return self._traces[request_id]
 
     def _arrival_ns(self, request_id: str) -> int:
         return self.start_ns + round(self.requests[request_id].arrival_s * 1e9)

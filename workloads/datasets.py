@@ -7,6 +7,9 @@
   `{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}`;
   the first human turn is the prompt and the token count of the reply that follows it is the
   output length (as `vllm bench serve` does). Conversations without such a pair are skipped.
+  The conversation workload replays whole conversations instead (`read_sharegpt_conversations`:
+  every human turn once, in order; the recorded replies give only the output caps, the engine's
+  own replies take their place in the history).
 
 - A request trace, Mooncake-style JSONL (as AIPerf, inference-perf and SGLang's bench_serving
   replay it): one request per line with `timestamp` (milliseconds, any origin), `input_length`,
@@ -97,7 +100,7 @@ def _read_jsonl(p: Path, field: str) -> list[DatasetEntry]:
     return out
 
 
-def _read_sharegpt(p: Path, field: str) -> list[DatasetEntry]:
+def _sharegpt_data(p: Path, field: str) -> list[Any]:
     try:
         data = json.loads(p.read_text(encoding="utf-8", errors="replace"))
     except json.JSONDecodeError as e:
@@ -105,6 +108,11 @@ def _read_sharegpt(p: Path, field: str) -> list[DatasetEntry]:
                         "A ShareGPT file is one JSON list of conversations.") from None
     if not isinstance(data, list):
         raise UserError(f"{field}={p}: a ShareGPT file is a JSON list of conversations.")
+    return data
+
+
+def _read_sharegpt(p: Path, field: str) -> list[DatasetEntry]:
+    data = _sharegpt_data(p, field)
     out = []
     for conv in data:
         turns = conv.get("conversations") if isinstance(conv, dict) else None
@@ -141,6 +149,63 @@ def tokenize_entries(entries: list[DatasetEntry], model_path: str, vocab_size: i
             raise UserError(f"workload.dataset: token id {max(ids)} is outside the model's vocabulary "
                             f"({vocab_size}). Use ids made for this model.")
         out.append((list(ids), n_out))
+    return out
+
+
+def read_sharegpt_conversations(path: str | Path, field: str = "workload.dataset") -> list[list[tuple[str, str]]]:
+    """Whole ShareGPT conversations for the conversation workload: per conversation, its
+    (human message, recorded gpt reply) pairs in order. Every human turn that a gpt reply follows
+    is kept, once, in file order (entries of other roles, e.g. "system", are skipped); a human turn
+    with no reply after it (the conversation's last, or one followed by another human turn) ends the
+    conversation there, since its reply's length is unknown. The replies' texts give only each
+    turn's output cap: when replayed, the engine's own replies take their place in the history."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{field}={path}: no such file. Give a ShareGPT JSON file (a list of "
+                        "{\"conversations\": [{\"from\": \"human\", \"value\": ...}, ...]}).")
+    out = []
+    for conv in _sharegpt_data(p, field):
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not isinstance(turns, list):
+            continue
+        msgs = [t for t in turns if isinstance(t, dict) and t.get("from") in ("human", "gpt")
+                and isinstance(t.get("value"), str) and t["value"]]
+        pairs: list[tuple[str, str]] = []
+        i = 0
+        while i + 1 < len(msgs) and msgs[i]["from"] == "human" and msgs[i + 1]["from"] == "gpt":
+            pairs.append((msgs[i]["value"], msgs[i + 1]["value"]))
+            i += 2
+        if pairs:
+            out.append(pairs)
+    if not out:
+        raise UserError(f"{field}={path}: no conversation with a human turn followed by a gpt reply.")
+    return out
+
+
+def tokenize_conversations(convs: list[list[tuple[str, str]]], model_path: str,
+                           vocab_size: int) -> list[list[tuple[list[int], int]]]:
+    """Per conversation, (user message ids, reply cap in tokens) per turn, with the checkpoint's
+    tokenizer (no special tokens added)."""
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_path)
+    except Exception as err:
+        raise UserError(f"workload.dataset: a ShareGPT file's text needs the checkpoint's tokenizer, which did "
+                        f"not load from {model_path} ({err}).") from None
+    out = []
+    for conv in convs:
+        turns = []
+        for user, reply in conv:
+            ids = tok(user, add_special_tokens=False)["input_ids"]
+            cap = len(tok(reply, add_special_tokens=False)["input_ids"])
+            if not ids or cap < 1:
+                break
+            if max(ids) >= vocab_size:
+                raise UserError(f"workload.dataset: token id {max(ids)} is outside the model's vocabulary "
+                                f"({vocab_size}). Use a tokenizer made for this model.")
+            turns.append((list(ids), cap))
+        if turns:
+            out.append(turns)
     return out
 
 

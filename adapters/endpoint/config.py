@@ -9,6 +9,7 @@ extensions it understands. Credentials are given by reference only (`api_key_env
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import string
@@ -48,6 +49,13 @@ class EndpointConfig:
     prompt_format: str = spec("auto", choices=("auto", "ids", "text"),
                               help="prompts as token ids or as text (auto: ids where the kind accepts them)")
     tokenizer: str | None = spec(None, help="tokenizer directory for text prompts; null: the model's directory")
+    api: str = spec("completions", choices=("completions", "chat"),
+                    help="completions: /v1/completions with the prompt (ids or text); chat: /v1/chat/completions "
+                         "with the conversation's messages, the server applying the chat template")
+    chat_template: str | None = spec(None, help="api=chat: a Jinja chat template (a file, or the template's text) "
+                                     "for a checkpoint without one: a launched server gets it, token counts use it")
+    chat_separator: str | None = spec(None, help="api=chat, a checkpoint without a chat template: the messages' "
+                                      "texts joined with this string (a template made from it, as chat_template)")
     metrics: Any = spec("auto", choices=(True, False, "auto"),
                         help="scrape Prometheus /metrics during points (auto: when the server has it)")
     metrics_interval_s: float = spec(1.0, gt=0, help="seconds between /metrics scrapes during a point")
@@ -88,6 +96,70 @@ class EndpointConfig:
         if self.api_key_file:
             return {"method": "file", "path": str(self.api_key_file)}
         return "none"
+
+
+# ---- chat templates -----------------------------------------------------------------------------
+
+def _is_template_text(value: str) -> bool:
+    return "{%" in value or "{{" in value
+
+
+def separator_template(sep: str) -> str:
+    """A chat template that joins the messages' contents with `sep` (nothing else: no roles, no
+    generation prompt)."""
+    lit = json.dumps(sep)  # a JSON string is a Jinja string literal
+    return "{% for m in messages %}{% if not loop.first %}{{ " + lit + " }}{% endif %}{{ m['content'] }}{% endfor %}"
+
+
+def chat_template_text(cfg: EndpointConfig) -> str | None:
+    """The chat template the config gives (a file's text, the text itself, or one made from the
+    separator); None: the checkpoint's own."""
+    if cfg.chat_separator is not None:
+        return separator_template(cfg.chat_separator)
+    if cfg.chat_template is None:
+        return None
+    if _is_template_text(cfg.chat_template):
+        return cfg.chat_template
+    return Path(cfg.chat_template).expanduser().read_text()
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None) -> list[int]:
+    """The token ids of `messages` under the chat template (the tokenizer's own unless given),
+    with the generation prompt: what a chat server prefills, and what the client counts."""
+    out = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
+                                        tokenize=True)
+    if hasattr(out, "keys"):  # a BatchEncoding (newer transformers)
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def checkpoint_has_chat_template(path: str | None) -> bool:
+    """Whether the checkpoint directory's tokenizer has a chat template (tokenizer_config.json's
+    `chat_template`, or chat_template.jinja / chat_template.json beside it). A preset (no
+    directory yet) is materialised with a word-level tokenizer and no template: False."""
+    if not path or not Path(path).is_dir():
+        return False
+    d = Path(path)
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def chat_problems(name: str, cfg: EndpointConfig, model_path: str | None, model_name: str) -> list[str]:
+    """api=chat on a checkpoint with no chat template, and neither chat_template nor
+    chat_separator given: the one problem, naming the field and the fix."""
+    if cfg.api != "chat" or cfg.chat_template is not None or cfg.chat_separator is not None:
+        return []
+    tok = cfg.tokenizer or model_path
+    if checkpoint_has_chat_template(tok):
+        return []
+    where = f"the tokenizer at {tok}" if tok else f"model {model_name} (a preset: its word-level tokenizer has none)"
+    return [f"endpoints.{name}.api=chat: {where} has no chat template, so the server cannot build a chat prompt "
+            f"and the harness cannot count its tokens. Give endpoints.{name}.chat_template=FILE (a Jinja template), "
+            f"or endpoints.{name}.chat_separator=' ' (the messages joined with it), or use api=completions."]
 
 
 # ---- credentials ---------------------------------------------------------------------------------
@@ -332,6 +404,14 @@ def _request_option_problems(p: str, cfg: EndpointConfig) -> list[str]:
         for k in getattr(cfg, field_):
             if k not in STANDARD_ENDPOINT_OPTIONS:
                 problems.append(f"{p}.{field_}.{k}: unknown option. Known: {', '.join(STANDARD_ENDPOINT_OPTIONS)}.")
+    if (cfg.chat_template is not None or cfg.chat_separator is not None) and cfg.api != "chat":
+        problems.append(f"{p}.chat_template / chat_separator apply to api=chat only; set {p}.api=chat or drop them.")
+    if cfg.chat_template is not None and cfg.chat_separator is not None:
+        problems.append(f"{p}: give chat_template or chat_separator, not both.")
+    if cfg.chat_template is not None and not _is_template_text(cfg.chat_template) \
+            and not Path(cfg.chat_template).expanduser().is_file():
+        problems.append(f"{p}.chat_template={cfg.chat_template}: no such file (and not a Jinja template's text). "
+                        "Give a .jinja file or the template itself.")
     if cfg.url is not None and (cfg.cpu_launch or cfg.cpu_env or cfg.cpu_options or cfg.dry_run):
         problems.append(f"{p}: cpu_launch, cpu_env, cpu_options and dry_run are for a launched server (launch); "
                         "drop them for an attached one.")

@@ -16,7 +16,8 @@ and stamps each SSE chunk's arrival with `adapters.base.now_ns()`):
   release()         closes the streams still running (the server aborts them).
   serve(requests)   each request is sent when its source hands it out (a list: at its scheduled
                     arrival, where its clock starts, before it is sent); one TokenEvent per token,
-                    stamped with its chunk's arrival; a request that fails yields
+                    stamped with its chunk's arrival (the last one handed over when the stream ends,
+                    carrying usage's prompt_tokens_details.cached_tokens where the server sends it); a request that fails yields
                     RequestFailed(reason) after whatever tokens it had sent.
   score(...)        prompt log-probabilities (`prompt_logprobs`), for kind vllm and infer-bench.
   kv_cache_info()   what the server's /metrics says (usage, prefix-cache counters, preemptions).
@@ -54,7 +55,9 @@ from adapters.base import (
     RequestFailed, RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns,
 )
 from adapters.endpoint import telemetry
-from adapters.endpoint.config import EndpointConfig, template_fields
+from adapters.endpoint.config import (
+    EndpointConfig, chat_problems, chat_prompt_ids, chat_template_text, template_fields,
+)
 from adapters.endpoint.launch import ServerError, ServerProcess, free_port, render
 from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
 from adapters.endpoint.flags import ServerFlag, overridden_standards
@@ -181,10 +184,20 @@ class EndpointEngine(Engine):
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
         cfg = cls.endpoint
-        return option_problems(cls.name, cfg.kind, options, model.device,
-                               attached=None if cfg.launched else cfg.attached_options,
-                               url=None if cfg.launched else Redactor().text(cfg.url or ""),
-                               server_version=cls.declared_version())
+        problems = option_problems(cls.name, cfg.kind, options, model.device,
+                                   attached=None if cfg.launched else cfg.attached_options,
+                                   url=None if cfg.launched else Redactor().text(cfg.url or ""),
+                                   server_version=cls.declared_version())
+        if cfg.api == "chat":
+            kind = KINDS[cfg.kind]
+            if not kind.chat:
+                problems.append(f"endpoints.{cls.name}.api=chat: not supported for kind={cfg.kind} yet (its chat "
+                                "protocol has not been checked against the server's source); use api=completions.")
+            elif cfg.launched and kind.chat_template_arg is None and chat_template_text(cfg) is not None:
+                problems.append(f"endpoints.{cls.name}.chat_template / chat_separator: the harness cannot hand a "
+                                f"kind={cfg.kind} server a chat template; put it in endpoints.{cls.name}.launch.")
+            problems += chat_problems(cls.name, cfg, model.path or None, model.name)
+        return problems
 
     @classmethod
     def version(cls) -> str | None:
@@ -325,6 +338,13 @@ class EndpointEngine(Engine):
         ctx = LaunchContext(options_file=options_file, dtype=model.dtype, device=str(model.device),
                             kv_bytes_per_token=lambda kv: _kv_bytes_per_token(model, kv))
         extras = launch_extras(cfg.kind, used, ctx)
+        if cfg.api == "chat":  # the chat template the harness counts with is the one the server applies
+            extras.args += list(kind.chat_args)
+            text = chat_template_text(cfg)
+            if text is not None and kind.chat_template_arg:
+                tpl = str((log_dir.parent if log_dir else Path(_tmpdir())) / f"endpoint-{self.name}-chat-template.jinja")
+                extras.files[tpl] = text
+                extras.args.append(kind.chat_template_arg.format(tpl))
         command = render(cfg.launch or [], values) + (list(cfg.cpu_launch) if on_cpu else []) + extras.args
         if kind.threads_option and model.threads:  # equal resources: the run's threads, unless the template says
             flag = kind.threads_option.split("{")[0]
@@ -543,17 +563,52 @@ class EndpointEngine(Engine):
                 reason += f"; {self.server.died_text()}"
         return reason
 
-    async def _one(self, st: ReqState, prompt: Any, on_tokens: Any) -> None:
+    @property
+    def chat(self) -> bool:
+        return self.cfg.api == "chat"
+
+    def _chat_body(self, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+        """/v1/chat/completions: the messages with their roles and text, greedy, exactly max_tokens
+        (`ignore_eos`), usage in the stream; token ids where the kind sends them."""
+        kind = KINDS[self.cfg.kind]
+        body: dict[str, Any] = {"model": self.model_name, "messages": messages, "max_tokens": int(max_tokens),
+                                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                                "stream_options": {"include_usage": True}}
+        if kind.token_ids:
+            body["return_token_ids"] = True
+        body.update(self.cfg.extra_body)
+        return body
+
+    def _chat_messages(self, r_messages: list[dict[str, Any]] | None, prompt_ids: list[int]) -> list[dict[str, Any]]:
+        """A request's messages as text ({role, content}); a plain prompt is one user message."""
+        tok = self._get_tokenizer()
+        msgs = r_messages or [{"role": "user", "ids": prompt_ids}]
+        return [{"role": m["role"], "content": tok.decode(m["ids"], skip_special_tokens=False,
+                                                          clean_up_tokenization_spaces=False)} for m in msgs]
+
+    def _payload(self, prompt_ids: list[int], max_tokens: int,
+                 messages: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], int]:
+        """(request body, prompt tokens as the client counts them). api=chat: the tokenizer's
+        count of the chat-templated prompt (the template of endpoints.<name>.chat_template /
+        chat_separator, else the checkpoint's own), with the generation prompt."""
+        if not self.chat:
+            return self._body(self._prompt(prompt_ids), max_tokens), len(prompt_ids)
+        msgs = self._chat_messages(messages, prompt_ids)
+        n = len(chat_prompt_ids(self._get_tokenizer(), msgs, chat_template_text(self.cfg)))
+        return self._chat_body(msgs, max_tokens), n
+
+    async def _one(self, st: ReqState, body: dict[str, Any], on_tokens: Any) -> None:
         assert self._loop is not None
         spec = self._client_spec()
-        await stream_completion(self._loop.streams(spec), spec.url, self._body(prompt, st.expected), st, on_tokens,
+        await stream_completion(self._loop.streams(spec), spec.url, body, st, on_tokens,
                                 self.cfg.request_timeout_s)
 
     def _client_spec(self) -> ClientSpec:
         """How the load generator reaches the server (headers with the key, TLS, timeouts)."""
-        if getattr(self, "_spec_cache", None) is None or self._spec_cache.url != self.base + "/completions":
+        url = self.base + ("/chat/completions" if self.chat else "/completions")
+        if getattr(self, "_spec_cache", None) is None or self._spec_cache.url != url:
             cfg = self.cfg
-            self._spec_cache = ClientSpec(self.base + "/completions", self._client_kwargs()["headers"],
+            self._spec_cache = ClientSpec(url, self._client_kwargs()["headers"],
                                           bool(cfg.verify_tls), str(cfg.ca_bundle) if cfg.ca_bundle else None,
                                           cfg.connect_timeout_s, cfg.request_timeout_s, self.base + "/models")
         return self._spec_cache
@@ -575,8 +630,12 @@ class EndpointEngine(Engine):
             raise NotImplementedError(f"{self.name}: a server gives no logits over HTTP (capabilities().logits is False)")
         self.release()
         assert self._loop is not None
-        payloads = [self._prompt(p) for p in prompts]
-        states = [ReqState(f"b{i}", len(p), self._max_tokens(p, max_new_tokens)) for i, p in enumerate(prompts)]
+        payloads, states = [], []
+        for i, p in enumerate(prompts):
+            n = self._max_tokens(p, max_new_tokens)
+            body, plen = self._payload(p, n)
+            payloads.append(body)
+            states.append(ReqState(f"b{i}", plen, n))
 
         def on_tokens(st: ReqState, first: int, n: int) -> None:
             with self._cond:
@@ -661,6 +720,7 @@ class EndpointEngine(Engine):
         open_loop_start = getattr(source, "start_ns", None)  # a list's schedule: start_ns + arrival_s
         events: queue.SimpleQueue = queue.SimpleQueue()
         live: dict[str, ReqState] = {}
+        held: set[str] = set()
         states: list[ReqState] = []
         futs: list[Future] = []
         sem = asyncio.Semaphore(self.cfg.max_concurrency) if self.cfg.max_concurrency else None
@@ -675,10 +735,11 @@ class EndpointEngine(Engine):
                     if r.max_new_tokens < 1:
                         raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
                     scheduled = open_loop_start + round(r.arrival_s * 1e9) if open_loop_start is not None else now
-                    st = ReqState(r.request_id, len(r.prompt_ids), r.max_new_tokens, scheduled_ns=scheduled)
+                    body, plen = self._payload(r.prompt_ids, r.max_new_tokens, r.messages)
+                    st = ReqState(r.request_id, plen, r.max_new_tokens, scheduled_ns=scheduled)
                     live[r.request_id] = st
                     states.append(st)
-                    futs.append(self._loop.submit(self._request_task(st, self._prompt(r.prompt_ids), on_tokens,
+                    futs.append(self._loop.submit(self._request_task(st, body, on_tokens,
                                                                      events, sem)))
                 nxt = source.next_due_ns()
                 if not live:
@@ -692,14 +753,21 @@ class EndpointEngine(Engine):
                     continue
                 if len(item) == 2:  # ("end", state)
                     st = live.pop(item[1].request_id)
+                    if st.request_id in held:  # the last token, held for the usage that follows it
+                        held.discard(st.request_id)
+                        k = st.expected - 1
+                        yield TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k], finished=True,
+                                         cached_tokens=st.usage_cached)
                     if st.error is not None:
                         yield RequestFailed(st.request_id, self._failure_detail(st),
                                             st.token_times[-1] if st.token_times else now_ns())
                     continue
                 st, first, n = item  # a chunk: its tokens, stamped in the loop that read them
                 for k in range(first, min(first + n, st.expected)):
-                    yield TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k],
-                                     finished=k == st.expected - 1)
+                    if k == st.expected - 1:  # yielded at the stream's end, with the usage's cached tokens
+                        held.add(st.request_id)
+                        continue
+                    yield TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k])
         finally:  # a consumer that stops early: the streams still running are closed
             for f in futs:
                 f.cancel()
@@ -762,8 +830,8 @@ class EndpointEngine(Engine):
         for r in requests:
             if r.max_new_tokens < 1:
                 raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-            items.append(Item(r.request_id, dumps(self._body(self._prompt(r.prompt_ids), r.max_new_tokens)),
-                              len(r.prompt_ids), r.max_new_tokens, r.arrival_s))
+            body, plen = self._payload(r.prompt_ids, r.max_new_tokens, r.messages)
+            items.append(Item(r.request_id, dumps(body), plen, r.max_new_tokens, r.arrival_s))
         return items
 
     def _load_here(self, job: Job, spec: ClientSpec, states: list[ReqState], per_process: list[ClientStats],
@@ -935,7 +1003,10 @@ class EndpointEngine(Engine):
             server_argv=self.server_argv, server_extra_options=self.server_extra_options,
             server_options=dict(self.options_used) if self.cfg.launched else dict(given(self.cfg.attached_options)),
             options_differing_from_defaults=self.differing, server_settings=self.settings,
-            itl_chunking=ITL_CHUNKING, prefix_cache_reset=self.prefix_reset,
+            itl_chunking=ITL_CHUNKING, prefix_cache_reset=self.prefix_reset, api=self.cfg.api,
+            chat_template=None if not self.chat else (
+                f"separator {self.cfg.chat_separator!r}" if self.cfg.chat_separator is not None
+                else "endpoints.<name>.chat_template" if self.cfg.chat_template is not None else "the checkpoint's own"),
             output_token_ids=_token_ids_text(fields.get("token_count_source")),
             server_metrics=series, server_metrics_interval_s=self.cfg.metrics_interval_s if series is not None else None,
             server_metrics_errors=scrape_errors if series is not None else None,

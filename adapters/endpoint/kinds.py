@@ -105,6 +105,11 @@ class ServerKind:
     # the server's own launch flags (adapters/endpoint/flags.py): workload=tune's space for it and
     # engine_options.<endpoint>.server_flags; () : none known (put them in the launch template)
     flags: tuple[ServerFlag, ...] = ()
+    # api=chat: the launch argument that gives the server a chat template file ({} is its path);
+    # None: the harness cannot give this kind one (its checkpoint's own, or an attached server's)
+    chat_template_arg: str | None = None
+    chat: bool = True  # serves /v1/chat/completions with the fields the harness sends
+    chat_args: tuple[str, ...] = ()  # api=chat: launch arguments for it (usage with cached tokens)
 
 
 # ---- request fields -------------------------------------------------------------------------------
@@ -298,6 +303,9 @@ VLLM = ServerKind(
         queries="vllm:prefix_cache_queries_total", preemptions="vllm:num_preemptions_total",
         info="vllm:cache_config_info", prefix_counts_in="tokens"),
     option_checks=_vllm_checks,
+    # src: vllm/entrypoints/launchers/cli_args.py (0.32.0): chat_template, enable_prompt_tokens_details;
+    # vllm/entrypoints/openai/chat_completion/protocol.py: messages, return_token_ids, ignore_eos, stream_options
+    chat_template_arg="--chat-template={}", chat_args=("--enable-prompt-tokens-details",),
 )
 
 SGLANG = ServerKind(
@@ -333,6 +341,7 @@ SGLANG = ServerKind(
         "sglang:num_retracted_reqs"),
         usage="sglang:token_usage", hits="sglang:cached_tokens_total", queries="sglang:prompt_tokens_total",
         preemptions=None, info=None, prefix_counts_in="tokens"),
+    chat=False,  # api=chat not yet checked against SGLang's chat protocol source
 )
 
 TRTLLM = ServerKind(
@@ -363,6 +372,7 @@ TRTLLM = ServerKind(
     # without chunked prefill a prompt longer than max_num_tokens (default 8192) is refused (400)
     # src: tensorrt_llm/_torch/pyexecutor/py_executor.py, request validation (1.1 to 1.3rc)
     launch_defaults={"chunked_prefill": True},
+    chat=False,  # api=chat not yet checked against trtllm-serve's ChatCompletionRequest (extra="forbid")
 )
 
 INFER_BENCH = ServerKind(
@@ -383,6 +393,8 @@ INFER_BENCH = ServerKind(
         usage="infer_bench_kv_cache_usage_perc", hits="infer_bench_prefix_cache_hits_total",
         queries="infer_bench_prefix_cache_queries_total", preemptions="infer_bench_num_preemptions_total",
         info="infer_bench_cache_config_info", prefix_counts_in="blocks"),
+    # src: harness/serve.py (this repository): /v1/chat/completions, CHAT_FIELDS, chat_template=FILE
+    chat_template_arg="chat_template={}",
 )
 
 GENERIC = ServerKind(

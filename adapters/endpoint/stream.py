@@ -94,6 +94,7 @@ class ReqState:
     chunk_sizes: list[int] = field(default_factory=list)
     usage_completion: int | None = None
     usage_prompt: int | None = None
+    usage_cached: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
     prompt_ids_server: list[int] | None = None
     finish_reason: str | None = None
     count_source: str | None = None
@@ -146,7 +147,9 @@ def chunk_tokens(choice: dict[str, Any], usage: dict[str, Any] | None, usage_see
         return None, len(lp["tokens"]), "logprobs"
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         return None, max(0, usage["completion_tokens"] - usage_seen), "usage"
-    return None, 1 if choice.get("text") else 0, "chunks"
+    delta = choice.get("delta")
+    text = choice.get("text") or (delta.get("content") if isinstance(delta, dict) else None)
+    return None, 1 if text else 0, "chunks"
 
 
 class SSEError(Exception):
@@ -197,6 +200,9 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
             state._usage_seen = usage["completion_tokens"]
         if isinstance(usage.get("prompt_tokens"), int):
             state.usage_prompt = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            state.usage_cached = details["cached_tokens"]
     if new:
         state.chunk_times.append(t)
         state.chunk_sizes.append(new)

@@ -102,6 +102,7 @@ class BlockManager:
         seq.block_table = list(hits)
         seq.block_hashes = [self.blocks[b].hash for b in hits]
         seq.num_computed = len(hits) * self.block_size
+        seq.num_cached = seq.num_computed
         if self.prefix_caching:
             self.stats.prefix_queries += num_prompt_blocks
             self.stats.prefix_hits += len(hits)

@@ -10,6 +10,8 @@ online API that a server drives. It knows nothing of the harness's `Engine` inte
     step()                 one scheduler step; returns a `TokenEvent` for every token it produced,
                            stamped with now_ns() after the step (device synchronised). A request's
                            blocks are freed the step it produces its last token (finished=True).
+                           A first token carries `cached_tokens`: the prompt tokens the prefix
+                           cache supplied when the request was (last) admitted.
     has_work()             whether a step would compute anything
     abort(request_id)      drop a request now and free its blocks (unknown ids are ignored)
     score(...)             teacher-forced log-probabilities, through the same paged path
@@ -262,7 +264,9 @@ class LLMEngine:
             if done and self._requests.get(seq.request_id) is seq:
                 self.scheduler.finish(seq)
                 del self._requests[seq.request_id]
-            events.append(TokenEvent(seq.request_id, seq.num_outputs - 1, s.token, t, finished=done))
+            index = seq.num_outputs - 1
+            events.append(TokenEvent(seq.request_id, index, s.token, t, finished=done,
+                                     cached_tokens=seq.num_cached if index == 0 else None))
         return events
 
     def abort(self, request_id: str) -> None:

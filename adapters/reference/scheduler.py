@@ -37,6 +37,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its leading full blocks
     request_id: str | None = None
+    num_cached: int = 0  # prompt tokens the prefix cache supplied at its (last) admission
     logits: Any = None  # logits of its last sampled token, when asked for
     # score(): the logits of every position from this one on are kept (teacher-forced scores);
     # the prefix cache may supply only the blocks before it. None: only sampled rows.

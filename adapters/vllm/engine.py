@@ -474,7 +474,9 @@ class VLLMEngine(Engine):
                         idx = emitted[rid]
                         emitted[rid] = idx + 1
                         last = out.finished and j == len(toks) - 1
-                        yield TokenEvent(r.request_id, idx, int(tok), end, finished=last)
+                        cached = getattr(out, "num_cached_tokens", None) if idx == 0 else None
+                        yield TokenEvent(r.request_id, idx, int(tok), end, finished=last,
+                                         cached_tokens=int(cached) if cached is not None else None)
                     if out.finished:
                         self._live.remove(rid)
         finally:

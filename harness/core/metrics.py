@@ -27,6 +27,7 @@ class RequestTrace:
     token_times_ns: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # why the request failed (a server's HTTP error, a stream cut short)
+    cached_tokens: int | None = None  # prompt tokens the engine reported taking from its prefix cache
 
     @property
     def n_out(self) -> int:
