@@ -1,0 +1,149 @@
+"""The reference engine on today's families (issue 38): qk-norm (Qwen3), mixture of experts
+(Qwen3-MoE, Mixtral) and sliding windows (Mistral's, and Qwen3's alternating `layer_types`).
+
+Each family is a tiny random-weight checkpoint made here with transformers' own config class
+(seconds on a CPU). Parity is the project's float32 bar (harness.core.parity): greedy tokens
+equal to transformers' token for token, and teacher-forced log-probabilities within
+THRESHOLDS["float32"]. Each family also has an injected bug of its own that parity must catch,
+made by swapping one of our own functions for a plausibly wrong variant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapters.base import ModelSpec
+from adapters.hf import HFEngine
+from adapters.reference import model as ref_model
+from adapters.reference.engine import ReferenceEngine
+from harness.core.parity import compare_scores, greedy_agreement, verdict
+from workloads.parity import greedy_tokens
+
+VOCAB = 256
+PROMPT_LENS = (24, 61, 150)  # one prompt past the sliding models' window of 48
+TOKENS = 12
+
+
+def _common(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                tie_word_embeddings=False, initializer_range=0.2)
+    base.update(kw)
+    return base
+
+
+def family_configs():
+    from transformers import MistralConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+
+    return {
+        "qwen3": Qwen3Config(**_common()),
+        "qwen3-moe": Qwen3MoeConfig(**_common(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+        "mixtral": MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+        "mistral-window": MistralConfig(**_common(sliding_window=48)),
+        "qwen3-alternating": Qwen3Config(**_common(num_hidden_layers=4, use_sliding_window=True, sliding_window=48,
+                                                   layer_types=["sliding_attention", "full_attention"] * 2)),
+    }
+
+
+@pytest.fixture(scope="session")
+def family_ckpt(tmp_path_factory):
+    """name -> a random-weight checkpoint directory of that family (made once per session)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("families")
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            torch.manual_seed(1234)
+            m = AutoModelForCausalLM.from_config(family_configs()[name], dtype=torch.float32)
+            m.save_pretrained(root / name)
+            made[name] = root / name
+        return made[name]
+    return get
+
+
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def run(engine_cls, path, ps, teacher=None, options=None):
+    e = engine_cls()
+    e.load(ModelSpec(path=str(path), name=path.name, dtype="float32", max_model_len=max(map(len, ps)) + TOKENS + 8,
+                     threads=2), options or {})
+    try:
+        greedy = greedy_tokens(e, ps, TOKENS)
+        t = teacher or greedy
+        scores = e.score([p + x for p, x in zip(ps, t)], [len(p) for p in ps], 8)
+    finally:
+        e.close()
+    return greedy, [{"top_ids": s.top_ids, "top_logprobs": s.top_logprobs, "target_logprobs": s.target_logprobs}
+                    for s in scores]
+
+
+_hf_runs: dict = {}
+
+
+def hf_baseline(path):
+    if str(path) not in _hf_runs:
+        _hf_runs[str(path)] = run(HFEngine, path, prompts())
+    return _hf_runs[str(path)]
+
+
+def parity_problems(path, options=None) -> tuple[list[str], dict]:
+    """Why the reference engine fails float32 parity against transformers on `path` (empty: it passes)."""
+    base_greedy, base_scores = hf_baseline(path)
+    greedy, scores = run(ReferenceEngine, path, prompts(), teacher=base_greedy, options=options)
+    fields = compare_scores(base_scores, scores, "float32")
+    agree = greedy_agreement(base_greedy, greedy)
+    problems = []
+    if agree["agreement"] != 1.0:
+        problems.append(f"greedy tokens differ (first at step {agree['first_divergence']})")
+    why = verdict(fields, "float32")[1]
+    if why:
+        problems.append(why)
+    return problems, {**fields, **agree}
+
+
+FAMILIES = ["qwen3", "qwen3-moe", "mixtral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_transformers_in_float32(family, family_ckpt):
+    problems, fields = parity_problems(family_ckpt(family))
+    assert not problems, (problems, fields)
+
+
+def test_family_on_the_plain_path_and_chunked(family_ckpt):
+    """The plain kernels and chunked prefill (context read back from the pool) agree too."""
+    for family in ("qwen3-moe",):
+        problems, fields = parity_problems(family_ckpt(family), {"kernels": "plain", "max_num_batched_tokens": 40})
+        assert not problems, (family, problems, fields)
+
+
+# ---- injected bugs: each must fail parity ------------------------------------------------------
+
+def test_qk_norm_skipped_fails(family_ckpt, monkeypatch):
+    path = family_ckpt("qwen3")
+    hf_baseline(path)
+    real = ref_model.Model.__init__
+
+    def no_qk_norm(self, *a, **kw):
+        real(self, *a, **kw)
+        for layer in self.layers:
+            layer.q_norm = layer.q_norm.new_ones(layer.q_norm.shape)  # plain normalisation, no learnt scale
+    monkeypatch.setattr(ref_model.Model, "__init__", no_qk_norm)
+    problems, fields = parity_problems(path)
+    assert problems, fields
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_router_without_renormalisation_fails(family, family_ckpt, monkeypatch):
+    path = family_ckpt(family)
+    hf_baseline(path)  # the honest baseline, before the bug goes in
+    real = ref_model.route
+    monkeypatch.setattr(ref_model, "route", lambda logits, k, renormalise: real(logits, k, False))
+    problems, fields = parity_problems(path)
+    assert problems, fields
