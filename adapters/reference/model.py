@@ -365,7 +365,7 @@ class Model:
         norms = [self.embed, self.norm]
         for layer in self.layers:
             linears += [layer.qkv, layer.o] + (layer.moe.linears() if layer.moe else [layer.gate_up, layer.down])
-            norms += [layer.input_norm, layer.post_norm] + ([layer.q_norm, layer.k_norm] if self.cfg.qk_norm else [])
+            norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
         return sum(x.nbytes for x in linears) + sum(t.numel() * t.element_size() for t in norms)
 
     def experts_touched(self) -> list[int]:
