@@ -14,6 +14,7 @@ import torch
 
 from adapters.base import ModelSpec
 from adapters.hf import HFEngine
+from adapters.reference import attention as ref_attention
 from adapters.reference import model as ref_model
 from adapters.reference.engine import ReferenceEngine
 from harness.core.parity import compare_scores, greedy_agreement, verdict
@@ -107,7 +108,7 @@ def parity_problems(path, options=None) -> tuple[list[str], dict]:
     return problems, {**fields, **agree}
 
 
-FAMILIES = ["qwen3", "qwen3-moe", "mixtral"]
+FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "mistral-window", "qwen3-alternating"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -118,7 +119,7 @@ def test_family_matches_transformers_in_float32(family, family_ckpt):
 
 def test_family_on_the_plain_path_and_chunked(family_ckpt):
     """The plain kernels and chunked prefill (context read back from the pool) agree too."""
-    for family in ("qwen3-moe",):
+    for family in ("qwen3-moe", "qwen3-alternating"):
         problems, fields = parity_problems(family_ckpt(family), {"kernels": "plain", "max_num_batched_tokens": 40})
         assert not problems, (family, problems, fields)
 
@@ -147,3 +148,100 @@ def test_router_without_renormalisation_fails(family, family_ckpt, monkeypatch):
     monkeypatch.setattr(ref_model, "route", lambda logits, k, renormalise: real(logits, k, False))
     problems, fields = parity_problems(path)
     assert problems, fields
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "qwen3-alternating"])
+def test_window_off_by_one_fails(family, family_ckpt, monkeypatch):
+    path = family_ckpt(family)
+    hf_baseline(path)
+    real = ref_attention.visible_from
+    monkeypatch.setattr(ref_attention, "visible_from", lambda pos, window: real(pos, window + 1))
+    problems, fields = parity_problems(path, {"kernels": "plain"})
+    assert problems, fields
+
+
+# ---- the windowed group's blocks in the paged cache ---------------------------------------------
+
+def load(path, max_len=400, **options):
+    e = ReferenceEngine()
+    e.load(ModelSpec(path=str(path), name=path.name, dtype="float32", max_model_len=max_len, threads=2),
+           {"block_size": 16, **options})
+    return e
+
+
+def groups_of(e):
+    return {r["kind"]: r for r in e.kv_cache_info().extra["kv_groups"]}
+
+
+def test_a_window_holds_its_blocks_flat_while_full_layers_grow(family_ckpt):
+    e = load(family_ckpt("qwen3-alternating"))
+    try:
+        held = []
+        for n in (20, 100, 300):
+            e.prefill([[3 + i % 200 for i in range(n)]])
+            e.decode(5)
+            g = groups_of(e)
+            assert g["full"]["blocks_in_use"] == -(-(n + 5) // 16)  # prompt + 5 tokens with K/V
+            held.append(g["sliding(48)"]["blocks_in_use"])
+            assert held[-1] <= g["sliding(48)"]["max_blocks_per_sequence"] == 4
+            e.release()
+        assert held[1:] == [4, 4]
+    finally:
+        e.close()
+
+
+def test_a_shared_prefix_longer_than_the_window_reuses_only_the_window(family_ckpt):
+    """The second prompt shares 160 tokens (10 blocks) with the first: the full group reuses all
+    10, the windowed group only the blocks its window needs, and the tokens are those of an
+    engine without prefix caching."""
+    path = family_ckpt("qwen3-alternating")
+    a = [3 + (7 * i) % 200 for i in range(170)]
+    b = a[:160] + [5, 6, 7, 8, 9, 10, 11, 12]
+    plain = load(path, prefix_caching=False)
+    try:
+        want = greedy_tokens(plain, [b], 8)
+    finally:
+        plain.close()
+    e = load(path)
+    try:
+        greedy_tokens(e, [a], 4)  # leaves a's blocks registered and evictable
+        before = e.kv_cache_info().prefix_cache_hits
+        first = e.prefill([b]).first_tokens
+        g = groups_of(e)
+        hits = e.kv_cache_info().prefix_cache_hits - before
+        assert hits == 10
+        # the windowed group holds the window's blocks only: the next query (position 168) sees
+        # from 121, block 7 on
+        assert g["sliding(48)"]["blocks_in_use"] <= 4 and g["full"]["blocks_in_use"] == 11
+        got = [e.decode(1).tokens[0][0] for _ in range(7)]
+        e.release()
+    finally:
+        e.close()
+    assert first + got == want[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-alternating"])
+def test_online_api_with_continuous_batching(family, family_ckpt):
+    """Requests of different lengths joining while others decode give the fixed batch's tokens."""
+    from adapters.base import Request
+
+    path = family_ckpt(family)
+    ps = prompts()
+    e = load(path, max_num_batched_tokens=64)
+    try:
+        want = greedy_tokens(e, ps, 6)
+        e.add_request(Request("r0", ps[0], 6))
+        got: dict = {"r0": [], "r1": [], "r2": []}
+        steps = 0
+        while e.has_work() or steps < 3:
+            if steps == 2:
+                e.add_request(Request("r1", ps[1], 6))
+            if steps == 3:
+                e.add_request(Request("r2", ps[2], 6))
+            for ev in e.step():
+                got[ev.request_id].append(ev.token_id)
+            steps += 1
+        assert [got["r0"], got["r1"], got["r2"]] == want
+        assert e.kv_cache_info().blocks_in_use == 0  # every block went back
+    finally:
+        e.close()

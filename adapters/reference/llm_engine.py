@@ -24,6 +24,7 @@ Options: see config.py (and conf/engine/reference.yaml).
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +34,9 @@ from adapters.reference import kernels
 from adapters.reference.block_manager import BlockManager
 from adapters.reference.config import CPU_DEFAULT_KV_BYTES, EngineConfig, cross_field_problems
 from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
+from adapters.reference.layer_groups import (
+    GroupedBlockManager, GroupedPool, GroupedStepAttention, bytes_per_token_of, group_blocks, layer_groups,
+)
 from adapters.reference.model import Model, ModelConfig
 from adapters.reference.runner import ModelRunner, StepOutput
 from adapters.reference.scheduler import Scheduler, Sequence
@@ -145,7 +149,11 @@ class LLMEngine:
                                         "kernels": dict(self.kernels.details)}
         max_len = max(model.max_model_len, 1)
         self.block_size = max_len if cfg.contiguous else cfg.block_size
-        graphs = self.kernels.decode_graphs and cfg.use_cache
+        # sliding windows: one block table per group of layers with the same window (layer_groups.py)
+        self.groups = layer_groups(mcfg.windows) if mcfg.windows else None
+        graphs = self.kernels.decode_graphs and cfg.use_cache and self.groups is None
+        if self.groups:
+            self.details["kv_groups"] = [{"kind": g.kind, "layers": list(g.layers)} for g in self.groups]
         self.pool: KVPool | None = None
         self.blocks: BlockManager | None = None
         if cfg.use_cache:
@@ -154,7 +162,10 @@ class LLMEngine:
         max_seqs = max(cfg.max_num_seqs, model.max_batch_size)
         self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens)
         self.graphs = self._capture_graphs(max_seqs, max_len) if graphs else None
-        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, self.kernels.attention, self.graphs)
+        attention = self.kernels.attention
+        if self.groups:
+            attention = partial(GroupedStepAttention, groups=self.groups, full_attention=attention)
+        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs)
         self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
         self._next_id = 0
         self.sync()
@@ -177,6 +188,14 @@ class LLMEngine:
         why = budget_problem(cfg, bpt, max_len, budget, source)
         if why:
             raise ValueError(why)
+        if self.groups:
+            bpts = bytes_per_token_of(self.groups, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
+            counts = group_blocks(self.groups, budget, bpts, self.block_size,
+                                  max(cfg.max_num_seqs, self.spec.max_batch_size), cfg.max_num_batched_tokens)
+            self.pool = GroupedPool(self.groups, counts, self.block_size, mcfg.num_kv_heads, mcfg.head_dim,
+                                    cfg.kv_dtype, dtype, self.device)
+            self.blocks = GroupedBlockManager(self.groups, counts, self.block_size, cfg.use_prefix_cache)
+            return
         num_blocks = budget // (bpt * self.block_size)
         self.pool = KVPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
                            mcfg.head_dim, cfg.kv_dtype, dtype, self.device, scratch_blocks=scratch)
@@ -361,11 +380,17 @@ class LLMEngine:
             return KVCacheInfo(kv_dtype=kv_dtype, pool_bytes=0, tokens_stored=0, slots_allocated=0,
                                preemptions=self.scheduler.preemptions, extra=extra)
         bs, blocks = self.block_size, self.blocks
-        filled: dict[int, int] = {}  # block id -> slots holding a token (shared blocks once)
-        for seq in self.scheduler.running:
-            for i, b in enumerate(seq.block_table):
-                filled[b] = max(filled.get(b, 0), min(bs, max(0, seq.num_computed - i * bs)))
-        stored = sum(filled.values())
+        if self.groups:  # per layer group (layer_groups.py): slots and tokens summed over the groups
+            rows = blocks.group_rows(self.scheduler.running, self.pool)
+            extra["kv_groups"] = rows
+            extra["slots_count_in"] = "layer-group slots, summed over the groups (a token once per group holding it)"
+            stored = sum(r["tokens_stored"] for r in rows)
+        else:
+            filled: dict[int, int] = {}  # block id -> slots holding a token (shared blocks once)
+            for seq in self.scheduler.running:
+                for i, b in enumerate(seq.block_table):
+                    filled[b] = max(filled.get(b, 0), min(bs, max(0, seq.num_computed - i * bs)))
+            stored = sum(filled.values())
         allocated = blocks.num_used * bs
         extra.update(
             reserved_bytes=self.pool.nbytes,  # allocated up front, whatever is in use

@@ -115,10 +115,6 @@ class ModelConfig:
             raise ValueError(f"rope_type {rope['rope_type']} is not supported by the reference engine "
                              "(default, linear and llama3 are).")
         extra = family_fields(path, arch, shape)
-        if extra.get("windows"):  # WINDOWS_PENDING
-            w = next(x for x in extra["windows"] if x)
-            raise ValueError(f"{arch} with sliding_window={w} is not supported by the reference engine yet "
-                             "(full attention only).")
         return cls(
             architecture=arch,
             num_layers=shape.num_hidden_layers,
