@@ -245,3 +245,17 @@ def test_online_api_with_continuous_batching(family, family_ckpt):
         assert e.kv_cache_info().blocks_in_use == 0  # every block went back
     finally:
         e.close()
+
+
+def test_the_engine_reports_the_experts_a_step_touched(family_ckpt):
+    e = load(family_ckpt("qwen3-moe"))
+    try:
+        e.prefill([[5]])  # one token: top-2 of 8 experts in each sparse layer
+        moe = e.kv_cache_info().extra["moe"]
+        assert moe["experts_touched_last_step"] == [2, 2]  # layers 0 and 2 (layer 1 is dense)
+        e.prefill(prompts())
+        e.decode(1)
+        touched = e.kv_cache_info().extra["moe"]["experts_touched_last_step"]
+        assert len(touched) == 2 and all(2 <= t <= 6 for t in touched)  # 3 tokens x top-2
+    finally:
+        e.close()

@@ -151,7 +151,8 @@ class LLMEngine:
         self.block_size = max_len if cfg.contiguous else cfg.block_size
         # sliding windows: one block table per group of layers with the same window (layer_groups.py)
         self.groups = layer_groups(mcfg.windows) if mcfg.windows else None
-        graphs = self.kernels.decode_graphs and cfg.use_cache and self.groups is None
+        # no graphs for windows (their tables change shape) nor experts (routing reads counts on the host)
+        graphs = self.kernels.decode_graphs and cfg.use_cache and self.groups is None and mcfg.moe is None
         if self.groups:
             self.details["kv_groups"] = [{"kind": g.kind, "layers": list(g.layers)} for g in self.groups]
         self.pool: KVPool | None = None
@@ -238,6 +239,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         out = self.runner.run(chunks, keep_logits)
+        if self.model.cfg.moe is not None:  # per sparse layer, the experts this step read
+            self.experts_touched = self.model.experts_touched()
         if self.cfg.step_delay_frac:  # the calibration handicap (config.py): a real, proportional slowdown
             self.sync()
             _spin(self.cfg.step_delay_frac * (time.perf_counter() - t0))
@@ -376,6 +379,9 @@ class LLMEngine:
                                  "prefix_caching": cfg.use_prefix_cache, "kernels": dict(self.kernels.details)}
         if self.graphs is not None:
             extra["cuda_graphs"] = self.graphs.stats()
+        if self.model.cfg.moe is not None:
+            extra["moe"] = {"num_experts": self.model.cfg.moe.num_experts, "top_k": self.model.cfg.moe.top_k,
+                            "experts_touched_last_step": getattr(self, "experts_touched", None)}
         if self.pool is None:
             return KVCacheInfo(kv_dtype=kv_dtype, pool_bytes=0, tokens_stored=0, slots_allocated=0,
                                preemptions=self.scheduler.preemptions, extra=extra)
