@@ -1,4 +1,6 @@
-"""The reference engine's KV blocks per layer group as the context grows, beside hand counts.
+"""The reference engine's KV blocks per layer group as the context grows, beside hand counts;
+for a latent-attention (MLA) checkpoint, its measured bytes per token beside the latent formula
+and the dense-equivalent K/V.
 
     PYTHONPATH=. .venv/bin/python scripts/reference_kv_groups.py CHECKPOINT [--block 16] [--lens 64,128,...]
 
@@ -39,6 +41,8 @@ def main() -> int:
     e.load(ModelSpec(path=args.checkpoint, name="m", dtype="float32", max_model_len=max(lens) + 8, threads=2),
            {"block_size": args.block, "prefix_caching": False})
     bad = 0
+    if e.core.model.cfg.mla is not None:
+        return latent_table(e, lens)
     print("| context (tokens with K/V) | group | layers | blocks held | hand count | bound | bytes held | "
           "bytes if every layer were full |")
     print("|---|---|---|---|---|---|---|---|")
@@ -55,6 +59,30 @@ def main() -> int:
                 bad += r["blocks_in_use"] != want
                 print(f"| {tokens} | {r['kind']} | {len(r['layers'])} | {r['blocks_in_use']} | {want} | {bound} | "
                       f"{r['blocks_in_use'] * r['bytes_per_block']:,} | {full:,} |")
+            e.release()
+    finally:
+        e.close()
+    return 1 if bad else 0
+
+
+def latent_table(e: ReferenceEngine, lens: list[int]) -> int:
+    """(kv_lora_rank + qk_rope_head_dim) x element bytes x layers, measured from the pool."""
+    cfg = e.core.model.cfg
+    m = cfg.mla
+    formula = cfg.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 4  # float32
+    print("| tokens with K/V | blocks | pool bytes held (blocks x block x B/token) | measured B/token | "
+          "formula layers x (rank + rope) x 4 | dense K/V B/token (layers x heads x (qk + v dims) x 4) |")
+    print("|---|---|---|---|---|---|")
+    bad = 0
+    try:
+        for n in lens:
+            e.prefill([[3 + (i * 7) % 1000 for i in range(n)]])
+            e.decode(1)
+            info = e.kv_cache_info()
+            held = info.blocks_in_use * info.bytes_per_block
+            bad += info.bytes_per_token != formula or info.bytes_per_block != formula * info.block_size
+            print(f"| {n + 1} | {info.blocks_in_use} | {held:,} | {info.bytes_per_token} | {formula} | "
+                  f"{info.extra['latent']['dense_equivalent_bytes_per_token']} |")
             e.release()
     finally:
         e.close()

@@ -34,7 +34,7 @@ def _common(**kw):
 
 
 def family_configs():
-    from transformers import MistralConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MistralConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     return {
         "qwen3": Qwen3Config(**_common()),
@@ -44,6 +44,13 @@ def family_configs():
         "mistral-window": MistralConfig(**_common(sliding_window=48)),
         "qwen3-alternating": Qwen3Config(**_common(num_hidden_layers=4, use_sliding_window=True, sliding_window=48,
                                                    layer_types=["sliding_attention", "full_attention"] * 2)),
+        # latent attention; every layer dense (the reference engine refuses DeepSeek's routed experts)
+        "deepseek-v3": DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24,
+                                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                                                  first_k_dense_replace=2, n_routed_experts=4)),
+        "deepseek-v3-no-q-lora": DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=None,
+                                                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                                            first_k_dense_replace=2, n_routed_experts=4)),
     }
 
 
@@ -108,7 +115,8 @@ def parity_problems(path, options=None) -> tuple[list[str], dict]:
     return problems, {**fields, **agree}
 
 
-FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "mistral-window", "qwen3-alternating"]
+FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "mistral-window", "qwen3-alternating", "deepseek-v3",
+            "deepseek-v3-no-q-lora"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -119,7 +127,7 @@ def test_family_matches_transformers_in_float32(family, family_ckpt):
 
 def test_family_on_the_plain_path_and_chunked(family_ckpt):
     """The plain kernels and chunked prefill (context read back from the pool) agree too."""
-    for family in ("qwen3-moe", "qwen3-alternating"):
+    for family in ("qwen3-moe", "qwen3-alternating", "deepseek-v3"):
         problems, fields = parity_problems(family_ckpt(family), {"kernels": "plain", "max_num_batched_tokens": 40})
         assert not problems, (family, problems, fields)
 
@@ -259,3 +267,49 @@ def test_the_engine_reports_the_experts_a_step_touched(family_ckpt):
         assert len(touched) == 2 and all(2 <= t <= 6 for t in touched)  # 3 tokens x top-2
     finally:
         e.close()
+
+
+# ---- latent attention -----------------------------------------------------------------------------
+
+def test_latent_rope_dimensions_swapped_fails(family_ckpt, monkeypatch):
+    """The latent split with its rope part taken from the front instead of the back."""
+    path = family_ckpt("deepseek-v3")
+    hf_baseline(path)
+    monkeypatch.setattr(ref_model, "split_latent", lambda kv, rank, rope: (kv[..., rope:rope + rank], kv[..., :rope]))
+    problems, fields = parity_problems(path)
+    assert problems, fields
+
+
+def test_the_latent_cache_holds_rank_plus_rope_per_token_and_layer(family_ckpt):
+    e = load(family_ckpt("deepseek-v3"))
+    try:
+        e.prefill([list(range(3, 43))])
+        e.decode(3)
+        info = e.kv_cache_info()
+        latent = 2 * (32 + 8) * 4  # layers x (kv_lora_rank + qk_rope_head_dim) x float32 bytes
+        assert info.bytes_per_token == latent == info.extra["latent"]["bytes_per_token"]
+        assert info.pool_bytes == e.pool.latent.numel() * 4 == info.num_blocks * 16 * latent
+        # dense K/V of every head: layers x heads x (16 + 8 key + 12 value) x 4
+        assert info.extra["latent"]["dense_equivalent_bytes_per_token"] == 2 * 4 * 36 * 4
+        assert info.blocks_in_use == 3 and info.tokens_stored == 43
+    finally:
+        e.close()
+
+
+def test_deepseek_routed_experts_are_refused_in_one_line(tmp_path):
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=None,
+                                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
+                                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                     n_group=1, topk_group=1))
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ds")
+    with pytest.raises(ValueError, match="routed experts .* not supported by the reference engine yet"):
+        load(tmp_path / "ds")
+
+
+@pytest.mark.parametrize("options", [{"kv_cache": "none"}, {"kv_layout": "contiguous"}])
+@pytest.mark.parametrize("family", ["qwen3-alternating", "deepseek-v3"])
+def test_no_cache_and_contiguous_modes(family, options, family_ckpt):
+    problems, fields = parity_problems(family_ckpt(family), options)
+    assert not problems, (problems, fields)

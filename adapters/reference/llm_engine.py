@@ -37,6 +37,7 @@ from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
 from adapters.reference.layer_groups import (
     GroupedBlockManager, GroupedPool, GroupedStepAttention, bytes_per_token_of, group_blocks, layer_groups,
 )
+from adapters.reference.mla import LatentPool, MLAStepAttention, latent_bytes_per_token
 from adapters.reference.model import Model, ModelConfig
 from adapters.reference.runner import ModelRunner, StepOutput
 from adapters.reference.scheduler import Scheduler, Sequence
@@ -152,7 +153,11 @@ class LLMEngine:
         # sliding windows: one block table per group of layers with the same window (layer_groups.py)
         self.groups = layer_groups(mcfg.windows) if mcfg.windows else None
         # no graphs for windows (their tables change shape) nor experts (routing reads counts on the host)
-        graphs = self.kernels.decode_graphs and cfg.use_cache and self.groups is None and mcfg.moe is None
+        graphs = (self.kernels.decode_graphs and cfg.use_cache and self.groups is None and mcfg.moe is None
+                  and mcfg.mla is None)
+        if mcfg.mla is not None and cfg.kv_dtype != "auto":
+            raise ValueError(f"engine_options.reference.kv_dtype={cfg.kv_dtype}: the reference engine stores a latent "
+                             "(MLA) cache in the model's dtype only so far. Use kv_dtype=auto.")
         if self.groups:
             self.details["kv_groups"] = [{"kind": g.kind, "layers": list(g.layers)} for g in self.groups]
         self.pool: KVPool | None = None
@@ -166,6 +171,8 @@ class LLMEngine:
         attention = self.kernels.attention
         if self.groups:
             attention = partial(GroupedStepAttention, groups=self.groups, full_attention=attention)
+        if mcfg.mla is not None:
+            attention = partial(MLAStepAttention, kv_b=[layer.mla["kv_b"] for layer in self.model.layers], mla=mcfg.mla)
         self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs)
         self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
         self._next_id = 0
@@ -179,6 +186,8 @@ class LLMEngine:
         budget. `scratch`: blocks beyond the budget's (the padded rows of graphed decode steps)."""
         cfg = self.cfg
         bpt = bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
+        if mcfg.mla is not None:
+            bpt = latent_bytes_per_token(mcfg.num_layers, mcfg.mla, dtype)
         budget, source = cfg.kv_cache_bytes, f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}"
         if budget is None and self.device.type == "cuda":
             budget, source, self.details["gpu_memory"] = _cuda_kv_budget(self.device, cfg, mcfg, dtype)
@@ -198,6 +207,10 @@ class LLMEngine:
             self.blocks = GroupedBlockManager(self.groups, counts, self.block_size, cfg.use_prefix_cache)
             return
         num_blocks = budget // (bpt * self.block_size)
+        if mcfg.mla is not None:
+            self.pool = LatentPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.mla, dtype, self.device)
+            self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
+            return
         self.pool = KVPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
                            mcfg.head_dim, cfg.kv_dtype, dtype, self.device, scratch_blocks=scratch)
         self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
@@ -379,6 +392,15 @@ class LLMEngine:
                                  "prefix_caching": cfg.use_prefix_cache, "kernels": dict(self.kernels.details)}
         if self.graphs is not None:
             extra["cuda_graphs"] = self.graphs.stats()
+        m = self.model.cfg.mla
+        if m is not None:
+            elem = torch.empty((), dtype=DTYPES[self.spec.dtype]).element_size()
+            extra["latent"] = {
+                "kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim,
+                "bytes_per_token": self.model.cfg.num_layers * m.latent_dim * elem,
+                # what K and V of every head would take: heads x (qk_nope + qk_rope + v_head_dim) per layer
+                "dense_equivalent_bytes_per_token": self.model.cfg.num_layers * self.model.cfg.num_heads
+                * (m.qk_head_dim + m.v_head_dim) * elem}
         if self.model.cfg.moe is not None:
             extra["moe"] = {"num_experts": self.model.cfg.moe.num_experts, "top_k": self.model.cfg.moe.top_k,
                             "experts_touched_last_step": getattr(self, "experts_touched", None)}

@@ -40,11 +40,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from adapters.reference.mla import MLAConfig, deinterleave, rms, split_latent
 from harness.core.errors import UserError
 from harness.core.presets import shape_from_hf_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # per-layer kinds in layer_types
 WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM")
@@ -94,6 +95,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm of each head of Q and K before RoPE (Qwen3)
     windows: tuple[int | None, ...] | None = None  # per layer: the sliding window, None for full; None: all full
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # latent attention (DeepSeek-V3): every layer; see mla.py
 
     def window(self, layer: int) -> int | None:
         return None if self.windows is None else self.windows[layer]
@@ -137,7 +139,7 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
     """What a family adds to the LLaMA shape (qk-norm, windows per layer, experts), read from the
     checkpoint's transformers config (its class supplies the family's defaults). LLaMA and a
     Qwen2/Mistral without a window need nothing more, and transformers is not imported."""
-    if arch not in QK_NORM + ("MixtralForCausalLM",) and not shape.sliding_window:
+    if arch not in QK_NORM + ("MixtralForCausalLM", "DeepseekV3ForCausalLM") and not shape.sliding_window:
         return {}
     from transformers import AutoConfig
 
@@ -165,6 +167,20 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
         out["moe"] = MoEConfig(int(hf.num_experts), int(hf.num_experts_per_tok), int(hf.moe_intermediate_size),
                                bool(hf.norm_topk_prob), True,
                                tuple(i not in dense and (i + 1) % step == 0 for i in range(n)), "qwen3_moe")
+    elif arch == "DeepseekV3ForCausalLM":
+        dense = int(hf.first_k_dense_replace or 0)
+        if int(getattr(hf, "n_routed_experts", 0) or 0) > 0 and dense < n:
+            raise ValueError(f"{path}: DeepSeek-V3's routed experts (layers {dense}..{n - 1}: sigmoid scores, "
+                             "group-limited top-k, shared experts) are not supported by the reference engine yet; "
+                             f"it runs DeepSeek-V3 checkpoints whose layers are all dense (first_k_dense_replace >= "
+                             f"{n}). Use engine hf for this model.")
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{path}: DeepSeek-V3 with rope_type {rope['rope_type']} is not supported by the "
+                             "reference engine (default RoPE only).")
+        out["mla"] = MLAConfig(int(hf.kv_lora_rank), int(hf.qk_rope_head_dim), int(hf.qk_nope_head_dim),
+                               int(hf.v_head_dim), None if hf.q_lora_rank is None else int(hf.q_lora_rank),
+                               bool(hf.rope_interleave))
     elif arch == "MixtralForCausalLM":
         out["moe"] = MoEConfig(int(hf.num_local_experts), int(hf.num_experts_per_tok), int(hf.intermediate_size),
                                True, False, (True,) * n, "mixtral")
@@ -266,6 +282,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [head_dim] (qk-norm)
     k_norm: torch.Tensor | None = None
     moe: MoE | None = None
+    mla: dict | None = None  # latent attention's matrices and norms (mla.py); qkv is None then
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -324,6 +341,9 @@ class Model:
             p = f"layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
             sparse = cfg.moe is not None and cfg.moe.sparse_layers[i]
+            if cfg.mla is not None:
+                self.layers.append(self._mla_layer(p, take, make_linear))
+                continue
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=make_linear(cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
@@ -355,12 +375,48 @@ class Model:
         half = cfg.head_dim // 2  # the first half of rotate_half(x) is -x2: store -sin there
         self.sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1).to(device=device, dtype=dtype)
 
+    def _mla_layer(self, p: str, take, make_linear) -> LayerWeights:
+        """A DeepSeek-V3 layer: latent attention's matrices (mla.py) and a dense SwiGLU MLP."""
+        a, mlp, m = p + "self_attn.", p + "mlp.", self.cfg.mla
+        w = {"kv_a": make_linear(take(a + "kv_a_proj_with_mqa.weight"), take(a + "kv_a_proj_with_mqa.bias", False)),
+             "kv_a_norm": take(a + "kv_a_layernorm.weight"), "kv_b": make_linear(take(a + "kv_b_proj.weight"), None)}
+        if m.q_lora_rank is None:
+            w["q"] = make_linear(take(a + "q_proj.weight"), None)
+        else:
+            w["q_a"] = make_linear(take(a + "q_a_proj.weight"), take(a + "q_a_proj.bias", False))
+            w["q_a_norm"] = take(a + "q_a_layernorm.weight")
+            w["q_b"] = make_linear(take(a + "q_b_proj.weight"), None)
+        return LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"), qkv=None,
+            o=make_linear(take(a + "o_proj.weight"), take(a + "o_proj.bias", False)),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=make_linear(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous(),
+                                None),
+            down=make_linear(take(mlp + "down_proj.weight"), None), mla=w)
+
+    def _mla_inputs(self, x: torch.Tensor, layer: LayerWeights, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [T, heads, qk_head_dim] and the latents to cache [T, rank + rope] (mla.py)."""
+        m, w, t = self.cfg.mla, layer.mla, x.shape[0]
+        h = self.rms_norm(x, layer.input_norm)
+        q = w["q"](h) if "q" in w else w["q_b"](rms(w["q_a"](h), w["q_a_norm"]))
+        q_nope, q_rot = q.view(t, self.cfg.num_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        c, k_rot = split_latent(w["kv_a"](h), m.kv_lora_rank, m.qk_rope_head_dim)
+        if m.rope_interleave:
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+        q = torch.cat([q_nope, self.rotate(q_rot, cos, sin)], dim=-1)
+        k_rot = self.rotate(k_rot[:, None], cos, sin)[:, 0]
+        return q, torch.cat([rms(c, w["kv_a_norm"]), k_rot], dim=-1)
+
     def num_bytes(self) -> int:
         """Bytes of the model's parameters (a tied output matrix counted once)."""
         linears = [self.lm_head] if not self.tied else []
         norms = [self.embed, self.norm]
         for layer in self.layers:
-            linears += [layer.qkv, layer.o] + (layer.moe.linears() if layer.moe else [layer.gate_up, layer.down])
+            linears += [layer.qkv, layer.o] if layer.mla is None else [layer.o] + [
+                v for v in layer.mla.values() if not isinstance(v, torch.Tensor)]
+            norms += [v for v in (layer.mla or {}).values() if isinstance(v, torch.Tensor)]
+            linears += layer.moe.linears() if layer.moe else [layer.gate_up, layer.down]
             norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
         return sum(x.nbytes for x in linears) + sum(t.numel() * t.element_size() for t in norms)
 
@@ -407,6 +463,15 @@ class Model:
                 if layer.moe is not None:
                     layer.moe.touched.clear()
         for i, layer in enumerate(self.layers):
+            if layer.mla is not None:
+                q, latent = self._mla_inputs(x, layer, cos, sin)
+                o = attend(i, q, latent, None)
+                if i == len(self.layers) - 1 and logits_indices is not None:
+                    if logits_indices.numel() == 0:
+                        return torch.empty(0, c.vocab_size, device=x.device)
+                    o, x = o[logits_indices], x[logits_indices]
+                x = in_slices(lambda xs, os: self.attention_output_and_mlp(xs, os, layer), x, o, rows=self.rows)
+                continue
             qkv = in_slices(lambda xs: self.attention_input(xs, layer), x, rows=self.rows)
             # Q and K sit side by side in the fused output: one rotation for both
             qk = qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
