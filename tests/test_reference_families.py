@@ -228,7 +228,7 @@ def test_a_shared_prefix_longer_than_the_window_reuses_only_the_window(family_ck
     assert first + got == want[0]
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-alternating"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-alternating", "deepseek-v3"])
 def test_online_api_with_continuous_batching(family, family_ckpt):
     """Requests of different lengths joining while others decode give the fixed batch's tokens."""
     from adapters.base import Request
