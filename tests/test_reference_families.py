@@ -313,3 +313,13 @@ def test_deepseek_routed_experts_are_refused_in_one_line(tmp_path):
 def test_no_cache_and_contiguous_modes(family, options, family_ckpt):
     problems, fields = parity_problems(family_ckpt(family), options)
     assert not problems, (problems, fields)
+
+
+def test_kv_cache_bytes_is_checked_against_the_latent_size(family_ckpt):
+    """A pool sized for the latent (80 values per token and layer) is enough; the dense K/V size is not needed."""
+    path = family_ckpt("deepseek-v3")
+    spec = ModelSpec(path=str(path), name=path.name, dtype="float32", max_model_len=64, threads=2)
+    latent_one_sequence = 64 * 2 * 40 * 4  # max_model_len x layers x (32 + 8) x 4 bytes
+    assert ReferenceEngine.check_options({"kv_cache_bytes": latent_one_sequence}, spec) == []
+    problems = ReferenceEngine.check_options({"kv_cache_bytes": latent_one_sequence - 1}, spec)
+    assert len(problems) == 1 and "320 bytes per token" in problems[0]
