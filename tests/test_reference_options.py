@@ -111,7 +111,8 @@ def test_fp8_needs_a_recent_gpu(monkeypatch):
 
 @pytest.mark.parametrize("change,message", [
     ({"architectures": ["GPTNeoXForCausalLM"]}, "architecture GPTNeoXForCausalLM is not supported"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding_window=64"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "layer_types": ["chunked_attention", "full_attention"]}, "validate_layer_type"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type yarn"),
 ])
 def test_unsupported_checkpoint(tiny_ckpt, tmp_path, change, message):

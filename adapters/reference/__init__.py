@@ -3,11 +3,14 @@
 Read it in this order (the plain-PyTorch path, which holds the reference semantics):
 
     config.py         the options (engine_options.reference.<name>) and their checks
-    model.py          a LLaMA-family decoder over a flat batch of tokens
+    model.py          the decoder over a flat batch of tokens: LLaMA, Mistral, Qwen2/3, Qwen3-MoE,
+                      Mixtral (qk-norm, experts, per-layer windows), DeepSeek-V3's dense layers
     kv_cache.py       the KV pool: one pre-allocated tensor split into blocks; int8/fp8 storage
     block_manager.py  block ownership (reference counts, free list) and the prefix cache
     scheduler.py      continuous batching: chunks per step, token budget, preemption
-    attention.py      attention through the block table (prefill, cached prefix, decode)
+    attention.py      attention through the block table (prefill, cached prefix, decode, windows)
+    layer_groups.py   layers grouped by window: a pool, blocks and tables per group; windows free blocks
+    mla.py            latent attention (DeepSeek-V3) over a paged latent cache
     runner.py         one step: inputs in, greedy tokens out
     llm_engine.py     the engine: all of the above wired together, with the online API a server
                       drives (add_request / step / abort; harness/serve.py) and score()

@@ -21,6 +21,12 @@ CPU that took half the time of torch's fused CPU attention kernel for 16 x 256 t
 `small` preset (10 vs 20 ms per layer).
 
 Without a KV cache (kv_cache=none) there is no pool: every chunk is a fresh prefill.
+
+A sliding-window layer (`window` W) lets the query at position p see the keys j with
+visible_from(p, W) = p - W + 1 <= j <= p (transformers' convention). Its decode gathers only the
+blocks of each sequence's window (at most ceil(W / block) + 1), and every mask hides the keys
+before the window; the blocks before it may already be back in the pool (layer_groups.py), their
+table entries pointing at the zeroed null block.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ import torch
 from adapters.reference.kv_cache import KVPool
 
 SCORE_BUDGET = 1 << 20  # float32 attention scores computed at once on a CPU (4 MiB)
+
+
+def visible_from(pos: int, window: int | None) -> int:
+    """The first key position the query at `pos` sees: p - W + 1 in a window of W, else 0."""
+    return max(0, pos - window + 1) if window else 0
 
 
 def is_decode(start: int, end: int) -> bool:
@@ -70,11 +81,17 @@ def length_mask(lens: torch.Tensor, keys: int) -> torch.Tensor:
     return torch.zeros(lens.shape[0], keys, device=lens.device).masked_fill_(pos >= lens[:, None], float("-inf"))
 
 
-def causal_mask(first_pos: int, rows: int, keys: int, device: torch.device) -> torch.Tensor:
-    """[rows, keys]: 0 where key j <= query position first_pos + r, else -inf."""
+def causal_mask(first_pos: int, rows: int, keys: int, device: torch.device,
+                window: int | None = None) -> torch.Tensor:
+    """[rows, keys]: 0 where key j <= query position first_pos + r (and, in a window, j >=
+    visible_from(first_pos + r)), else -inf."""
     pos = torch.arange(first_pos, first_pos + rows, device=device)[:, None]
-    return torch.zeros(rows, keys, device=device).masked_fill_(torch.arange(keys, device=device) > pos,
-                                                               float("-inf"))
+    j = torch.arange(keys, device=device)
+    hidden = j > pos
+    if window:
+        first = torch.tensor([visible_from(p, window) for p in range(first_pos, first_pos + rows)], device=device)
+        hidden |= j < first[:, None]
+    return torch.zeros(rows, keys, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def padded_tables(tables: list[list[int]], width: int) -> list[list[int]]:
@@ -102,8 +119,8 @@ class StepAttention:
     calls it once per layer. Subclasses (kernels_cuda.py) replace `decode` and `prefill`."""
 
     def __init__(self, pool: KVPool | None, chunks: list, num_heads: int, device: torch.device,
-                 score_budget: int = SCORE_BUDGET):
-        self.pool, self.num_heads, self.score_budget = pool, num_heads, score_budget
+                 score_budget: int = SCORE_BUDGET, window: int | None = None):
+        self.pool, self.num_heads, self.score_budget, self.window = pool, num_heads, score_budget, window
         bs = pool.block_size if pool else 0
         spans = [(c.seq, c.start, c.end) for c in chunks]
         self.num_decode = sum(1 for _, s, e in spans if pool is not None and is_decode(s, e))
@@ -117,13 +134,32 @@ class StepAttention:
             self.rows = pool.rows(torch.tensor(blocks, device=device), torch.tensor(offsets, device=device))
         if self.num_decode:  # block tables of the decode chunks, padded to the longest
             dec = spans[:self.num_decode]
+            self._gather_plan = None  # the plain decode's rows and mask, made on first use
+            if window:
+                self._plan_window_decode(dec, device)
+        if self.num_decode and not window:
             self.decode_len = max(end for _, _, end in dec)
             width = -(-self.decode_len // bs)
             self.decode_tables = torch.tensor(padded_tables([seq.block_table for seq, _, _ in dec], width),
                                               dtype=torch.long, device=device)
             self.decode_lens = torch.tensor([end for _, _, end in dec], device=device)
-            self._gather_plan = None  # the plain decode's rows and mask, made on first use
         self.prefill_groups = self._plan_prefills(spans[self.num_decode:], device)
+
+    def _plan_window_decode(self, dec: list, device: torch.device) -> None:
+        """Each decode chunk's window: its blocks from the one holding visible_from(end - 1) to
+        the last, padded to the widest; the mask hides the keys before the window and after the end."""
+        bs = self.pool.block_size
+        firsts = [visible_from(end - 1, self.window) for _, _, end in dec]
+        tables = [seq.block_table[f // bs:-(-end // bs)] for (seq, _, end), f in zip(dec, firsts)]
+        width = max(map(len, tables))
+        self.decode_tables = torch.tensor(padded_tables(tables, width), dtype=torch.long, device=device)
+        base = [f // bs * bs for f in firsts]  # the position of each table's first slot
+        self.decode_len = width * bs
+        self.decode_lens = torch.tensor([end - b for (_, _, end), b in zip(dec, base)], device=device)
+        lo = torch.tensor([f - b for f, b in zip(firsts, base)], device=device)
+        mask = length_mask(self.decode_lens, self.decode_len)
+        mask.masked_fill_(torch.arange(self.decode_len, device=device)[None, :] < lo[:, None], float("-inf"))
+        self._gather_plan = self.pool.block_rows(self.decode_tables), mask
 
     def _plan_prefills(self, spans: list, device: torch.device) -> list[PrefillGroup]:
         heads, groups, offset, i = self.num_heads, [], self.num_decode, 0
@@ -147,7 +183,7 @@ class StepAttention:
                 r1 = min(n, r0 + rows)
                 key = (start + r0, r1 - r0, start + r1)
                 if key not in masks:
-                    masks[key] = causal_mask(*key, device)
+                    masks[key] = causal_mask(*key, device, self.window)
                 slices.append((r0, r1, masks[key]))
             groups.append(PrefillGroup(offset, count, start, end, table, slices))
             offset += count * n

@@ -70,6 +70,10 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def fits(self, num_tokens: int) -> bool:
+        """Whether one sequence of `num_tokens` tokens can ever be held."""
+        return self.blocks_for(num_tokens) <= self.num_blocks
+
     # ---- prefix cache -------------------------------------------------------------------
     def match_prefix(self, tokens: list[int], max_tokens: int) -> list[int]:
         """Cached blocks holding the longest prefix of `tokens` (whole blocks, at most

@@ -31,6 +31,8 @@ from adapters.base import (
 from adapters.reference.config import KV_DTYPES, OPTIONS, EngineConfig, cross_field_problems
 from adapters.reference.kv_cache import bytes_per_token, check_kv_dtype
 from adapters.reference.llm_engine import DTYPES, LLMEngine, budget_problem
+from adapters.reference.mla import latent_bytes_per_token
+from adapters.reference.model import ModelConfig
 from adapters.reference.llm_engine import version as core_version
 from adapters.reference.scheduler import Sequence
 from harness.core.presets import load_preset, shape_from_hf_config
@@ -81,6 +83,9 @@ class ReferenceEngine(Engine):
             if shape is not None:
                 bpt = bytes_per_token(shape.num_hidden_layers, shape.num_key_value_heads, shape.head_dim,
                                       cfg.kv_dtype, DTYPES[model.dtype])
+                latent = _latent_of(model)
+                if latent is not None:  # a latent cache: (rank + rope) per token and layer
+                    bpt = latent_bytes_per_token(shape.num_hidden_layers, latent, DTYPES[model.dtype])
                 why = budget_problem(cfg, bpt, max(model.max_model_len, 1), cfg.kv_cache_bytes,
                                      f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}")
                 problems += [why] if why else []
@@ -206,6 +211,17 @@ class ReferenceEngine(Engine):
     def reset_prefix_cache(self) -> None:
         if self.core is not None:
             self.core.reset_prefix_cache()
+
+
+def _latent_of(model: ModelSpec):
+    """The checkpoint's latent-attention config (mla.MLAConfig), or None (no MLA, no checkpoint,
+    or one the engine refuses: load() says why)."""
+    try:
+        if model.path and (Path(model.path) / "config.json").is_file():
+            return ModelConfig.from_dir(model.path).mla
+    except Exception:
+        return None
+    return None
 
 
 def _shape_of(model: ModelSpec):

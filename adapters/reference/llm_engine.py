@@ -26,6 +26,7 @@ Options: see config.py (and conf/engine/reference.yaml).
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,6 +36,10 @@ from adapters.reference import kernels
 from adapters.reference.block_manager import BlockManager
 from adapters.reference.config import CPU_DEFAULT_KV_BYTES, EngineConfig, cross_field_problems
 from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
+from adapters.reference.layer_groups import (
+    GroupedBlockManager, GroupedPool, GroupedStepAttention, bytes_per_token_of, group_blocks, layer_groups,
+)
+from adapters.reference.mla import LatentPool, MLAStepAttention, latent_bytes_per_token
 from adapters.reference.model import Model, ModelConfig
 from adapters.reference.runner import ModelRunner, StepOutput
 from adapters.reference.scheduler import Scheduler, Sequence
@@ -147,7 +152,16 @@ class LLMEngine:
                                         "kernels": dict(self.kernels.details)}
         max_len = max(model.max_model_len, 1)
         self.block_size = max_len if cfg.contiguous else cfg.block_size
-        graphs = self.kernels.decode_graphs and cfg.use_cache
+        # sliding windows: one block table per group of layers with the same window (layer_groups.py)
+        self.groups = layer_groups(mcfg.windows) if mcfg.windows else None
+        # no graphs for windows (their tables change shape) nor experts (routing reads counts on the host)
+        graphs = (self.kernels.decode_graphs and cfg.use_cache and self.groups is None and mcfg.moe is None
+                  and mcfg.mla is None)
+        if mcfg.mla is not None and cfg.kv_dtype != "auto":
+            raise ValueError(f"engine_options.reference.kv_dtype={cfg.kv_dtype}: the reference engine stores a latent "
+                             "(MLA) cache in the model's dtype only so far. Use kv_dtype=auto.")
+        if self.groups:
+            self.details["kv_groups"] = [{"kind": g.kind, "layers": list(g.layers)} for g in self.groups]
         self.pool: KVPool | None = None
         self.blocks: BlockManager | None = None
         if cfg.use_cache:
@@ -156,7 +170,12 @@ class LLMEngine:
         max_seqs = max(cfg.max_num_seqs, model.max_batch_size)
         self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens)
         self.graphs = self._capture_graphs(max_seqs, max_len) if graphs else None
-        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, self.kernels.attention, self.graphs)
+        attention = self.kernels.attention
+        if self.groups:
+            attention = partial(GroupedStepAttention, groups=self.groups, full_attention=attention)
+        if mcfg.mla is not None:
+            attention = partial(MLAStepAttention, kv_b=[layer.mla["kv_b"] for layer in self.model.layers], mla=mcfg.mla)
+        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs)
         self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
         self._next_id = 0
         self.sync()
@@ -169,6 +188,8 @@ class LLMEngine:
         budget. `scratch`: blocks beyond the budget's (the padded rows of graphed decode steps)."""
         cfg = self.cfg
         bpt = bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
+        if mcfg.mla is not None:
+            bpt = latent_bytes_per_token(mcfg.num_layers, mcfg.mla, dtype)
         budget, source = cfg.kv_cache_bytes, f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}"
         if budget is None and self.device.type == "cuda":
             budget, source, self.details["gpu_memory"] = _cuda_kv_budget(self.device, cfg, mcfg, dtype)
@@ -179,7 +200,19 @@ class LLMEngine:
         why = budget_problem(cfg, bpt, max_len, budget, source)
         if why:
             raise ValueError(why)
+        if self.groups:
+            bpts = bytes_per_token_of(self.groups, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
+            counts = group_blocks(self.groups, budget, bpts, self.block_size,
+                                  max(cfg.max_num_seqs, self.spec.max_batch_size), cfg.max_num_batched_tokens)
+            self.pool = GroupedPool(self.groups, counts, self.block_size, mcfg.num_kv_heads, mcfg.head_dim,
+                                    cfg.kv_dtype, dtype, self.device)
+            self.blocks = GroupedBlockManager(self.groups, counts, self.block_size, cfg.use_prefix_cache)
+            return
         num_blocks = budget // (bpt * self.block_size)
+        if mcfg.mla is not None:
+            self.pool = LatentPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.mla, dtype, self.device)
+            self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
+            return
         self.pool = KVPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
                            mcfg.head_dim, cfg.kv_dtype, dtype, self.device, scratch_blocks=scratch)
         self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
@@ -221,6 +254,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         out = self.runner.run(chunks, keep_logits)
+        if self.model.cfg.moe is not None:  # per sparse layer, the experts this step read
+            self.experts_touched = self.model.experts_touched()
         if self.cfg.step_delay_frac:  # the calibration handicap (config.py): a real, proportional slowdown
             self.sync()
             _spin(self.cfg.step_delay_frac * (time.perf_counter() - t0))
@@ -361,15 +396,33 @@ class LLMEngine:
                                  "prefix_caching": cfg.use_prefix_cache, "kernels": dict(self.kernels.details)}
         if self.graphs is not None:
             extra["cuda_graphs"] = self.graphs.stats()
+        m = self.model.cfg.mla
+        if m is not None:
+            elem = torch.empty((), dtype=DTYPES[self.spec.dtype]).element_size()
+            extra["latent"] = {
+                "kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim,
+                "bytes_per_token": self.model.cfg.num_layers * m.latent_dim * elem,
+                # what K and V of every head would take: heads x (qk_nope + qk_rope + v_head_dim) per layer
+                "dense_equivalent_bytes_per_token": self.model.cfg.num_layers * self.model.cfg.num_heads
+                * (m.qk_head_dim + m.v_head_dim) * elem}
+        if self.model.cfg.moe is not None:
+            extra["moe"] = {"num_experts": self.model.cfg.moe.num_experts, "top_k": self.model.cfg.moe.top_k,
+                            "experts_touched_last_step": getattr(self, "experts_touched", None)}
         if self.pool is None:
             return KVCacheInfo(kv_dtype=kv_dtype, pool_bytes=0, tokens_stored=0, slots_allocated=0,
                                preemptions=self.scheduler.preemptions, extra=extra)
         bs, blocks = self.block_size, self.blocks
-        filled: dict[int, int] = {}  # block id -> slots holding a token (shared blocks once)
-        for seq in self.scheduler.running:
-            for i, b in enumerate(seq.block_table):
-                filled[b] = max(filled.get(b, 0), min(bs, max(0, seq.num_computed - i * bs)))
-        stored = sum(filled.values())
+        if self.groups:  # per layer group (layer_groups.py): slots and tokens summed over the groups
+            rows = blocks.group_rows(self.scheduler.running, self.pool)
+            extra["kv_groups"] = rows
+            extra["slots_count_in"] = "layer-group slots, summed over the groups (a token once per group holding it)"
+            stored = sum(r["tokens_stored"] for r in rows)
+        else:
+            filled: dict[int, int] = {}  # block id -> slots holding a token (shared blocks once)
+            for seq in self.scheduler.running:
+                for i, b in enumerate(seq.block_table):
+                    filled[b] = max(filled.get(b, 0), min(bs, max(0, seq.num_computed - i * bs)))
+            stored = sum(filled.values())
         allocated = blocks.num_used * bs
         extra.update(
             reserved_bytes=self.pool.nbytes,  # allocated up front, whatever is in use

@@ -1,4 +1,5 @@
-"""A LLaMA-family decoder (LLaMA, Mistral without sliding window, Qwen2) in plain PyTorch.
+"""A LLaMA-family decoder in plain PyTorch: LLaMA, Mistral (with its sliding window), Qwen2, Qwen3
+(qk-norm), and the mixture-of-experts families Qwen3-MoE and Mixtral.
 
 The forward pass works on a *flat* batch: the new tokens of every scheduled sequence laid end to
 end ([T] token ids with their positions), so the linear layers never see padding. Attention is
@@ -9,6 +10,20 @@ Weights are read straight from the checkpoint's safetensors files. Q, K and V ar
 one matrix, and so are the MLP's gate and up projections: one matrix product instead of three
 (or two), which matters most for small decode batches. Only the rows that sample a token go
 through the last layer's MLP and the output matrix.
+
+Families (read from the checkpoint's transformers config, see `family_fields`):
+- qk-norm (Qwen3, Qwen3-MoE): an RMSNorm over each head's head_dim values of Q and of K, before
+  RoPE (`q_norm`, `k_norm` weights of head_dim values per layer).
+- sliding windows: `ModelConfig.windows` gives each layer's window W (None: full attention); a
+  query at position p sees the keys at p - W < j <= p (transformers' convention). Mistral and
+  Mixtral put `sliding_window` on every layer; Qwen2/Qwen3 (and -MoE) name each layer's kind in
+  `layer_types` (sliding_attention / full_attention). The paged cache keeps one block table per
+  group of layers with the same window and frees what leaves a window (kv_cache.GroupedPool).
+- mixture of experts (`MoE`): router logits -> softmax (float32) -> top-k -> the top-k weights
+  renormalised to sum 1 (Mixtral always; Qwen3-MoE when `norm_topk_prob`), see `route`. The
+  tokens routed to each expert are gathered and run through it as one matrix product per expert
+  (a loop over the experts a step touched, never over tokens), and scattered back weighted.
+  Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step` layers keep a dense MLP.
 
 This is the plain path. The device's kernels (kernels.py) may replace `Linear` (on a CPU:
 weights packed once for oneDNN, residual adds fused; kernels_cpu.py) and the slicing of long
@@ -25,10 +40,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from adapters.reference.mla import MLAConfig, deinterleave, rms, split_latent
 from harness.core.errors import UserError
 from harness.core.presets import shape_from_hf_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # per-layer kinds in layer_types
+WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM")
 ROWS = 1024  # CPU: tokens per slice of the token-wise parts of a layer (see in_slices)
 
 
@@ -42,6 +62,19 @@ def in_slices(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, rows: int | No
     if rows is None or n <= rows:
         return fn(*xs)
     return torch.cat([fn(*(x[i:i + rows] for x in xs)) for i in range(0, n, rows)])
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: `num_experts` SwiGLU experts of `intermediate_size`, `top_k` per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalise: bool  # the top-k weights divided by their sum
+    weights_in_model_dtype: bool  # Qwen3-MoE casts the routing weights to the model's dtype; Mixtral keeps float32
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
+    naming: str  # "qwen3_moe" (mlp.gate, mlp.experts.N.{gate,up,down}_proj) | "mixtral" (block_sparse_moe, w1/w3/w2)
 
 
 @dataclass(frozen=True)
@@ -59,6 +92,13 @@ class ModelConfig:
     rope_scaling: dict | None  # rope_type linear | llama3 and their parameters; None: plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
+    qk_norm: bool = False  # RMSNorm of each head of Q and K before RoPE (Qwen3)
+    windows: tuple[int | None, ...] | None = None  # per layer: the sliding window, None for full; None: all full
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # latent attention (DeepSeek-V3): every layer; see mla.py
+
+    def window(self, layer: int) -> int | None:
+        return None if self.windows is None else self.windows[layer]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -72,13 +112,11 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch} is not supported by the reference engine "
                              f"(it runs {', '.join(SUPPORTED_ARCHITECTURES)}). Use engine hf for this model.")
-        if shape.sliding_window:
-            raise ValueError(f"{arch} with sliding_window={shape.sliding_window} is not supported by the reference "
-                             "engine (full attention only).")
         rope = shape.rope_scaling
         if rope and rope["rope_type"] not in ("linear", "llama3"):
             raise ValueError(f"rope_type {rope['rope_type']} is not supported by the reference engine "
                              "(default, linear and llama3 are).")
+        extra = family_fields(path, arch, shape)
         return cls(
             architecture=arch,
             num_layers=shape.num_hidden_layers,
@@ -93,7 +131,60 @@ class ModelConfig:
             rope_scaling=rope,
             max_position_embeddings=shape.max_position_embeddings,
             tie_word_embeddings=shape.tie_word_embeddings,
+            **extra,
         )
+
+
+def family_fields(path: str | Path, arch: str, shape) -> dict:
+    """What a family adds to the LLaMA shape (qk-norm, windows per layer, experts), read from the
+    checkpoint's transformers config (its class supplies the family's defaults). LLaMA and a
+    Qwen2/Mistral without a window need nothing more, and transformers is not imported."""
+    if arch not in QK_NORM + ("MixtralForCausalLM", "DeepseekV3ForCausalLM") and not shape.sliding_window:
+        return {}
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    n = int(hf.num_hidden_layers)
+    out: dict = {"qk_norm": arch in QK_NORM}
+    windows: list[int | None] = [None] * n
+    w = getattr(hf, "sliding_window", None)
+    if arch in WINDOW_ON_EVERY_LAYER and w:
+        windows = [int(w)] * n
+    elif arch in LAYER_TYPES and w:  # their config sets sliding_window to None unless use_sliding_window
+        kinds = list(getattr(hf, "layer_types", None) or [])
+        if len(kinds) != n:
+            raise ValueError(f"{path}: config.json layer_types has {len(kinds)} entries for {n} layers.")
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"{path}: config.json layer_types: {', '.join(unknown)} is not supported by the "
+                             "reference engine (full_attention and sliding_attention are).")
+        windows = [int(w) if k == "sliding_attention" else None for k in kinds]
+    if any(windows):
+        out["windows"] = tuple(windows)
+    if arch == "Qwen3MoeForCausalLM" and int(hf.num_experts) > 0:
+        dense = set(hf.mlp_only_layers or [])
+        step = int(hf.decoder_sparse_step)
+        out["moe"] = MoEConfig(int(hf.num_experts), int(hf.num_experts_per_tok), int(hf.moe_intermediate_size),
+                               bool(hf.norm_topk_prob), True,
+                               tuple(i not in dense and (i + 1) % step == 0 for i in range(n)), "qwen3_moe")
+    elif arch == "DeepseekV3ForCausalLM":
+        dense = int(hf.first_k_dense_replace or 0)
+        if int(getattr(hf, "n_routed_experts", 0) or 0) > 0 and dense < n:
+            raise ValueError(f"{path}: DeepSeek-V3's routed experts (layers {dense}..{n - 1}: sigmoid scores, "
+                             "group-limited top-k, shared experts) are not supported by the reference engine yet; "
+                             f"it runs DeepSeek-V3 checkpoints whose layers are all dense (first_k_dense_replace >= "
+                             f"{n}). Use engine hf for this model.")
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{path}: DeepSeek-V3 with rope_type {rope['rope_type']} is not supported by the "
+                             "reference engine (default RoPE only).")
+        out["mla"] = MLAConfig(int(hf.kv_lora_rank), int(hf.qk_rope_head_dim), int(hf.qk_nope_head_dim),
+                               int(hf.v_head_dim), None if hf.q_lora_rank is None else int(hf.q_lora_rank),
+                               bool(hf.rope_interleave))
+    elif arch == "MixtralForCausalLM":
+        out["moe"] = MoEConfig(int(hf.num_local_experts), int(hf.num_experts_per_tok), int(hf.intermediate_size),
+                               True, False, (True,) * n, "mixtral")
+    return out
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -135,14 +226,63 @@ class Linear:
         return out if self.bias is None else out + self.bias
 
 
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, experts] -> (weights [T, top_k] float32, expert ids [T, top_k]):
+    softmax over every expert in float32, then the top k, then (renormalise) divided by their
+    sum so that each token's weights add up to 1."""
+    weights, ids = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class MoE:
+    """A sparse MLP: a router and `num_experts` SwiGLU experts (gate and up fused per expert)."""
+
+    def __init__(self, cfg: MoEConfig, router: Linear, gate_up: list[Linear], down: list[Linear]):
+        self.cfg, self.router, self.gate_up, self.down = cfg, router, gate_up, down
+        self.touched: set[int] = set()  # experts that received a token since Model.forward began
+
+    def linears(self) -> list[Linear]:
+        return [self.router, *self.gate_up, *self.down]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + sum over each token's top-k experts of weight * expert(x)."""
+        c = self.cfg
+        weights, ids = route(self.router(x), c.top_k, c.renormalise)
+        if c.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
+        out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+        w = weights.reshape(-1)
+        first = 0
+        for e, n in enumerate(counts):  # one product per expert over all its tokens
+            if n == 0:
+                continue
+            pairs = order[first:first + n]
+            first += n
+            self.touched.add(e)
+            tokens = pairs // c.top_k
+            gate, up = self.gate_up[e](x[tokens]).chunk(2, dim=-1)
+            y = self.down[e](F.silu(gate).mul_(up))
+            out.index_add_(0, tokens, y * w[pairs, None])
+        return residual + out.to(x.dtype)
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
     qkv: Linear  # [(heads + 2 kv_heads) * head_dim, hidden]: Q, K and V fused (bias: Qwen2)
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]: gate and up fused
-    down: Linear
+    gate_up: Linear | None  # [2 * intermediate, hidden]: gate and up fused (None: a sparse layer)
+    down: Linear | None
+    q_norm: torch.Tensor | None = None  # [head_dim] (qk-norm)
+    k_norm: torch.Tensor | None = None
+    moe: MoE | None = None
+    mla: dict | None = None  # latent attention's matrices and norms (mla.py); qkv is None then
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -176,11 +316,34 @@ class Model:
         def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
             return None if parts[0] is None else torch.cat(parts).contiguous()
 
+        def experts(p: str, i: int) -> MoE:
+            """Layer i's router and experts: per-expert matrices, or transformers' fused 3-D ones."""
+            m = cfg.moe
+            if m.naming == "mixtral":
+                base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+            else:
+                base, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+            router = make_linear(take(base + "gate.weight"), None)
+            if base + "experts.gate_up_proj" in raw:  # [E, 2I, H] and [E, H, I]
+                gu, dn = take(base + "experts.gate_up_proj"), take(base + "experts.down_proj")
+                return MoE(m, router, [make_linear(gu[e].contiguous(), None) for e in range(m.num_experts)],
+                           [make_linear(dn[e].contiguous(), None) for e in range(m.num_experts)])
+            gate_up, down = [], []
+            for e in range(m.num_experts):
+                ep = f"{base}experts.{e}."
+                gate_up.append(make_linear(cat(take(ep + names[0] + ".weight"), take(ep + names[1] + ".weight")), None))
+                down.append(make_linear(take(ep + names[2] + ".weight"), None))
+            return MoE(m, router, gate_up, down)
+
         self.embed = take("embed_tokens.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
+            sparse = cfg.moe is not None and cfg.moe.sparse_layers[i]
+            if cfg.mla is not None:
+                self.layers.append(self._mla_layer(p, take, make_linear))
+                continue
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=make_linear(cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
@@ -189,8 +352,12 @@ class Model:
                                     take(attn + "v_proj.bias", False))),
                 o=make_linear(take(attn + "o_proj.weight"), take(attn + "o_proj.bias", False)),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=make_linear(cat(take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")), None),
-                down=make_linear(take(mlp + "down_proj.weight"), None),
+                gate_up=None if sparse else make_linear(cat(take(mlp + "gate_proj.weight"),
+                                                            take(mlp + "up_proj.weight")), None),
+                down=None if sparse else make_linear(take(mlp + "down_proj.weight"), None),
+                q_norm=take(attn + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=take(attn + "k_norm.weight") if cfg.qk_norm else None,
+                moe=experts(p, i) if sparse else None,
             ))
         self.norm = take("norm.weight")
         lm_head = raw.pop("lm_head.weight", None)
@@ -208,14 +375,55 @@ class Model:
         half = cfg.head_dim // 2  # the first half of rotate_half(x) is -x2: store -sin there
         self.sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1).to(device=device, dtype=dtype)
 
+    def _mla_layer(self, p: str, take, make_linear) -> LayerWeights:
+        """A DeepSeek-V3 layer: latent attention's matrices (mla.py) and a dense SwiGLU MLP."""
+        a, mlp, m = p + "self_attn.", p + "mlp.", self.cfg.mla
+        w = {"kv_a": make_linear(take(a + "kv_a_proj_with_mqa.weight"), take(a + "kv_a_proj_with_mqa.bias", False)),
+             "kv_a_norm": take(a + "kv_a_layernorm.weight"), "kv_b": make_linear(take(a + "kv_b_proj.weight"), None)}
+        if m.q_lora_rank is None:
+            w["q"] = make_linear(take(a + "q_proj.weight"), None)
+        else:
+            w["q_a"] = make_linear(take(a + "q_a_proj.weight"), take(a + "q_a_proj.bias", False))
+            w["q_a_norm"] = take(a + "q_a_layernorm.weight")
+            w["q_b"] = make_linear(take(a + "q_b_proj.weight"), None)
+        return LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"), qkv=None,
+            o=make_linear(take(a + "o_proj.weight"), take(a + "o_proj.bias", False)),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=make_linear(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous(),
+                                None),
+            down=make_linear(take(mlp + "down_proj.weight"), None), mla=w)
+
+    def _mla_inputs(self, x: torch.Tensor, layer: LayerWeights, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [T, heads, qk_head_dim] and the latents to cache [T, rank + rope] (mla.py)."""
+        m, w, t = self.cfg.mla, layer.mla, x.shape[0]
+        h = self.rms_norm(x, layer.input_norm)
+        q = w["q"](h) if "q" in w else w["q_b"](rms(w["q_a"](h), w["q_a_norm"]))
+        q_nope, q_rot = q.view(t, self.cfg.num_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        c, k_rot = split_latent(w["kv_a"](h), m.kv_lora_rank, m.qk_rope_head_dim)
+        if m.rope_interleave:
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+        q = torch.cat([q_nope, self.rotate(q_rot, cos, sin)], dim=-1)
+        k_rot = self.rotate(k_rot[:, None], cos, sin)[:, 0]
+        return q, torch.cat([rms(c, w["kv_a_norm"]), k_rot], dim=-1)
+
     def num_bytes(self) -> int:
         """Bytes of the model's parameters (a tied output matrix counted once)."""
         linears = [self.lm_head] if not self.tied else []
         norms = [self.embed, self.norm]
         for layer in self.layers:
-            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
-            norms += [layer.input_norm, layer.post_norm]
+            linears += [layer.qkv, layer.o] if layer.mla is None else [layer.o] + [
+                v for v in layer.mla.values() if not isinstance(v, torch.Tensor)]
+            norms += [v for v in (layer.mla or {}).values() if isinstance(v, torch.Tensor)]
+            linears += layer.moe.linears() if layer.moe else [layer.gate_up, layer.down]
+            norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
         return sum(x.nbytes for x in linears) + sum(t.numel() * t.element_size() for t in norms)
+
+    def experts_touched(self) -> list[int]:
+        """Per sparse layer, the experts the last forward pass sent a token to (the expert
+        weights a step read: what the roofline's bytes per step count)."""
+        return [len(layer.moe.touched) for layer in self.layers if layer.moe is not None]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x / rms(x) * weight; torch's fused kernel accumulates in float32."""
@@ -234,6 +442,8 @@ class Model:
     def attention_output_and_mlp(self, x: torch.Tensor, o: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """h = x + o_proj(o); then h + down(silu(gate(norm(h))) * up(norm(h)))."""
         h = layer.o.add(o, x)
+        if layer.moe is not None:
+            return layer.moe(self.rms_norm(h, layer.post_norm), h)
         gate, up = layer.gate_up(self.rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
         return layer.down.add(F.silu(gate).mul_(up), h)
 
@@ -248,10 +458,27 @@ class Model:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
+        if c.moe is not None:
+            for layer in self.layers:
+                if layer.moe is not None:
+                    layer.moe.touched.clear()
         for i, layer in enumerate(self.layers):
+            if layer.mla is not None:
+                q, latent = self._mla_inputs(x, layer, cos, sin)
+                o = attend(i, q, latent, None)
+                if i == len(self.layers) - 1 and logits_indices is not None:
+                    if logits_indices.numel() == 0:
+                        return torch.empty(0, c.vocab_size, device=x.device)
+                    o, x = o[logits_indices], x[logits_indices]
+                x = in_slices(lambda xs, os: self.attention_output_and_mlp(xs, os, layer), x, o, rows=self.rows)
+                continue
             qkv = in_slices(lambda xs: self.attention_input(xs, layer), x, rows=self.rows)
             # Q and K sit side by side in the fused output: one rotation for both
-            qk = self.rotate(qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            qk = qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:  # qk-norm: each head's Q and K normalised before RoPE
+                qn, kn = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+                qk = torch.cat([self.rms_norm(qn, layer.q_norm), self.rms_norm(kn, layer.k_norm)], dim=1)
+            qk = self.rotate(qk, cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].view(t, c.num_kv_heads, c.head_dim)
             o = attend(i, q, k, v)  # [T, heads * head_dim]

@@ -180,7 +180,7 @@ class Scheduler:
         not yet scheduled in this step. False if `seq` itself had to go."""
         if self.blocks is None:
             return True
-        if self.blocks.blocks_for(num_tokens) > self.blocks.num_blocks:  # it would preempt itself forever
+        if not self.blocks.fits(num_tokens):  # it would preempt itself forever
             raise PoolTooSmall(
                 f"a sequence of {num_tokens} tokens needs more than the KV pool's {self.blocks.num_blocks} "
                 "blocks; raise engine_options.reference.kv_cache_bytes or shorten the sequences.")

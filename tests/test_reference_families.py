@@ -1,0 +1,325 @@
+"""The reference engine on today's families (issue 38): qk-norm (Qwen3), mixture of experts
+(Qwen3-MoE, Mixtral) and sliding windows (Mistral's, and Qwen3's alternating `layer_types`).
+
+Each family is a tiny random-weight checkpoint made here with transformers' own config class
+(seconds on a CPU). Parity is the project's float32 bar (harness.core.parity): greedy tokens
+equal to transformers' token for token, and teacher-forced log-probabilities within
+THRESHOLDS["float32"]. Each family also has an injected bug of its own that parity must catch,
+made by swapping one of our own functions for a plausibly wrong variant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapters.base import ModelSpec
+from adapters.hf import HFEngine
+from adapters.reference import attention as ref_attention
+from adapters.reference import model as ref_model
+from adapters.reference.engine import ReferenceEngine
+from harness.core.parity import compare_scores, greedy_agreement, verdict
+from workloads.parity import greedy_tokens
+
+VOCAB = 256
+PROMPT_LENS = (24, 61, 150)  # one prompt past the sliding models' window of 48
+TOKENS = 12
+
+
+def _common(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                tie_word_embeddings=False, initializer_range=0.2)
+    base.update(kw)
+    return base
+
+
+def family_configs():
+    from transformers import DeepseekV3Config, MistralConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+
+    return {
+        "qwen3": Qwen3Config(**_common()),
+        "qwen3-moe": Qwen3MoeConfig(**_common(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+        "mixtral": MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+        "mistral-window": MistralConfig(**_common(sliding_window=48)),
+        "qwen3-alternating": Qwen3Config(**_common(num_hidden_layers=4, use_sliding_window=True, sliding_window=48,
+                                                   layer_types=["sliding_attention", "full_attention"] * 2)),
+        # latent attention; every layer dense (the reference engine refuses DeepSeek's routed experts)
+        "deepseek-v3": DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24,
+                                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                                                  first_k_dense_replace=2, n_routed_experts=4)),
+        "deepseek-v3-no-q-lora": DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=None,
+                                                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                                            first_k_dense_replace=2, n_routed_experts=4)),
+    }
+
+
+@pytest.fixture(scope="session")
+def family_ckpt(tmp_path_factory):
+    """name -> a random-weight checkpoint directory of that family (made once per session)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("families")
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            torch.manual_seed(1234)
+            m = AutoModelForCausalLM.from_config(family_configs()[name], dtype=torch.float32)
+            m.save_pretrained(root / name)
+            made[name] = root / name
+        return made[name]
+    return get
+
+
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def run(engine_cls, path, ps, teacher=None, options=None):
+    e = engine_cls()
+    e.load(ModelSpec(path=str(path), name=path.name, dtype="float32", max_model_len=max(map(len, ps)) + TOKENS + 8,
+                     threads=2), options or {})
+    try:
+        greedy = greedy_tokens(e, ps, TOKENS)
+        t = teacher or greedy
+        scores = e.score([p + x for p, x in zip(ps, t)], [len(p) for p in ps], 8)
+    finally:
+        e.close()
+    return greedy, [{"top_ids": s.top_ids, "top_logprobs": s.top_logprobs, "target_logprobs": s.target_logprobs}
+                    for s in scores]
+
+
+_hf_runs: dict = {}
+
+
+def hf_baseline(path):
+    if str(path) not in _hf_runs:
+        _hf_runs[str(path)] = run(HFEngine, path, prompts())
+    return _hf_runs[str(path)]
+
+
+def parity_problems(path, options=None) -> tuple[list[str], dict]:
+    """Why the reference engine fails float32 parity against transformers on `path` (empty: it passes)."""
+    base_greedy, base_scores = hf_baseline(path)
+    greedy, scores = run(ReferenceEngine, path, prompts(), teacher=base_greedy, options=options)
+    fields = compare_scores(base_scores, scores, "float32")
+    agree = greedy_agreement(base_greedy, greedy)
+    problems = []
+    if agree["agreement"] != 1.0:
+        problems.append(f"greedy tokens differ (first at step {agree['first_divergence']})")
+    why = verdict(fields, "float32")[1]
+    if why:
+        problems.append(why)
+    return problems, {**fields, **agree}
+
+
+FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "mistral-window", "qwen3-alternating", "deepseek-v3",
+            "deepseek-v3-no-q-lora"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_transformers_in_float32(family, family_ckpt):
+    problems, fields = parity_problems(family_ckpt(family))
+    assert not problems, (problems, fields)
+
+
+def test_family_on_the_plain_path_and_chunked(family_ckpt):
+    """The plain kernels and chunked prefill (context read back from the pool) agree too."""
+    for family in ("qwen3-moe", "qwen3-alternating", "deepseek-v3"):
+        problems, fields = parity_problems(family_ckpt(family), {"kernels": "plain", "max_num_batched_tokens": 40})
+        assert not problems, (family, problems, fields)
+
+
+# ---- injected bugs: each must fail parity ------------------------------------------------------
+
+def test_qk_norm_skipped_fails(family_ckpt, monkeypatch):
+    path = family_ckpt("qwen3")
+    hf_baseline(path)
+    real = ref_model.Model.__init__
+
+    def no_qk_norm(self, *a, **kw):
+        real(self, *a, **kw)
+        for layer in self.layers:
+            layer.q_norm = None  # Q and K rotated as projected: the norms skipped
+    monkeypatch.setattr(ref_model.Model, "__init__", no_qk_norm)
+    problems, fields = parity_problems(path)
+    assert problems, fields
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_router_without_renormalisation_fails(family, family_ckpt, monkeypatch):
+    path = family_ckpt(family)
+    hf_baseline(path)  # the honest baseline, before the bug goes in
+    real = ref_model.route
+    monkeypatch.setattr(ref_model, "route", lambda logits, k, renormalise: real(logits, k, False))
+    problems, fields = parity_problems(path)
+    assert problems, fields
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "qwen3-alternating"])
+def test_window_off_by_one_fails(family, family_ckpt, monkeypatch):
+    path = family_ckpt(family)
+    hf_baseline(path)
+    real = ref_attention.visible_from
+    monkeypatch.setattr(ref_attention, "visible_from", lambda pos, window: real(pos, window + 1))
+    problems, fields = parity_problems(path, {"kernels": "plain"})
+    assert problems, fields
+
+
+# ---- the windowed group's blocks in the paged cache ---------------------------------------------
+
+def load(path, max_len=400, **options):
+    e = ReferenceEngine()
+    e.load(ModelSpec(path=str(path), name=path.name, dtype="float32", max_model_len=max_len, threads=2),
+           {"block_size": 16, **options})
+    return e
+
+
+def groups_of(e):
+    return {r["kind"]: r for r in e.kv_cache_info().extra["kv_groups"]}
+
+
+def test_a_window_holds_its_blocks_flat_while_full_layers_grow(family_ckpt):
+    e = load(family_ckpt("qwen3-alternating"))
+    try:
+        held = []
+        for n in (20, 100, 300):
+            e.prefill([[3 + i % 200 for i in range(n)]])
+            e.decode(5)
+            g = groups_of(e)
+            assert g["full"]["blocks_in_use"] == -(-(n + 5) // 16)  # prompt + 5 tokens with K/V
+            held.append(g["sliding(48)"]["blocks_in_use"])
+            assert held[-1] <= g["sliding(48)"]["max_blocks_per_sequence"] == 4
+            e.release()
+        assert held[1:] == [4, 4]
+    finally:
+        e.close()
+
+
+def test_a_shared_prefix_longer_than_the_window_reuses_only_the_window(family_ckpt):
+    """The second prompt shares 160 tokens (10 blocks) with the first: the full group reuses all
+    10, the windowed group only the blocks its window needs, and the tokens are those of an
+    engine without prefix caching."""
+    path = family_ckpt("qwen3-alternating")
+    a = [3 + (7 * i) % 200 for i in range(170)]
+    b = a[:160] + [5, 6, 7, 8, 9, 10, 11, 12]
+    plain = load(path, prefix_caching=False)
+    try:
+        want = greedy_tokens(plain, [b], 8)
+    finally:
+        plain.close()
+    e = load(path)
+    try:
+        greedy_tokens(e, [a], 4)  # leaves a's blocks registered and evictable
+        before = e.kv_cache_info().prefix_cache_hits
+        first = e.prefill([b]).first_tokens
+        g = groups_of(e)
+        hits = e.kv_cache_info().prefix_cache_hits - before
+        assert hits == 10
+        # the windowed group holds the window's blocks only: the next query (position 168) sees
+        # from 121, block 7 on
+        assert g["sliding(48)"]["blocks_in_use"] <= 4 and g["full"]["blocks_in_use"] == 11
+        got = [e.decode(1).tokens[0][0] for _ in range(7)]
+        e.release()
+    finally:
+        e.close()
+    assert first + got == want[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-alternating", "deepseek-v3"])
+def test_online_api_with_continuous_batching(family, family_ckpt):
+    """Requests of different lengths joining while others decode give the fixed batch's tokens."""
+    from adapters.base import Request
+
+    path = family_ckpt(family)
+    ps = prompts()
+    e = load(path, max_num_batched_tokens=64)
+    try:
+        want = greedy_tokens(e, ps, 6)
+        e.add_request(Request("r0", ps[0], 6))
+        got: dict = {"r0": [], "r1": [], "r2": []}
+        steps = 0
+        while e.has_work() or steps < 3:
+            if steps == 2:
+                e.add_request(Request("r1", ps[1], 6))
+            if steps == 3:
+                e.add_request(Request("r2", ps[2], 6))
+            for ev in e.step():
+                got[ev.request_id].append(ev.token_id)
+            steps += 1
+        assert [got["r0"], got["r1"], got["r2"]] == want
+        assert e.kv_cache_info().blocks_in_use == 0  # every block went back
+    finally:
+        e.close()
+
+
+def test_the_engine_reports_the_experts_a_step_touched(family_ckpt):
+    e = load(family_ckpt("qwen3-moe"))
+    try:
+        e.prefill([[5]])  # one token: top-2 of 8 experts in each sparse layer
+        moe = e.kv_cache_info().extra["moe"]
+        assert moe["experts_touched_last_step"] == [2, 2]  # layers 0 and 2 (layer 1 is dense)
+        e.prefill(prompts())
+        e.decode(1)
+        touched = e.kv_cache_info().extra["moe"]["experts_touched_last_step"]
+        assert len(touched) == 2 and all(2 <= t <= 6 for t in touched)  # 3 tokens x top-2
+    finally:
+        e.close()
+
+
+# ---- latent attention -----------------------------------------------------------------------------
+
+def test_latent_rope_dimensions_swapped_fails(family_ckpt, monkeypatch):
+    """The latent split with its rope part taken from the front instead of the back."""
+    path = family_ckpt("deepseek-v3")
+    hf_baseline(path)
+    monkeypatch.setattr(ref_model, "split_latent", lambda kv, rank, rope: (kv[..., rope:rope + rank], kv[..., :rope]))
+    problems, fields = parity_problems(path)
+    assert problems, fields
+
+
+def test_the_latent_cache_holds_rank_plus_rope_per_token_and_layer(family_ckpt):
+    e = load(family_ckpt("deepseek-v3"))
+    try:
+        e.prefill([list(range(3, 43))])
+        e.decode(3)
+        info = e.kv_cache_info()
+        latent = 2 * (32 + 8) * 4  # layers x (kv_lora_rank + qk_rope_head_dim) x float32 bytes
+        assert info.bytes_per_token == latent == info.extra["latent"]["bytes_per_token"]
+        assert info.pool_bytes == e.pool.latent.numel() * 4 == info.num_blocks * 16 * latent
+        # dense K/V of every head: layers x heads x (16 + 8 key + 12 value) x 4
+        assert info.extra["latent"]["dense_equivalent_bytes_per_token"] == 2 * 4 * 36 * 4
+        assert info.blocks_in_use == 3 and info.tokens_stored == 43
+    finally:
+        e.close()
+
+
+def test_deepseek_routed_experts_are_refused_in_one_line(tmp_path):
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=None,
+                                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
+                                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                     n_group=1, topk_group=1))
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ds")
+    with pytest.raises(ValueError, match="routed experts .* not supported by the reference engine yet"):
+        load(tmp_path / "ds")
+
+
+@pytest.mark.parametrize("options", [{"kv_cache": "none"}, {"kv_layout": "contiguous"}])
+@pytest.mark.parametrize("family", ["qwen3-alternating", "deepseek-v3"])
+def test_no_cache_and_contiguous_modes(family, options, family_ckpt):
+    problems, fields = parity_problems(family_ckpt(family), options)
+    assert not problems, (problems, fields)
+
+
+def test_kv_cache_bytes_is_checked_against_the_latent_size(family_ckpt):
+    """A pool sized for the latent (80 values per token and layer) is enough; the dense K/V size is not needed."""
+    path = family_ckpt("deepseek-v3")
+    spec = ModelSpec(path=str(path), name=path.name, dtype="float32", max_model_len=64, threads=2)
+    latent_one_sequence = 64 * 2 * 40 * 4  # max_model_len x layers x (32 + 8) x 4 bytes
+    assert ReferenceEngine.check_options({"kv_cache_bytes": latent_one_sequence}, spec) == []
+    problems = ReferenceEngine.check_options({"kv_cache_bytes": latent_one_sequence - 1}, spec)
+    assert len(problems) == 1 and "320 bytes per token" in problems[0]
