@@ -1,34 +1,43 @@
 """Which model families the reference engine runs: one function, so that it never runs one wrongly.
 
-The reference engine (model.py) is a dense LLaMA-family decoder with full attention: LLaMA,
-Mistral without a sliding window, Qwen2; plain, linear or llama3 RoPE. Anything else a shape says
-(another family, sliding or chunked windows, latent or linear attention, experts, qk-norm, sinks)
-it refuses in one line naming what it lacks. The harness calls this at plan time
-(adapters.unsupported_model), so the engine's row is `unavailable` with that line and parity takes
-transformers as its base. Widen it together with model.py.
+The reference engine (model.py) runs LLaMA, Mistral (with or without its window), Qwen2 and Qwen3
+(qk-norm; per-layer full or sliding attention from `layer_types`), the MoE families Qwen3-MoE and
+Mixtral, and DeepSeek-V3's latent attention where every layer's MLP is dense; plain, linear or
+llama3 RoPE. Anything else a shape says (another family, chunked or linear-attention layers,
+DeepSeek's routed experts, sinks) it refuses in one line naming what it lacks. The harness calls
+this at plan time (adapters.unsupported_model), so the engine's row is `unavailable` with that line
+and parity takes transformers as its base. Widen it together with model.py (its
+SUPPORTED_ARCHITECTURES and family_fields, which refuse the same things at load).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # routed experts the engine computes
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+LATENT_FAMILIES = ("deepseek_v3",)
 ROPE_TYPES = ("linear", "llama3")
+KINDS = ("full", "sliding", "latent")
 
 
 def unsupported_reason(shape: Any) -> str | None:
     """Why the reference engine cannot run a model of this `harness.core.shapes.ModelShape`
     (None: it can)."""
     lacks: list[str] = []
-    if shape.architecture not in FAMILIES:
-        lacks.append(f"the {shape.architecture} family")
-    kinds = sorted(set(shape.layer_kinds()) - {"full"})
+    arch = shape.architecture
+    if arch not in FAMILIES:
+        lacks.append(f"the {arch} family")
+    kinds = sorted(set(shape.layer_kinds()) - set(KINDS))
     if kinds:
         lacks.append(f"{' and '.join(kinds)} attention layers")
-    if shape.num_experts:
-        lacks.append(f"mixture-of-experts MLPs ({shape.num_experts} experts)")
-    if shape.qk_norm:
-        lacks.append("qk-norm")
+    if "latent" in shape.layer_kinds() and arch not in LATENT_FAMILIES:
+        lacks.append(f"latent attention in the {arch} family")
+    if shape.num_experts and "moe" in shape.mlp_kinds() and arch not in MOE_FAMILIES:
+        lacks.append(f"the {arch} family's routed experts ({shape.num_experts} experts)")
+    if shape.qk_norm and arch not in QK_NORM_FAMILIES:
+        lacks.append(f"qk-norm in the {arch} family")
     if shape.attention_sinks:
         lacks.append("attention sinks")
     rope = (shape.rope_scaling or {}).get("rope_type")
@@ -36,5 +45,5 @@ def unsupported_reason(shape: Any) -> str | None:
         lacks.append(f"rope_type {rope}")
     if not lacks:
         return None
-    return (f"the reference engine runs dense full-attention {'/'.join(FAMILIES)} decoders; it lacks "
-            f"{', '.join(lacks)}")
+    return (f"the reference engine runs {'/'.join(FAMILIES)} decoders (experts: "
+            f"{'/'.join(MOE_FAMILIES)}; DeepSeek-V3 with dense MLPs only); it lacks {', '.join(lacks)}")

@@ -169,7 +169,7 @@ class ModelShape:
                 if missing:
                     out.append(f"{prefix}.linear_attention: {la.get('kind')} needs {', '.join(missing)} "
                                "(positive integers).")
-        if self.num_experts:
+        if self.num_experts and "moe" in self.mlp_kinds():  # all layers dense (DeepSeek's first_k_dense_replace >= n): moot
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 out.append(f"{prefix}.num_experts_per_tok: {self.num_experts_per_tok} for num_experts="
                            f"{self.num_experts}. Give 1 .. num_experts.")
