@@ -132,24 +132,32 @@ def tokenize_entries(entries: list[DatasetEntry], model_path: str, vocab_size: i
     tok = None
     out = []
     for e in entries:
-        if e.prompt_ids is None or e.output_tokens is None:
-            if tok is None:
-                try:
-                    from transformers import AutoTokenizer
-                    tok = AutoTokenizer.from_pretrained(model_path)
-                except Exception as err:
-                    raise UserError(f"workload.dataset: text prompts need the checkpoint's tokenizer, which did "
-                                    f"not load from {model_path} ({err}). Use input_ids instead.") from None
+        if (e.prompt_ids is None or e.output_tokens is None) and tok is None:
+            tok = _tokenizer(model_path, "text prompts need", " Use input_ids instead.")
         ids = e.prompt_ids if e.prompt_ids is not None else tok(e.prompt_text, add_special_tokens=False)["input_ids"]
         n_out = e.output_tokens if e.output_tokens is not None else \
             len(tok(e.output_text, add_special_tokens=False)["input_ids"])
         if not ids or n_out < 1:
             continue
-        if max(ids) >= vocab_size:
-            raise UserError(f"workload.dataset: token id {max(ids)} is outside the model's vocabulary "
-                            f"({vocab_size}). Use ids made for this model.")
+        _check_vocab(ids, vocab_size, "Use ids made for this model.")
         out.append((list(ids), n_out))
     return out
+
+
+def _tokenizer(model_path: str, what: str, fix: str = ""):
+    """The checkpoint's tokenizer, or one clear UserError naming why it is needed."""
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as err:
+        raise UserError(f"workload.dataset: {what} the checkpoint's tokenizer, which did "
+                        f"not load from {model_path} ({err}).{fix}") from None
+
+
+def _check_vocab(ids: list[int], vocab_size: int, fix: str) -> None:
+    if max(ids) >= vocab_size:
+        raise UserError(f"workload.dataset: token id {max(ids)} is outside the model's vocabulary "
+                        f"({vocab_size}). {fix}")
 
 
 def read_sharegpt_conversations(path: str | Path, field: str = "workload.dataset") -> list[list[tuple[str, str]]]:
@@ -186,12 +194,7 @@ def tokenize_conversations(convs: list[list[tuple[str, str]]], model_path: str,
                            vocab_size: int) -> list[list[tuple[list[int], int]]]:
     """Per conversation, (user message ids, reply cap in tokens) per turn, with the checkpoint's
     tokenizer (no special tokens added)."""
-    try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(model_path)
-    except Exception as err:
-        raise UserError(f"workload.dataset: a ShareGPT file's text needs the checkpoint's tokenizer, which did "
-                        f"not load from {model_path} ({err}).") from None
+    tok = _tokenizer(model_path, "a ShareGPT file's text needs")
     out = []
     for conv in convs:
         turns = []
@@ -200,9 +203,7 @@ def tokenize_conversations(convs: list[list[tuple[str, str]]], model_path: str,
             cap = len(tok(reply, add_special_tokens=False)["input_ids"])
             if not ids or cap < 1:
                 break
-            if max(ids) >= vocab_size:
-                raise UserError(f"workload.dataset: token id {max(ids)} is outside the model's vocabulary "
-                                f"({vocab_size}). Use a tokenizer made for this model.")
+            _check_vocab(ids, vocab_size, "Use a tokenizer made for this model.")
             turns.append((list(ids), cap))
         if turns:
             out.append(turns)

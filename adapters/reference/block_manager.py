@@ -150,15 +150,20 @@ class BlockManager:
         """Drop `seq`'s references. Its last blocks are released first, so that they are also
         evicted first: a prefix's head is shared more often than its tail."""
         for b in reversed(seq.block_table):
-            block = self.blocks[b]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {b} released more often than taken"
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self.evictable[b] = None
-                else:
-                    self.free.append(b)
+            self._release(b)
         seq.block_table, seq.block_hashes = [], []
+
+    def _release(self, b: int) -> None:
+        """Drop one reference to block `b`; at none, a cached block becomes evictable (kept for
+        a later prefix hit) and any other block free."""
+        block = self.blocks[b]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {b} released more often than taken"
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[b] = None
+            else:
+                self.free.append(b)
 
     def _take(self) -> int:
         if self.free:

@@ -280,7 +280,7 @@ class GroupedBlockManager:
             table = seq.group_tables[gi]
             for i in range(min(len(table), attn.visible_from(seq.num_computed, g.window) // self.block_size)):
                 if table[i] != self.null[gi]:
-                    self._release(m, table[i])
+                    m._release(table[i])
                     table[i] = self.null[gi]
 
     def reset_prefix_cache(self) -> None:
@@ -313,20 +313,9 @@ class GroupedBlockManager:
         for gi, m in enumerate(self.managers):
             for b in reversed(getattr(seq, "group_tables", [[]] * len(self.groups))[gi]):
                 if b != self.null[gi]:
-                    self._release(m, b)
+                    m._release(b)
         seq.group_tables = [[] for _ in self.groups]
         seq.block_table, seq.block_hashes = seq.group_tables[0], []
-
-    @staticmethod
-    def _release(m: BlockManager, b: int) -> None:
-        block = m.blocks[b]
-        block.ref_count -= 1
-        assert block.ref_count >= 0, f"block {b} released more often than taken"
-        if block.ref_count == 0:
-            if block.hash is not None:
-                m.evictable[b] = None
-            else:
-                m.free.append(b)
 
     # ---- what kv_cache_info reports --------------------------------------------------------
     def group_rows(self, running: list, pool: GroupedPool) -> list[dict]:
