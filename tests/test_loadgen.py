@@ -20,6 +20,10 @@ from workloads.base import RunContext, collect
 from workloads.capacity import Capacity, CapacityConfig, slo_violations
 from workloads.serving import Serving, ServingConfig, client_limited, dataset_picks
 
+# under pytest-xdist nothing runs beside these (their margins are for a busy machine, not for a
+# second test worker's whole load)
+pytestmark = pytest.mark.alone
+
 SPEC = ModelSpec(path="/nonexistent", name="fake", dtype="float32", device="cpu", max_model_len=4096)
 
 

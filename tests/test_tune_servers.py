@@ -277,8 +277,10 @@ def test_sigterm_in_the_middle_of_a_trial_leaves_no_server(tmp_path, model_cache
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            if log.exists() and log.read_text().count("[infer-bench] starting endpoint") >= 2 and left(marker):
+            if (log.exists() and log.read_text().count("[infer-bench] starting endpoint") >= 2
+                    and any("fake_servers_strict.py vllm" in x for x in left(marker))):
                 break  # the first trial's server is up (or starting): the default is done
+                # (its supervisor alone, a moment before it starts the server, is not enough)
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert any("fake_servers_strict.py vllm" in x for x in left(marker))

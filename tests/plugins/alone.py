@@ -1,0 +1,74 @@
+"""The `alone` marker: under pytest-xdist (`make test` runs two workers), a test marked `alone`
+runs with no other test beside it.
+
+Most tests only need their own temporary directory and can share the machine. A few cannot: they
+time engines against each other (tests/test_ab_e2e.py) or a client against a paced server
+(tests/test_loadgen.py), where a neighbour's load would be measured too, or they check the whole
+machine (the repository's git worktrees). They carry `pytest.mark.alone`.
+
+Every test, from the start of its set-up to the end of its tear-down (a module's or session's
+fixtures included, which set up inside their first test and tear down inside their last), holds a
+shared flock; an `alone` test holds it exclusively. A second file, taken first, is the turnstile:
+an `alone` test that is waiting holds it, so the other worker starts no new test meanwhile and the
+`alone` test waits for that worker's current test only. The kernel drops a dead worker's locks.
+
+Without xdist (plain `pytest`, one process) nothing is locked. The lock files live in a directory
+the controller makes and removes (INFER_BENCH_TEST_LOCKS, inherited by the workers it starts).
+Registered by tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ENV = "INFER_BENCH_TEST_LOCKS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        # the controller of a distributed run, before it starts its workers (they inherit the environment)
+        config._infer_bench_locks = tempfile.mkdtemp(prefix="infer-bench-test-locks-")  # type: ignore[attr-defined]
+        os.environ[ENV] = config._infer_bench_locks  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = getattr(config, "_infer_bench_locks", None)
+    if path:
+        os.environ.pop(ENV, None)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def machine_share(root: Path, alone: bool) -> Iterator[None]:
+    """Hold the machine shared (other tests may run beside) or, for an `alone` test, exclusively."""
+    with open(root / "turnstile", "a") as turn, open(root / "machine", "a") as machine:
+        if alone:
+            fcntl.flock(turn, fcntl.LOCK_EX)  # no new test starts beside us from here on
+            fcntl.flock(machine, fcntl.LOCK_EX)  # and the ones running end
+        else:
+            fcntl.flock(turn, fcntl.LOCK_SH)  # waits while an `alone` test waits or runs
+            fcntl.flock(machine, fcntl.LOCK_SH)
+            fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            fcntl.flock(turn, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    root = os.environ.get(ENV)
+    if not hasattr(item.config, "workerinput") or not root or not Path(root).is_dir():
+        yield
+        return
+    with machine_share(Path(root), item.get_closest_marker("alone") is not None):
+        yield
