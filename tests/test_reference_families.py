@@ -198,6 +198,36 @@ def test_a_window_holds_its_blocks_flat_while_full_layers_grow(family_ckpt):
         e.close()
 
 
+@pytest.mark.parametrize("family", ["qwen3-alternating", "mistral-window", "deepseek-v3", "qwen3"])
+def test_the_kv_estimate_matches_the_blocks_each_group_holds(family, family_ckpt):
+    """kv_memory's comparison (workloads/kv_memory.group_comparison) on the engine's own groups,
+    at computed lengths 63 (63 - 48 + 1 = 16: the reference engine, which frees a window's blocks
+    from L after the step, holds one block fewer than vLLM, which frees them from L - 1) and 100.
+    With vLLM's rule the windowed groups would be a block off."""
+    from harness.core.presets import shape_from_hf_config
+    from workloads.kv_memory import group_comparison
+    path = family_ckpt(family)
+    shape = shape_from_hf_config(path)
+    e = load(path)
+    try:
+        e.prefill([[3 + i % 200 for i in range(60)], [5 + i % 190 for i in range(97)]])
+        e.decode(3)  # 63 and 100 tokens with K/V
+        info = e.kv_cache_info()
+    finally:
+        e.close()
+    rows = group_comparison(shape, info.kv_dtype, "float32", info, [63, 100])
+    assert rows and all(r["match"] is True for r in rows), rows
+    assert sum(r["layers"] for r in rows) == shape.num_hidden_layers
+    for g in info.extra["groups"]:
+        g.pop("free_lag")
+    as_vllm = {r["kind"]: r for r in group_comparison(shape, info.kv_dtype, "float32", info, [63, 100])}
+    if "sliding" in as_vllm:
+        r = as_vllm["sliding"]
+        assert r["match"] is False and r["est_blocks"] == r["engine_blocks"] + 1, r
+    else:  # nothing is freed: the rule does not matter
+        assert all(r["match"] is True for r in as_vllm.values())
+
+
 def test_a_shared_prefix_longer_than_the_window_reuses_only_the_window(family_ckpt):
     """The second prompt shares 160 tokens (10 blocks) with the first: the full group reuses all
     10, the windowed group only the blocks its window needs, and the tokens are those of an

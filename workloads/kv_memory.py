@@ -164,7 +164,7 @@ def _merge_groups(groups: list[dict[str, Any]]) -> dict[tuple[str, Any], dict[st
         for k in ("bytes_per_token", "state_bytes"):
             m[k] = None if g.get(k) is None or m[k] is None else m[k] + g[k]
         m["tokens_per_sequence"] = max(m["tokens_per_sequence"], g.get("tokens_per_sequence") or 0)
-        for k in ("block_size", "state_dtypes"):
+        for k in ("block_size", "state_dtypes", "free_lag"):
             if g.get(k) is not None:
                 m[k] = g[k]
         if g.get("blocks_held") is not None:
@@ -201,7 +201,8 @@ def group_comparison(shape: Any, kv_dtype: str, dtype: str, info: Any, seq_lens:
             row["est_bytes_per_token"] = row["engine_bytes_per_token"] = None
         elif info.block_size:  # the group's own block size (vLLM enlarges a hybrid's attention blocks)
             block = eng.get("block_size") or info.block_size
-            blocks = sum(blocks_now(kind, n, block, window) for n in seq_lens)
+            # when the engine frees a window's blocks (kvcalc.blocks_now: vLLM's rule unless it says)
+            blocks = sum(blocks_now(kind, n, block, window, eng.get("free_lag", 1)) for n in seq_lens)
             row["block_size"] = block
             row["est_blocks"] = blocks
             row["engine_blocks"] = eng.get("blocks_per_layer")

@@ -437,6 +437,8 @@ class LLMEngine:
         )
         if cfg.contiguous:
             extra["region_tokens"] = bs  # each sequence reserves one region of max_model_len slots
+        else:
+            extra["groups"] = self._harness_groups(rows if self.groups else None)
         return KVCacheInfo(
             kv_dtype=kv_dtype, block_size=None if cfg.contiguous else bs, num_blocks=blocks.num_blocks,
             bytes_per_block=self.pool.bytes_per_token * bs, pool_bytes=self.pool.nbytes,
@@ -445,6 +447,23 @@ class LLMEngine:
             prefix_cache_queries=blocks.stats.prefix_queries if cfg.use_prefix_cache else None,
             prefix_cache_hits=blocks.stats.prefix_hits if cfg.use_prefix_cache else None,
             preemptions=self.scheduler.preemptions, extra=extra)
+
+    def _harness_groups(self, rows: list[dict] | None) -> list[dict[str, Any]]:
+        """The paged cache's layer groups in harness.core.kvcalc's form (as vLLM's adapter reports
+        them; workloads/kv_memory.group_comparison sets them beside the estimate): kind, window,
+        layers, block size, page_size_bytes (one block of one layer), bytes per token over the
+        group's layers, and the blocks the group holds now. free_lag 0: a windowed group frees the
+        blocks before its window after the step that computed token L, from L (kvcalc.blocks_now)."""
+        bs, n_layers = self.block_size, self.model.cfg.num_layers
+        if rows is None:  # one pool for every layer
+            kind = "latent" if self.model.cfg.mla is not None else "full"
+            groups = [(kind, None, n_layers, self.pool.bytes_per_token, self.blocks.num_used)]
+        else:
+            groups = [("full" if g.window is None else "sliding", g.window, len(g.layers), r["bytes_per_token"],
+                       r["blocks_in_use"]) for g, r in zip(self.groups, rows)]
+        return [{"kind": kind, "window": window, "layers": layers, "block_size": bs,
+                 "page_size_bytes": bpt * bs // layers, "bytes_per_token": bpt, "blocks_held": held, "free_lag": 0}
+                for kind, window, layers, bpt, held in groups]
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes, and start the counters (hits, peak, preemptions) afresh."""

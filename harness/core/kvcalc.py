@@ -145,16 +145,18 @@ def skipped_tokens(kind: str, seq_len: int, window: int | None) -> int:
     return 0
 
 
-def blocks_now(kind: str, seq_len: int, block_size: int, window: int | None) -> int:
-    """Blocks a paged cache holds for one layer of a sequence of seq_len computed tokens, as vLLM
-    holds them after the step that computed the last one: from the block of the first token still
-    needed to the last block, edges included. vLLM frees the blocks before the window when it
-    schedules a step, from the tokens computed before it (L - 1), so a sliding layer holds the
-    blocks of the last W tokens (W - 1 for attention and the newest), a chunked one those of its
-    chunk as of token L - 1."""
+def blocks_now(kind: str, seq_len: int, block_size: int, window: int | None, lag: int = 1) -> int:
+    """Blocks a paged cache holds for one layer of a sequence of seq_len computed tokens, after
+    the step that computed the last one: from the block of the first token still needed to the
+    last block, edges included. `lag` is when the engine frees the blocks before the window:
+    vLLM (lag 1, the default) frees them when it schedules a step, from the tokens computed
+    before it (L - 1), so a sliding layer holds the blocks of the last W tokens (W - 1 for
+    attention and the newest), a chunked one those of its chunk as of token L - 1. The reference
+    engine (lag 0) frees them after the step, from L: the blocks of the last W - 1 tokens, the
+    ones the next query sees. The two differ by one block where (L - W + 1) is a multiple of B."""
     if kind == "linear" or seq_len <= 0:
         return 0
-    return math.ceil(seq_len / block_size) - skipped_tokens(kind, seq_len - 1, window) // block_size
+    return math.ceil(seq_len / block_size) - skipped_tokens(kind, seq_len - lag, window) // block_size
 
 
 def held_tokens(kind: str, seq_len: int, window: int | None, block_size: int | None) -> int:
