@@ -74,18 +74,20 @@ VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tes
 # one process, as before.
 DURATIONS ?= 30
 TEST_WORKERS ?= 2
+# TEST_LOCKS: the `alone` tests' locks, shared by the main suite and vLLM's own tests beside it.
+TEST_LOCKS ?= $(CURDIR)/runs/test-locks
 test:
-	@$(MAKE) --no-print-directory -j2 test-main
+	@$(MAKE) --no-print-directory -j2 test-main $(if $(WITH_VLLM),test-vllm)
 
-test-main: venv browser-deps $(if $(WITH_VLLM),test-vllm)
+test-main: venv browser-deps
 	$(BIN)/lint-imports
-	$(VLLM_ENV) $(BIN)/pytest -m "" -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile \
+	INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_ENV) $(BIN)/pytest -m "" -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile \
 	    $(foreach g,$(MUST_RUN),--must-run $(g))
 
 test-vllm: $(VLLM_VENV)/.installed
 	@mkdir -p runs
 	@echo "vLLM's own tests (.venv-vllm), beside the set-up: runs/test-vllm.log"
-	@$(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
+	@INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
 	    tests/test_vllm*.py tests/test_trtllm*.py > runs/test-vllm.log 2>&1; code=$$?; \
 	  echo "---- vLLM's own tests (.venv-vllm), exit $$code:"; cat runs/test-vllm.log; exit $$code
 

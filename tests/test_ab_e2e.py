@@ -32,7 +32,7 @@ HANDICAP_CONFIG = [*CONFIG, "workload.output_len=8", "workload.min_repeats=3"]
 
 def ab(out, ckpt, *extra, cwd=None, config=CONFIG):
     r = subprocess.run([sys.executable, "-m", "harness.ab", "--baseline-ref", "HEAD", "--candidate-ref", "HEAD",
-                        "--rounds", "4", "--threshold", "10%", "--out", str(out), *extra, "--", *config,
+                        "--rounds", "3", "--threshold", "10%", "--out", str(out), *extra, "--", *config,
                         f"model.path={ckpt}"], capture_output=True, text=True, timeout=1200, cwd=cwd,
                        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert r.returncode in (0, 1), r.stderr[-3000:]
@@ -46,7 +46,7 @@ def test_same_code_twice_is_unchanged(tmp_path, tiny_ckpt):
     assert code == 0, out
     assert doc["verdict"] == "unchanged" and {r["verdict"] for r in doc["results"]} == {"unchanged"}
     assert {r["metric"] for r in doc["results"]} == {"decode_step_latency_s", "prefill_latency_s", "output_tok_s"}
-    assert all(len(r["round_ratios"]) == 4 for r in doc["results"])
+    assert all(len(r["round_ratios"]) == 3 for r in doc["results"])
 
 
 def test_reference_without_kv_cache_is_regressed(tmp_path, tiny_ckpt):
@@ -86,7 +86,7 @@ def test_a_terminated_job_leaves_no_worktree_and_no_process(tmp_path, tiny_ckpt)
 
     before = worktrees()
     p = subprocess.Popen([sys.executable, "-m", "harness.ab", "--baseline-ref", "HEAD", "--candidate-ref", "HEAD",
-                          "--rounds", "4", "--out", str(tmp_path / "ab"), "--", *CONFIG, f"model.path={tiny_ckpt}"],
+                          "--rounds", "3", "--out", str(tmp_path / "ab"), "--", *CONFIG, f"model.path={tiny_ckpt}"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     deadline = time.monotonic() + 300

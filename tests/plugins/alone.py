@@ -12,9 +12,11 @@ shared flock; an `alone` test holds it exclusively. A second file, taken first, 
 an `alone` test that is waiting holds it, so the other worker starts no new test meanwhile and the
 `alone` test waits for that worker's current test only. The kernel drops a dead worker's locks.
 
-Without xdist (plain `pytest`, one process) nothing is locked. The lock files live in a directory
-the controller makes and removes (INFER_BENCH_TEST_LOCKS, inherited by the workers it starts).
-Registered by tests/conftest.py.
+The lock files live in the directory INFER_BENCH_TEST_LOCKS. `make test` names one for the main
+suite and for vLLM's own tests, which run beside it in .venv-vllm as a pytest session of their own:
+its tests hold the same shared lock, so an `alone` test waits for them too. Otherwise the controller
+of a distributed run makes one and removes it (its workers inherit the environment). A plain
+`pytest` (one process, no INFER_BENCH_TEST_LOCKS) locks nothing. Registered by tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -33,14 +35,25 @@ ENV = "INFER_BENCH_TEST_LOCKS"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    given = os.environ.get(ENV)
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         # the controller of a distributed run, before it starts its workers (they inherit the environment)
-        config._infer_bench_locks = tempfile.mkdtemp(prefix="infer-bench-test-locks-")  # type: ignore[attr-defined]
-        os.environ[ENV] = config._infer_bench_locks  # type: ignore[attr-defined]
+        if given:
+            Path(given).mkdir(parents=True, exist_ok=True)
+        else:
+            config._infer_bench_locks_made = tempfile.mkdtemp(prefix="infer-bench-test-locks-")  # type: ignore[attr-defined]
+            os.environ[ENV] = config._infer_bench_locks_made  # type: ignore[attr-defined]
+        return
+    if given:  # a session that runs tests: an xdist worker, or vLLM's own tests beside the suite
+        Path(given).mkdir(parents=True, exist_ok=True)
+        config._infer_bench_locks = given  # type: ignore[attr-defined]
+        # a test's own children (a nested pytest session) must not join: they would wait on a lock
+        # their parent's neighbour holds
+        os.environ.pop(ENV)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    path = getattr(config, "_infer_bench_locks", None)
+    path = getattr(config, "_infer_bench_locks_made", None)
     if path:
         os.environ.pop(ENV, None)
         shutil.rmtree(path, ignore_errors=True)
@@ -66,8 +79,8 @@ def machine_share(root: Path, alone: bool) -> Iterator[None]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    root = os.environ.get(ENV)
-    if not hasattr(item.config, "workerinput") or not root or not Path(root).is_dir():
+    root = getattr(item.config, "_infer_bench_locks", None)
+    if root is None:  # a plain one-process session locks nothing
         yield
         return
     with machine_share(Path(root), item.get_closest_marker("alone") is not None):
