@@ -64,8 +64,9 @@ VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tes
 # need vLLM go through .venv-vllm), and vLLM's in-process adapter tests under vLLM's interpreter.
 # The steps run two at a time where they are independent (the machine has 2 cores; set-up is mostly
 # pip and disk): the two environments install side by side, vLLM's own tests run as soon as
-# .venv-vllm is there, beside the rest of the set-up, and the main suite starts once both are done,
-# so no other test runs beside its timing tests. vLLM's tests write into runs/test-vllm.log, printed
+# .venv-vllm is there, beside the rest of the set-up and then beside the main suite, which starts
+# once both environments are there; its `alone` timing tests wait for vLLM's current test and keep
+# its next one waiting (TEST_LOCKS below). vLLM's tests write into runs/test-vllm.log, printed
 # whole when they end (the set-up's output goes on meanwhile); the main suite prints as it goes.
 # DURATIONS: the slowest tests listed at the end (docs/platform.md, "CI time").
 # TEST_WORKERS: the main suite runs on this many pytest-xdist workers, a test file per worker at a
@@ -86,7 +87,7 @@ test-main: venv browser-deps
 
 test-vllm: $(VLLM_VENV)/.installed
 	@mkdir -p runs
-	@echo "vLLM's own tests (.venv-vllm), beside the set-up: runs/test-vllm.log"
+	@echo "vLLM's own tests (.venv-vllm), beside the set-up and the main suite: runs/test-vllm.log"
 	@INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
 	    tests/test_vllm*.py tests/test_trtllm*.py > runs/test-vllm.log 2>&1; code=$$?; \
 	  echo "---- vLLM's own tests (.venv-vllm), exit $$code:"; cat runs/test-vllm.log; exit $$code
