@@ -36,16 +36,15 @@ ENV = "INFER_BENCH_TEST_LOCKS"
 
 def pytest_configure(config: pytest.Config) -> None:
     given = os.environ.get(ENV)
+    if given:  # named by the caller (make test): made here if missing, left in place
+        Path(given).mkdir(parents=True, exist_ok=True)
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         # the controller of a distributed run, before it starts its workers (they inherit the environment)
-        if given:
-            Path(given).mkdir(parents=True, exist_ok=True)
-        else:
+        if not given:
             config._infer_bench_locks_made = tempfile.mkdtemp(prefix="infer-bench-test-locks-")  # type: ignore[attr-defined]
             os.environ[ENV] = config._infer_bench_locks_made  # type: ignore[attr-defined]
         return
     if given:  # a session that runs tests: an xdist worker, or vLLM's own tests beside the suite
-        Path(given).mkdir(parents=True, exist_ok=True)
         config._infer_bench_locks = given  # type: ignore[attr-defined]
         # a test's own children (a nested pytest session) must not join: they would wait on a lock
         # their parent's neighbour holds
