@@ -123,6 +123,7 @@ class FakeLLM:
 
     started: list[dict] = []
     honours_async_flag = True
+    model: object = None  # what apply_model hands its function: set per test (None: a model of no modules)
 
     def __init__(self, **kwargs) -> None:
         FakeLLM.started.append(kwargs)
@@ -131,6 +132,10 @@ class FakeLLM:
 
     def get_metrics(self):
         return []
+
+    def apply_model(self, func):
+        """vllm.LLM.apply_model: `func` on the model of each worker (one here): FakeLLM.model."""
+        return [func(FakeLLM.model)]
 
     def reset_prefix_cache(self):
         return True
@@ -147,6 +152,7 @@ def _module(name: str, **attrs) -> types.ModuleType:
 def fake_vllm(monkeypatch):
     """FAKE vllm modules in sys.modules for the duration of a test (the real ones are restored)."""
     FakeLLM.started, FakeLLM.honours_async_flag = [], True
+    FakeLLM.model = _plain_model()
     kinds = SimpleNamespace(DELTA="delta", FINAL_ONLY="final")
     monkeypatch.setitem(sys.modules, "vllm", _module("vllm", LLM=FakeLLM, SamplingParams=FakeSamplingParams))
     monkeypatch.setitem(sys.modules, "vllm.inputs", _module("vllm.inputs", TokensPrompt=dict))
@@ -155,6 +161,66 @@ def fake_vllm(monkeypatch):
     import adapters.vllm.engine as eng
     monkeypatch.setattr(eng, "device_memory", lambda device: (140 * GIB, 141 * GIB), raising=False)
     return eng
+
+
+def _plain_model():
+    import torch
+    return torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+
+def _latent_model(broken: bool):
+    """A FAKE model with one latent-attention layer (the attributes vLLM's MLA layers have), whose
+    rotary op (a FAKE of vLLM's RotaryEmbedding: interleaved pairs, plain theta 10000) either
+    rotates what it is given or, `broken`, rotates a 3-D query as if every row were position 0's
+    neighbour - the kind of fault the probe is for."""
+    import torch
+
+    class FakeRope(torch.nn.Module):
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            ang = torch.arange(64, dtype=torch.float32)[:, None] * inv[None, :]
+            self.register_buffer("cos_sin_cache", torch.cat([ang.cos(), ang.sin()], -1))
+
+        def forward_native(self, pos, q, k):
+            cos, sin = self.cos_sin_cache[pos].chunk(2, -1)
+
+            def rot(x):
+                c, s = cos.view(len(pos), *([1] * (x.dim() - 2)), -1), sin.view(len(pos), *([1] * (x.dim() - 2)), -1)
+                out = x.clone()
+                out[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
+                out[..., 1::2] = x[..., 0::2] * s + x[..., 1::2] * c
+                return out
+            return rot(q), rot(k)
+
+        def forward(self, pos, q, k):
+            if broken and q.dim() == 3:
+                return self.forward_native(torch.ones_like(pos), q, k)[0], self.forward_native(pos, q, k)[1]
+            return self.forward_native(pos, q, k)
+
+    layer = torch.nn.Module()
+    layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.num_heads = 8, 16, 4
+    layer.rotary_emb = FakeRope(16)
+    model = torch.nn.Module()
+    model.attn = layer
+    return model
+
+
+def test_a_model_this_vllm_computes_wrongly_is_refused_with_the_probes_line(fake_vllm):
+    FakeLLM.model = _latent_model(broken=True)
+    e = fake_vllm.VLLMEngine()
+    with pytest.raises(fake_vllm.EngineUnavailable, match=r"computes this model wrongly.*FakeRope.*rotates the "
+                       r"\[tokens, heads, 16\] query.*run_despite_faults=true"):
+        e.load(GPU, {})
+    assert e._llm is None  # closed: no engine left behind
+    info = fake_vllm.VLLMEngine().load(GPU, {"run_despite_faults": True})  # memory and speed studies
+    assert len(info.details["output_faults"]) == 1 and "max error" in info.details["output_faults"][0]
+
+
+def test_a_latent_model_whose_rotary_op_is_right_loads_with_no_fault(fake_vllm):
+    FakeLLM.model = _latent_model(broken=False)
+    info = fake_vllm.VLLMEngine().load(GPU, {})
+    assert info.details["output_faults"] == []
 
 
 GPU = ModelSpec(path="/nonexistent", name="fake", dtype="bfloat16", device="cuda", max_model_len=256)

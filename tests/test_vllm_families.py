@@ -32,6 +32,7 @@ def test_vllm_kv_groups_equal_the_estimate(family_ckpts, name):
     e = VLLMEngine()
     opts = VLLMEngine.options_for({"block_size": 32, "prefix_caching": False})
     opts["cpu_kvcache_space_gib"] = 1
+    opts["run_despite_faults"] = True  # a memory study: vLLM-CPU's latent attention holds the right cache
     e.load(ModelSpec(path=str(family_ckpts[name]), name=name, dtype="bfloat16", max_model_len=512, threads=2), opts)
     try:
         e.prefill(PROMPTS, max_new_tokens=STEPS + 2)
@@ -53,3 +54,34 @@ def test_vllm_kv_groups_equal_the_estimate(family_ckpts, name):
     if name == "tiny-gemma3":  # 105 tokens, window 64, blocks of 32: the first block is freed
         sliding = next(r for r in rows if r["kind"] == "sliding")
         assert sliding["engine_blocks"] == (4 - 1) + 2
+
+
+def test_the_fault_probe_agrees_with_what_vllm_computes_on_latent_attention(family_ckpts):
+    """On tiny DeepSeek-V3 (latent attention) the load-time probe (introspect.output_faults) finds a
+    fault exactly when vLLM's teacher-forced log-probabilities differ from transformers' in float32;
+    with a fault the default load refuses the model with the probe's line."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adapters.base import EngineUnavailable
+    from adapters.vllm.engine import VLLMEngine
+
+    path = family_ckpts["tiny-deepseek-v3"]
+    spec = ModelSpec(path=str(path), name="tiny-deepseek-v3", dtype="float32", max_model_len=256, threads=2)
+    seq = [(7 * i + 11) % 4000 + 4 for i in range(48)]
+    e = VLLMEngine()
+    info = e.load(spec, dict(VLLMEngine.options_for({"prefix_caching": False}), run_despite_faults=True))
+    try:
+        got = e.score([seq], [1], top_k=1)[0].target_logprobs
+    finally:
+        e.close()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        lp = hf(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+    want = [float(lp[p - 1, seq[p]]) for p in range(1, len(seq))]
+    err = max(abs(a - b) for a, b in zip(got, want))
+    faults = info.details["output_faults"]
+    assert bool(faults) == (err > 1e-2), (faults, err)
+    if faults:
+        with pytest.raises(EngineUnavailable, match="computes this model wrongly.*latent attention"):
+            VLLMEngine().load(spec, VLLMEngine.options_for({"prefix_caching": False}))

@@ -141,6 +141,7 @@ class VLLMEngine(Engine):
         self._threads: int | None = None
         self._thread_policy: str | None = None
         self._scheduling: dict[str, Any] = {}
+        self._faults: list[str] = []  # introspect.output_faults: how this vLLM computes the model wrongly
 
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
         if self.unavailable_reason():
@@ -181,6 +182,13 @@ class VLLMEngine(Engine):
         load_s = time.perf_counter() - t0
         self._engine = self._llm.llm_engine
         self._require_sync_scheduling()
+        self._faults = introspect.output_faults(self._llm)
+        if self._faults and not self.options.run_despite_faults:
+            faults = "; ".join(self._faults)
+            self.close()
+            raise EngineUnavailable(f"vLLM {self.version()} computes this model wrongly here: {faults} "
+                                    "(engine_options.vllm.run_despite_faults=true runs it anyway, for memory "
+                                    "and speed only)")
         if cpu:
             self._threads = introspect.set_forward_threads(self._threads)  # in case the start changed it
         self.max_model_len = introspect.model_config(self._engine).max_model_len
@@ -219,7 +227,7 @@ class VLLMEngine(Engine):
                      "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                      "enable_chunked_prefill": sched.enable_chunked_prefill,
                      "enable_prefix_caching": cache.enable_prefix_caching,
-                     "kv_cache_dtype": info.kv_dtype},
+                     "kv_cache_dtype": info.kv_dtype, "output_faults": list(self._faults)},
         )
 
     def _plan_threads(self, model: ModelSpec) -> tuple[int, str]:

