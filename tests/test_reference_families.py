@@ -1,5 +1,6 @@
 """The reference engine on today's families (issue 38): qk-norm (Qwen3), mixture of experts
-(Qwen3-MoE, Mixtral) and sliding windows (Mistral's, and Qwen3's alternating `layer_types`).
+(Qwen3-MoE, Mixtral, DeepSeek-V3's routed and shared experts), sliding windows (Mistral's, and
+Qwen3's alternating `layer_types`) and DeepSeek-V3's latent attention.
 
 Each family is a tiny random-weight checkpoint made here with transformers' own config class
 (seconds on a CPU). Parity is the project's float32 bar (harness.core.parity): greedy tokens
@@ -44,13 +45,23 @@ def family_configs():
         "mistral-window": MistralConfig(**_common(sliding_window=48)),
         "qwen3-alternating": Qwen3Config(**_common(num_hidden_layers=4, use_sliding_window=True, sliding_window=48,
                                                    layer_types=["sliding_attention", "full_attention"] * 2)),
-        # latent attention; every layer dense (the reference engine refuses DeepSeek's routed experts)
+        # latent attention; every layer dense
         "deepseek-v3": DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24,
                                                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
                                                   first_k_dense_replace=2, n_routed_experts=4)),
         "deepseek-v3-no-q-lora": DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=None,
                                                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                                                             first_k_dense_replace=2, n_routed_experts=4)),
+        # latent attention and, after layer 0, routed experts: 8 in 4 groups, the 2 best groups eligible,
+        # top-2 of those, weights renormalised and scaled, one shared expert (the fixture gives the gate a
+        # correction bias: transformers initialises it to zeros, where the biased choice would change nothing)
+        "deepseek-v3-moe": DeepseekV3Config(**_common(num_hidden_layers=3, num_key_value_heads=4, head_dim=8,
+                                                      kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+                                                      qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=1,
+                                                      n_routed_experts=8, num_experts_per_tok=2,
+                                                      moe_intermediate_size=32, n_shared_experts=1, n_group=4,
+                                                      topk_group=2, norm_topk_prob=True,
+                                                      routed_scaling_factor=2.5)),
     }
 
 
@@ -66,6 +77,10 @@ def family_ckpt(tmp_path_factory):
         if name not in made:
             torch.manual_seed(1234)
             m = AutoModelForCausalLM.from_config(family_configs()[name], dtype=torch.float32)
+            with torch.no_grad():
+                for key, buf in m.named_buffers():
+                    if key.endswith("e_score_correction_bias"):  # DeepSeek's gate: zeros from transformers
+                        buf.normal_(0.0, 0.3)
             m.save_pretrained(root / name)
             made[name] = root / name
         return made[name]
@@ -116,7 +131,7 @@ def parity_problems(path, options=None) -> tuple[list[str], dict]:
 
 
 FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "mistral-window", "qwen3-alternating", "deepseek-v3",
-            "deepseek-v3-no-q-lora"]
+            "deepseek-v3-no-q-lora", "deepseek-v3-moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -154,6 +169,49 @@ def test_router_without_renormalisation_fails(family, family_ckpt, monkeypatch):
     hf_baseline(path)  # the honest baseline, before the bug goes in
     real = ref_model.route
     monkeypatch.setattr(ref_model, "route", lambda logits, k, renormalise: real(logits, k, False))
+    problems, fields = parity_problems(path)
+    assert problems, fields
+
+
+def _biased_weights(real):
+    """DeepSeek's routing weights taken from the biased choice scores (renormalised, scaled)."""
+    def route(logits, bias, k, n_group, topk_group, renormalise, scaling):
+        _, ids = real(logits, bias, k, n_group, topk_group, renormalise, scaling)
+        w = (logits.float().sigmoid() + bias).gather(1, ids)
+        return w / w.sum(dim=-1, keepdim=True) * scaling, ids
+    return route
+
+
+DEEPSEEK_ROUTER_BUGS = {
+    "weights from the biased scores": _biased_weights,
+    "no renormalisation": lambda real: lambda lg, b, k, g, tg, renorm, sc: real(lg, b, k, g, tg, False, sc),
+    "bias left out of the choice":
+        lambda real: lambda lg, b, k, g, tg, renorm, sc: real(lg, b * 0, k, g, tg, renorm, sc),
+    "groups not limited": lambda real: lambda lg, b, k, g, tg, renorm, sc: real(lg, b, k, g, g, renorm, sc),
+    "scaling factor left out": lambda real: lambda lg, b, k, g, tg, renorm, sc: real(lg, b, k, g, tg, renorm, 1.0),
+}
+
+
+@pytest.mark.parametrize("bug", list(DEEPSEEK_ROUTER_BUGS))
+def test_deepseek_router_bugs_fail(bug, family_ckpt, monkeypatch):
+    path = family_ckpt("deepseek-v3-moe")
+    hf_baseline(path)  # the honest baseline, before the bug goes in
+    monkeypatch.setattr(ref_model, "route_sigmoid", DEEPSEEK_ROUTER_BUGS[bug](ref_model.route_sigmoid))
+    problems, fields = parity_problems(path)
+    assert problems, fields
+
+
+def test_deepseek_shared_expert_left_out_fails(family_ckpt, monkeypatch):
+    path = family_ckpt("deepseek-v3-moe")
+    hf_baseline(path)
+    real = ref_model.Model.__init__
+
+    def no_shared(self, *a, **kw):
+        real(self, *a, **kw)
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.shared = None
+    monkeypatch.setattr(ref_model.Model, "__init__", no_shared)
     problems, fields = parity_problems(path)
     assert problems, fields
 
@@ -285,18 +343,63 @@ def test_online_api_with_continuous_batching(family, family_ckpt):
         e.close()
 
 
-def test_the_engine_reports_the_experts_a_step_touched(family_ckpt):
-    e = load(family_ckpt("qwen3-moe"))
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3-moe"])
+def test_the_engine_reports_the_experts_a_step_touched(family, family_ckpt):
+    e = load(family_ckpt(family))
     try:
         e.prefill([[5]])  # one token: top-2 of 8 experts in each sparse layer
         moe = e.kv_cache_info().extra["moe"]
-        assert moe["experts_touched_last_step"] == [2, 2]  # layers 0 and 2 (layer 1 is dense)
+        # qwen3-moe: layers 0 and 2 (layer 1 is dense); deepseek-v3-moe: layers 1 and 2 (layer 0 is dense)
+        assert moe["experts_touched_last_step"] == [2, 2]
         e.prefill(prompts())
         e.decode(1)
         touched = e.kv_cache_info().extra["moe"]["experts_touched_last_step"]
         assert len(touched) == 2 and all(2 <= t <= 6 for t in touched)  # 3 tokens x top-2
     finally:
         e.close()
+
+
+def test_deepseek_routing_respects_the_group_limit():
+    """Every token's chosen experts lie in its topk_group best groups (a group's score: the sum
+    of its two best biased scores), although the best experts overall often lie elsewhere."""
+    g = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(512, 16, generator=g), torch.randn(16, generator=g) * 0.3
+    weights, ids = ref_model.route_sigmoid(logits, bias, 3, 4, 2, True, 2.5)
+    choice = (logits.sigmoid() + bias).view(512, 4, 4)
+    best_groups = choice.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    assert ((ids // 4)[:, :, None] == best_groups[:, None, :]).any(-1).all()
+    # and they are the best 3 of the eligible experts: none left out scores higher
+    flat = choice.view(512, 16)
+    eligible = ((torch.arange(16) // 4)[None, :, None] == best_groups[:, None, :]).any(-1)
+    left_out = eligible.scatter(1, ids, False)
+    assert (flat.gather(1, ids).min(-1).values >= flat.masked_fill(~left_out, -1e9).max(-1).values).all()
+    unlimited = (logits.sigmoid() + bias).topk(3, dim=-1).indices
+    assert (ids.sort().values != unlimited.sort().values).any(-1).float().mean() > 0.2
+    assert torch.allclose(weights.sum(-1), torch.full((512,), 2.5))
+    chosen = logits.sigmoid().gather(1, ids)  # the weights: un-biased scores, renormalised, scaled
+    assert torch.allclose(weights, chosen / chosen.sum(-1, keepdim=True) * 2.5, rtol=1e-6, atol=0)
+
+
+def test_deepseek_fused_expert_tensors_load_as_the_per_expert_ones(family_ckpt, tmp_path):
+    """transformers' fused 3-D expert tensors ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) give
+    the same tokens and scores as the per-expert checkpoint they were stacked from."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path = family_ckpt("deepseek-v3-moe")
+    fused = tmp_path / "fused"
+    shutil.copytree(path, fused)
+    tensors = load_file(str(path / "model.safetensors"))
+    for i in (1, 2):
+        p = f"model.layers.{i}.mlp.experts."
+        n = sum(1 for k in tensors if k.startswith(p) and k.endswith(".down_proj.weight"))
+        gate = [tensors.pop(f"{p}{e}.gate_proj.weight") for e in range(n)]
+        up = [tensors.pop(f"{p}{e}.up_proj.weight") for e in range(n)]
+        tensors[p + "gate_up_proj"] = torch.stack([torch.cat([a, b]) for a, b in zip(gate, up)])
+        tensors[p + "down_proj"] = torch.stack([tensors.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+    save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    ps = prompts()
+    assert run(ReferenceEngine, fused, ps) == run(ReferenceEngine, path, ps)
 
 
 # ---- latent attention -----------------------------------------------------------------------------
@@ -326,16 +429,20 @@ def test_the_latent_cache_holds_rank_plus_rope_per_token_and_layer(family_ckpt):
         e.close()
 
 
-def test_deepseek_routed_experts_are_refused_in_one_line(tmp_path):
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+def test_deepseek_with_another_scoring_function_is_refused_in_one_line(family_ckpt, tmp_path):
+    """transformers scores DeepSeek-V3's router with a sigmoid whatever config.json says; a config
+    naming softmax means something else, so the engine refuses it rather than guess."""
+    import json
+    import shutil
 
-    cfg = DeepseekV3Config(**_common(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=None,
-                                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
-                                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                     n_group=1, topk_group=1))
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ds")
-    with pytest.raises(ValueError, match="routed experts .* not supported by the reference engine yet"):
-        load(tmp_path / "ds")
+    path = tmp_path / "ds"
+    shutil.copytree(family_ckpt("deepseek-v3-moe"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "scoring_func": "softmax"}))
+    with pytest.raises(ValueError, match=r"^[^\n]*scoring_func softmax is not supported by the reference engine"):
+        ref_model.ModelConfig.from_dir(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "scoring_func": "sigmoid"}))
+    assert ref_model.ModelConfig.from_dir(path).moe.scoring == "sigmoid"
 
 
 @pytest.mark.parametrize("options", [{"kv_cache": "none"}, {"kv_layout": "contiguous"}])

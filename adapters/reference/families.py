@@ -2,12 +2,15 @@
 
 The reference engine (model.py) runs LLaMA, Mistral (with or without its window), Qwen2 and Qwen3
 (qk-norm; per-layer full or sliding attention from `layer_types`), the MoE families Qwen3-MoE and
-Mixtral, and DeepSeek-V3's latent attention where every layer's MLP is dense; plain, linear or
-llama3 RoPE. Anything else a shape says (another family, chunked or linear-attention layers,
-DeepSeek's routed experts, sinks) it refuses in one line naming what it lacks. The harness calls
-this at plan time (adapters.unsupported_model), so the engine's row is `unavailable` with that line
-and parity takes transformers as its base. Widen it together with model.py (its
-SUPPORTED_ARCHITECTURES and family_fields, which refuse the same things at load).
+Mixtral, and DeepSeek-V3 (latent attention; its routed experts with sigmoid scores, the gate's
+correction bias, group-limited top-k and shared experts, after its leading dense layers); plain,
+linear or llama3 RoPE. Anything else a shape says (another family, chunked or linear-attention
+layers, sinks) it refuses in one line naming what it lacks. The harness calls this at plan time
+(adapters.unsupported_model), so the engine's row is `unavailable` with that line and parity takes
+transformers as its base. Widen it together with model.py (its SUPPORTED_ARCHITECTURES and
+family_fields, which refuse the same things at load). model.py also refuses at load what a shape
+does not carry: a DeepSeek-V3 config whose scoring_func is not sigmoid, or whose n_group does not
+divide its experts.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
-MOE_FAMILIES = ("qwen3_moe", "mixtral")  # routed experts the engine computes
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")  # routed experts the engine computes
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 LATENT_FAMILIES = ("deepseek_v3",)
 ROPE_TYPES = ("linear", "llama3")
@@ -46,4 +49,4 @@ def unsupported_reason(shape: Any) -> str | None:
     if not lacks:
         return None
     return (f"the reference engine runs {'/'.join(FAMILIES)} decoders (experts: "
-            f"{'/'.join(MOE_FAMILIES)}; DeepSeek-V3 with dense MLPs only); it lacks {', '.join(lacks)}")
+            f"{'/'.join(MOE_FAMILIES)}); it lacks {', '.join(lacks)}")

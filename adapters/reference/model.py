@@ -1,5 +1,6 @@
 """A LLaMA-family decoder in plain PyTorch: LLaMA, Mistral (with its sliding window), Qwen2, Qwen3
-(qk-norm), and the mixture-of-experts families Qwen3-MoE and Mixtral.
+(qk-norm), the mixture-of-experts families Qwen3-MoE and Mixtral, and DeepSeek-V3 (latent
+attention, mla.py; its routed and shared experts).
 
 The forward pass works on a *flat* batch: the new tokens of every scheduled sequence laid end to
 end ([T] token ids with their positions), so the linear layers never see padding. Attention is
@@ -24,6 +25,11 @@ Families (read from the checkpoint's transformers config, see `family_fields`):
   tokens routed to each expert are gathered and run through it as one matrix product per expert
   (a loop over the experts a step touched, never over tokens), and scattered back weighted.
   Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step` layers keep a dense MLP.
+  DeepSeek-V3's router is a variant of it (`route_sigmoid`): the router in float32, sigmoid
+  scores, the experts chosen on the scores plus the gate's `e_score_correction_bias` (within the
+  `topk_group` best of `n_group` groups), weighted by their un-biased scores (renormalised when
+  `norm_topk_prob`, times `routed_scaling_factor`); a shared SwiGLU expert runs on every token
+  beside them. Its first `first_k_dense_replace` layers keep a dense MLP.
 
 This is the plain path. The device's kernels (kernels.py) may replace `Linear` (on a CPU:
 weights packed once for oneDNN, residual adds fused; kernels_cpu.py) and the slicing of long
@@ -74,7 +80,14 @@ class MoEConfig:
     renormalise: bool  # the top-k weights divided by their sum
     weights_in_model_dtype: bool  # Qwen3-MoE casts the routing weights to the model's dtype; Mixtral keeps float32
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
-    naming: str  # "qwen3_moe" (mlp.gate, mlp.experts.N.{gate,up,down}_proj) | "mixtral" (block_sparse_moe, w1/w3/w2)
+    # "qwen3_moe" and "deepseek_v3" (mlp.gate, mlp.experts.N.{gate,up,down}_proj) | "mixtral" (block_sparse_moe, w1/w3/w2)
+    naming: str
+    # DeepSeek-V3 ("sigmoid"; see route_sigmoid). "softmax": Qwen3-MoE and Mixtral (route), the rest unused
+    scoring: str = "softmax"
+    n_group: int = 1  # the experts in n_group equal groups, the choice limited to the topk_group best
+    topk_group: int = 1
+    scaling: float = 1.0  # routed_scaling_factor: the routing weights times this
+    shared_intermediate_size: int = 0  # one shared SwiGLU expert of this size on every token (0: none)
 
 
 @dataclass(frozen=True)
@@ -169,11 +182,9 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
                                tuple(i not in dense and (i + 1) % step == 0 for i in range(n)), "qwen3_moe")
     elif arch == "DeepseekV3ForCausalLM":
         dense = int(hf.first_k_dense_replace or 0)
-        if int(getattr(hf, "n_routed_experts", 0) or 0) > 0 and dense < n:
-            raise ValueError(f"{path}: DeepSeek-V3's routed experts (layers {dense}..{n - 1}: sigmoid scores, "
-                             "group-limited top-k, shared experts) are not supported by the reference engine yet; "
-                             f"it runs DeepSeek-V3 checkpoints whose layers are all dense (first_k_dense_replace >= "
-                             f"{n}). Use engine hf for this model.")
+        experts = int(getattr(hf, "n_routed_experts", 0) or 0)
+        if experts > 0 and dense < n:
+            out["moe"] = deepseek_moe(path, hf, experts, dense, n)
         rope = dict(getattr(hf, "rope_parameters", None) or {})
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"{path}: DeepSeek-V3 with rope_type {rope['rope_type']} is not supported by the "
@@ -185,6 +196,24 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
         out["moe"] = MoEConfig(int(hf.num_local_experts), int(hf.num_experts_per_tok), int(hf.intermediate_size),
                                True, False, (True,) * n, "mixtral")
     return out
+
+
+def deepseek_moe(path: str | Path, hf, experts: int, dense: int, n: int) -> MoEConfig:
+    """DeepSeek-V3's routed and shared experts (layers dense..n-1) from its transformers config.
+    transformers' DeepseekV3 always scores with a sigmoid; a config naming another scoring
+    function is refused, since the checkpoint then means something transformers does not compute."""
+    scoring = getattr(hf, "scoring_func", None) or "sigmoid"
+    if scoring != "sigmoid":
+        raise ValueError(f"{path}: DeepSeek-V3 with scoring_func {scoring} is not supported by the reference engine "
+                         "(sigmoid only, as transformers computes). Use engine hf for this model.")
+    groups, keep = int(hf.n_group or 1), int(hf.topk_group or 1)
+    if experts % groups or not 0 < keep <= groups:
+        raise ValueError(f"{path}: config.json n_group {groups} / topk_group {keep} do not fit {experts} routed "
+                         "experts (n_group must divide them, 1 <= topk_group <= n_group).")
+    return MoEConfig(experts, int(hf.num_experts_per_tok), int(hf.moe_intermediate_size), bool(hf.norm_topk_prob),
+                     False, tuple(i >= dense for i in range(n)), "deepseek_v3", scoring="sigmoid", n_group=groups,
+                     topk_group=keep, scaling=float(hf.routed_scaling_factor),
+                     shared_intermediate_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts or 0))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -236,20 +265,52 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights, ids
 
 
-class MoE:
-    """A sparse MLP: a router and `num_experts` SwiGLU experts (gate and up fused per expert)."""
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  renormalise: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router: logits [T, experts] -> (weights [T, top_k] float32, expert ids [T, top_k]).
+    Scores are sigmoid(logits) in float32. The experts are *chosen* on scores + `bias` (the gate's
+    e_score_correction_bias): the experts split into `n_group` equal groups, a group's score the sum
+    of its two best, only the `topk_group` best groups' experts eligible, then the top k of those.
+    The *weights* are the chosen experts' un-biased scores, (renormalise) divided by their sum,
+    then times `scaling`."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias
+    if topk_group < n_group:  # with every group kept the mask changes nothing
+        t = choice.shape[0]
+        grouped = choice.view(t, n_group, -1)
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, n_group]
+        dropped = torch.ones_like(group_score, dtype=torch.bool)
+        dropped.scatter_(1, group_score.topk(topk_group, dim=-1).indices, False)
+        choice = grouped.masked_fill(dropped[..., None], float("-inf")).view(t, -1)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
-    def __init__(self, cfg: MoEConfig, router: Linear, gate_up: list[Linear], down: list[Linear]):
+
+class MoE:
+    """A sparse MLP: a router and `num_experts` SwiGLU experts (gate and up fused per expert).
+    DeepSeek-V3 (cfg.scoring "sigmoid") adds the router's correction `bias` (float32, as is its
+    router) and a `shared` SwiGLU expert (gate_up, down) that every token goes through unweighted."""
+
+    def __init__(self, cfg: MoEConfig, router: Linear, gate_up: list[Linear], down: list[Linear],
+                 bias: torch.Tensor | None = None, shared: tuple[Linear, Linear] | None = None):
         self.cfg, self.router, self.gate_up, self.down = cfg, router, gate_up, down
+        self.bias, self.shared = bias, shared
         self.touched: set[int] = set()  # experts that received a token since Model.forward began
 
     def linears(self) -> list[Linear]:
-        return [self.router, *self.gate_up, *self.down]
+        return [self.router, *self.gate_up, *self.down, *(self.shared or ())]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + sum over each token's top-k experts of weight * expert(x)."""
+        """residual + sum over each token's top-k experts of weight * expert(x) (+ shared(x))."""
         c = self.cfg
-        weights, ids = route(self.router(x), c.top_k, c.renormalise)
+        if c.scoring == "softmax":
+            weights, ids = route(self.router(x), c.top_k, c.renormalise)
+        else:  # DeepSeek-V3: the router's product in float32 too (its weight is kept in float32)
+            weights, ids = route_sigmoid(self.router(x.float()), self.bias, c.top_k, c.n_group, c.topk_group,
+                                         c.renormalise, c.scaling)
         if c.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         flat = ids.reshape(-1)
@@ -268,6 +329,9 @@ class MoE:
             gate, up = self.gate_up[e](x[tokens]).chunk(2, dim=-1)
             y = self.down[e](F.silu(gate).mul_(up))
             out.index_add_(0, tokens, y * w[pairs, None])
+        if self.shared is not None:  # every token, weight 1
+            gate, up = self.shared[0](x).chunk(2, dim=-1)
+            residual = self.shared[1].add(F.silu(gate).mul_(up), residual)
         return residual + out.to(x.dtype)
 
 
@@ -307,11 +371,11 @@ class Model:
         self.cfg, self.dtype, self.device, self.rows = cfg, dtype, device, rows
         raw = _read_safetensors(Path(path))
 
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
+        def take(name: str, required: bool = True, as_dtype: torch.dtype = dtype) -> torch.Tensor | None:
             t = raw.pop(name, None)
             if t is None and required:
                 raise ValueError(f"{path}: the checkpoint lacks {name}.")
-            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+            return None if t is None else t.to(device=device, dtype=as_dtype).contiguous()
 
         def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
             return None if parts[0] is None else torch.cat(parts).contiguous()
@@ -323,17 +387,26 @@ class Model:
                 base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
             else:
                 base, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
-            router = make_linear(take(base + "gate.weight"), None)
+            bias = shared = None
+            if m.scoring == "softmax":
+                router = make_linear(take(base + "gate.weight"), None)
+            else:  # DeepSeek-V3: router and correction bias in float32 (transformers keeps both so)
+                router = Linear(take(base + "gate.weight", as_dtype=torch.float32))
+                bias = take(base + "gate.e_score_correction_bias", as_dtype=torch.float32)
+            if m.shared_intermediate_size:
+                s = base + "shared_experts."
+                shared = (make_linear(cat(take(s + "gate_proj.weight"), take(s + "up_proj.weight")), None),
+                          make_linear(take(s + "down_proj.weight"), None))
             if base + "experts.gate_up_proj" in raw:  # [E, 2I, H] and [E, H, I]
                 gu, dn = take(base + "experts.gate_up_proj"), take(base + "experts.down_proj")
                 return MoE(m, router, [make_linear(gu[e].contiguous(), None) for e in range(m.num_experts)],
-                           [make_linear(dn[e].contiguous(), None) for e in range(m.num_experts)])
+                           [make_linear(dn[e].contiguous(), None) for e in range(m.num_experts)], bias, shared)
             gate_up, down = [], []
             for e in range(m.num_experts):
                 ep = f"{base}experts.{e}."
                 gate_up.append(make_linear(cat(take(ep + names[0] + ".weight"), take(ep + names[1] + ".weight")), None))
                 down.append(make_linear(take(ep + names[2] + ".weight"), None))
-            return MoE(m, router, gate_up, down)
+            return MoE(m, router, gate_up, down, bias, shared)
 
         self.embed = take("embed_tokens.weight")
         self.layers: list[LayerWeights] = []
@@ -342,7 +415,7 @@ class Model:
             attn, mlp = p + "self_attn.", p + "mlp."
             sparse = cfg.moe is not None and cfg.moe.sparse_layers[i]
             if cfg.mla is not None:
-                self.layers.append(self._mla_layer(p, take, make_linear))
+                self.layers.append(self._mla_layer(p, take, make_linear, experts(p, i) if sparse else None))
                 continue
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
@@ -375,8 +448,9 @@ class Model:
         half = cfg.head_dim // 2  # the first half of rotate_half(x) is -x2: store -sin there
         self.sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1).to(device=device, dtype=dtype)
 
-    def _mla_layer(self, p: str, take, make_linear) -> LayerWeights:
-        """A DeepSeek-V3 layer: latent attention's matrices (mla.py) and a dense SwiGLU MLP."""
+    def _mla_layer(self, p: str, take, make_linear, moe: MoE | None) -> LayerWeights:
+        """A DeepSeek-V3 layer: latent attention's matrices (mla.py) and a dense SwiGLU MLP, or
+        `moe` (routed and shared experts) on the layers after the first `first_k_dense_replace`."""
         a, mlp, m = p + "self_attn.", p + "mlp.", self.cfg.mla
         w = {"kv_a": make_linear(take(a + "kv_a_proj_with_mqa.weight"), take(a + "kv_a_proj_with_mqa.bias", False)),
              "kv_a_norm": take(a + "kv_a_layernorm.weight"), "kv_b": make_linear(take(a + "kv_b_proj.weight"), None)}
@@ -386,13 +460,15 @@ class Model:
             w["q_a"] = make_linear(take(a + "q_a_proj.weight"), take(a + "q_a_proj.bias", False))
             w["q_a_norm"] = take(a + "q_a_layernorm.weight")
             w["q_b"] = make_linear(take(a + "q_b_proj.weight"), None)
-        return LayerWeights(
+        layer = LayerWeights(
             input_norm=take(p + "input_layernorm.weight"), qkv=None,
             o=make_linear(take(a + "o_proj.weight"), take(a + "o_proj.bias", False)),
-            post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=make_linear(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous(),
-                                None),
-            down=make_linear(take(mlp + "down_proj.weight"), None), mla=w)
+            post_norm=take(p + "post_attention_layernorm.weight"), gate_up=None, down=None, mla=w, moe=moe)
+        if moe is None:  # a dense layer
+            layer.gate_up = make_linear(torch.cat([take(mlp + "gate_proj.weight"),
+                                                   take(mlp + "up_proj.weight")]).contiguous(), None)
+            layer.down = make_linear(take(mlp + "down_proj.weight"), None)
+        return layer
 
     def _mla_inputs(self, x: torch.Tensor, layer: LayerWeights, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,6 +494,8 @@ class Model:
             norms += [v for v in (layer.mla or {}).values() if isinstance(v, torch.Tensor)]
             linears += layer.moe.linears() if layer.moe else [layer.gate_up, layer.down]
             norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
+            if layer.moe is not None and layer.moe.bias is not None:
+                norms.append(layer.moe.bias)
         return sum(x.nbytes for x in linears) + sum(t.numel() * t.element_size() for t in norms)
 
     def experts_touched(self) -> list[int]:
