@@ -84,12 +84,34 @@ def plain(spec):
 
 # ---- the private oneDNN API ---------------------------------------------------
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+# oneDNN's bf16 linear needs these (its own error names them); on a CPU without them (an AVX2-only
+# AMD EPYC, say) the probe must refuse bf16 and the engine take the plain path.
+CPU_FLAGS = _cpu_flags()
+ONEDNN_BF16 = "avx_ne_convert" in CPU_FLAGS or {"avx512bw", "avx512vl", "avx512dq"} <= CPU_FLAGS
+NO_ONEDNN_BF16 = ("this CPU lacks what oneDNN's bf16 linear needs (avx_ne_convert, or avx512bw + avx512vl + "
+                  "avx512dq): the reference engine runs bf16 on the plain path here")
+
+
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"),
                     reason=f"the pinned torch is 2.13 (CPU); this is {torch.__version__}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_onednn_probe_succeeds_on_the_pinned_torch(dtype):
     """If this fails, torch moved or changed one of its private mkldnn ops: the engine still runs
-    (on the plain path), but slower. Update kernels_cpu.py."""
+    (on the plain path), but slower. Update kernels_cpu.py. Where the CPU cannot run oneDNN's bf16
+    linear, the probe must say so and the engine fall back."""
+    if dtype == torch.bfloat16 and not ONEDNN_BF16:
+        why = kernels_cpu.probe(dtype)
+        assert why is not None and "bfloat16" in why, why
+        assert kernels.select(torch.device("cpu"), dtype, EngineConfig()).details["linear"] == "torch"
+        return
     assert kernels_cpu.probe(dtype) is None
     assert kernels.select(torch.device("cpu"), dtype, EngineConfig()).details["linear"] == "onednn-packed"
 
@@ -111,6 +133,8 @@ def test_probe_catches_wrong_numbers(monkeypatch):
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
 def test_fallback_gives_the_same_numbers(tiny_ckpt, monkeypatch, dtype, tol):
+    if dtype == "bfloat16" and not ONEDNN_BF16:
+        pytest.skip(NO_ONEDNN_BF16 + ", so there is no fast path to compare with")
     spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype=dtype, max_model_len=MAX_LEN)
     fast = run(spec)
     assert fast[0].kernels.details["linear"] == "onednn-packed"
