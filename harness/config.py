@@ -382,14 +382,19 @@ def _resolve_engines(cfg: dict[str, Any], requested: Any, problems: list[str]) -
 
 
 def _check_engine_options(engines: _Engines, spec_: ModelSpec, problems: list[str]) -> None:
-    """Each engine's options against its schema, and what it can do with this dtype and device
-    (an engine in an environment of its own: its worker checks what needs its packages)."""
+    """Each engine's options against its schema (also for an engine that cannot run here), and what
+    it can do with this dtype and device (an engine in an environment of its own, or unavailable
+    here: its worker checks what needs its packages)."""
     for name in engines.names:
-        if name in engines.unavailable:
-            continue
         cls = engines.classes[name]
-        problems += cls.check_options(engines.options[name], spec_)
-        if name not in engines.envs:
+        found = cls.check_options(engines.options[name], spec_)
+        if name in engines.unavailable:
+            # it cannot run here, but a bad value of one of its own options is still the user's to
+            # fix (checked without the engine's package); what it says about this device or build
+            # is the reason it is unavailable, not a problem of the config
+            found = [p for p in found if p.startswith(f"engine_options.{name}.")]
+        problems += found
+        if name not in engines.envs and name not in engines.unavailable:
             problems += capability_problems(cls, engines.options[name], name, spec_.dtype, spec_.device)
 
 

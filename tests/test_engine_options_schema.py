@@ -29,6 +29,22 @@ def test_conf_engine_yaml_is_what_the_options_class_generates(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=[e.name for e in ENGINES])
+def test_the_shipped_defaults_pass_the_schema(engine):
+    """conf/engine/<engine>.yaml as shipped is valid: a field whose default is null passes even when
+    it has choices (trtllm's capacity_scheduler_policy: null once failed 'not one of ...')."""
+    defaults = yaml.safe_load((CONF / f"{engine.name}.yaml").read_text())
+    assert engine.typed_options(defaults)[1] == []
+
+
+def test_an_unavailable_engine_is_not_a_config_problem_but_its_bad_option_is():
+    """engines=auto on a CPU: TensorRT-LLM cannot run (no GPU, not installed) and says so in its
+    row; its shipped options are no problem. A bad value of one of its options still is."""
+    assert check_jobs(["engines=auto"]) == []
+    problems = check_jobs(["engines=auto", "engine_options.trtllm.capacity_scheduler_policy=SOMETIMES"])
+    assert problems and all(p.startswith("engine_options.trtllm.capacity_scheduler_policy=SOMETIMES") for p in problems)
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=[e.name for e in ENGINES])
 def test_every_problem_at_once_each_named(engine):
     """Two bad fields and one unknown one: three problems, each under engine_options.<engine>."""
     fields = list(asdict(engine.options_cls()))

@@ -88,7 +88,9 @@ def _range_problem(name: str, value: Any, meta: dict) -> str | None:
     if meta.get("nonempty") and isinstance(value, list) and not value:
         return f"{name}=[]: the list is empty. Give at least one value."
     for v in items:
-        if v is None or isinstance(v, (str, bool)) or not isinstance(v, (int, float)):
+        if v is None:  # it passed _coerce, so the type allows null: "not set", whatever the choices
+            continue
+        if isinstance(v, (str, bool)) or not isinstance(v, (int, float)):
             if meta.get("choices") and v not in meta["choices"]:
                 return f"{name}={v}: not one of {', '.join(map(str, meta['choices']))}."
             continue
