@@ -251,7 +251,7 @@ class HFEngine(Engine):
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if t is not None:
                     nbytes += t.numel() * t.element_size()
-        length = self._cache.get_seq_length()
+        length = int(self._cache.get_seq_length())  # some caches (Qwen3-Next's hybrid one) give a 0-d tensor
         batch = self._mask.shape[0]
         info.pool_bytes = nbytes
         info.slots_allocated = batch * length

@@ -127,6 +127,11 @@ def test_hf_adapter_reports_its_cache_by_group(family_ckpts, name):
     e.decode(4)
     info = e.kv_cache_info()
     e.close()
+    # plain numbers, as every result field is (Qwen3-Next's cache gave its length as a 0-d tensor,
+    # which went into results.jsonl as 'tensor(48640)' and crashed the run's summary)
+    for f in ("pool_bytes", "slots_allocated", "tokens_stored", "bytes_per_token"):
+        assert type(getattr(info, f)) is int, (f, getattr(info, f))
+    assert info.slots_allocated == 2 * 94
     rows = {r["kind"]: r for r in group_comparison(shape, "fp32", "float32", info, [94, 34])}
     for kind, r in rows.items():
         if kind != "linear":
