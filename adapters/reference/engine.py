@@ -85,7 +85,7 @@ class ReferenceEngine(Engine):
                                       cfg.kv_dtype, DTYPES[model.dtype])
                 latent = _latent_of(model)
                 if latent is not None:  # a latent cache: (rank + rope) per token and layer
-                    bpt = latent_bytes_per_token(shape.num_hidden_layers, latent, DTYPES[model.dtype])
+                    bpt = latent_bytes_per_token(shape.num_hidden_layers, latent, DTYPES[model.dtype], cfg.kv_dtype)
                 why = budget_problem(cfg, bpt, max(model.max_model_len, 1), cfg.kv_cache_bytes,
                                      f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}")
                 problems += [why] if why else []

@@ -63,6 +63,32 @@ def check_kv_dtype(kv_dtype: str, device: torch.device) -> str | None:
     return None
 
 
+def quantise(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., d] -> (the stored values [..., d], the float32 scales [...] or None), as `kv_dtype`
+    stores them (module docstring): int8 with one scale over the last dimension, fp8 clamped and
+    rounded with no scale, auto unchanged. The latent cache (mla.LatentPool) uses the same."""
+    if kv_dtype == "int8":
+        xf = x.float()
+        scale = xf.abs().amax(dim=-1).clamp(min=1e-8) / 127.0  # per token, per head
+        q = torch.round(xf / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return q, scale
+    if kv_dtype == "fp8":
+        return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8), None
+    return x, None
+
+
+def dequantise(x: torch.Tensor, scale: torch.Tensor | None, kv_dtype: str, model_dtype: torch.dtype) -> torch.Tensor:
+    """The stored values [..., d] (and their scales [...]) back in the model's dtype."""
+    if kv_dtype == "int8":
+        return (x.float() * scale.unsqueeze(-1)).to(model_dtype)
+    if kv_dtype == "fp8":
+        return x.view(torch.float8_e4m3fn).to(model_dtype)
+    return x
+
+
+STORE_DTYPES = {"int8": torch.int8, "fp8": torch.uint8}  # storage of quantised values (else the model's dtype)
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, kv_dtype: str, model_dtype: torch.dtype, device: torch.device,
@@ -71,7 +97,7 @@ class KVPool:
         self.kv_dtype, self.model_dtype, self.device = kv_dtype, model_dtype, device
         self.total_blocks = num_blocks + scratch_blocks  # scratch blocks sit after the usable ones
         shape = (num_layers, num_kv_heads, self.total_blocks, block_size, head_dim)
-        store = {"int8": torch.int8, "fp8": torch.uint8}.get(kv_dtype, model_dtype)
+        store = STORE_DTYPES.get(kv_dtype, model_dtype)
         # Allocated once, but not written: on a CPU the operating system commits the pages only
         # when a block is first used. A block is zeroed on its first use (`prepare`), because
         # reads gather whole blocks and the unused tail of a block must hold finite values (the
@@ -118,21 +144,10 @@ class KVPool:
 
     # ---- quantisation -------------------------------------------------------------------
     def _quantise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.kv_dtype == "int8":
-            xf = x.float()
-            scale = xf.abs().amax(dim=-1).clamp(min=1e-8) / 127.0  # per token, per head
-            q = torch.round(xf / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-            return q, scale
-        if self.kv_dtype == "fp8":
-            return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8), None
-        return x, None
+        return quantise(x, self.kv_dtype)
 
     def _dequantise(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        if self.kv_dtype == "int8":
-            return (x.float() * scale.unsqueeze(-1)).to(self.model_dtype)
-        if self.kv_dtype == "fp8":
-            return x.view(torch.float8_e4m3fn).to(self.model_dtype)
-        return x
+        return dequantise(x, scale, self.kv_dtype, self.model_dtype)
 
     # ---- write and read -----------------------------------------------------------------
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -157,9 +157,6 @@ class LLMEngine:
         # no graphs for windows (their tables change shape) nor experts (routing reads counts on the host)
         graphs = (self.kernels.decode_graphs and cfg.use_cache and self.groups is None and mcfg.moe is None
                   and mcfg.mla is None)
-        if mcfg.mla is not None and cfg.kv_dtype != "auto":
-            raise ValueError(f"engine_options.reference.kv_dtype={cfg.kv_dtype}: the reference engine stores a latent "
-                             "(MLA) cache in the model's dtype only so far. Use kv_dtype=auto.")
         if self.groups:
             self.details["kv_groups"] = [{"kind": g.kind, "layers": list(g.layers)} for g in self.groups]
         self.pool: KVPool | None = None
@@ -189,7 +186,7 @@ class LLMEngine:
         cfg = self.cfg
         bpt = bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
         if mcfg.mla is not None:
-            bpt = latent_bytes_per_token(mcfg.num_layers, mcfg.mla, dtype)
+            bpt = latent_bytes_per_token(mcfg.num_layers, mcfg.mla, dtype, cfg.kv_dtype)
         budget, source = cfg.kv_cache_bytes, f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}"
         if budget is None and self.device.type == "cuda":
             budget, source, self.details["gpu_memory"] = _cuda_kv_budget(self.device, cfg, mcfg, dtype)
@@ -210,7 +207,8 @@ class LLMEngine:
             return
         num_blocks = budget // (bpt * self.block_size)
         if mcfg.mla is not None:
-            self.pool = LatentPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.mla, dtype, self.device)
+            self.pool = LatentPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.mla, dtype, self.device,
+                                   cfg.kv_dtype)
             self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
             return
         self.pool = KVPool(mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
@@ -398,13 +396,15 @@ class LLMEngine:
             extra["cuda_graphs"] = self.graphs.stats()
         m = self.model.cfg.mla
         if m is not None:
-            elem = torch.empty((), dtype=DTYPES[self.spec.dtype]).element_size()
+            n_layers, dtype = self.model.cfg.num_layers, DTYPES[self.spec.dtype]
             extra["latent"] = {
                 "kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim,
-                "bytes_per_token": self.model.cfg.num_layers * m.latent_dim * elem,
-                # what K and V of every head would take: heads x (qk_nope + qk_rope + v_head_dim) per layer
-                "dense_equivalent_bytes_per_token": self.model.cfg.num_layers * self.model.cfg.num_heads
-                * (m.qk_head_dim + m.v_head_dim) * elem}
+                "bytes_per_token": latent_bytes_per_token(n_layers, m, dtype, cfg.kv_dtype),
+                # what K and V of every head would take, stored alike (int8: a scale per token and head
+                # for K and for V): heads x (qk_nope + qk_rope + v_head_dim) values per layer
+                "dense_equivalent_bytes_per_token": bytes_per_token(n_layers, self.model.cfg.num_heads, m.qk_head_dim,
+                                                                    cfg.kv_dtype, dtype) // 2
+                + bytes_per_token(n_layers, self.model.cfg.num_heads, m.v_head_dim, cfg.kv_dtype, dtype) // 2}
         if self.model.cfg.moe is not None:
             extra["moe"] = {"num_experts": self.model.cfg.moe.num_experts, "top_k": self.model.cfg.moe.top_k,
                             "experts_touched_last_step": getattr(self, "experts_touched", None)}

@@ -16,7 +16,8 @@ DeepSeek's RoPE is interleaved (`rope_interleave`, the default): the rope dims a
 ones first, then odd ones (`deinterleave`), which turns it into the halves-rotated RoPE of
 model.Model.rotate; queries and keys are permuted alike, so their dot products are DeepSeek's.
 
-`LatentPool` is the paged store: [layers, blocks, block_size, latent] in the model's dtype, one
+`LatentPool` is the paged store: [layers, blocks, block_size, latent] in the model's dtype, or
+int8 / fp8 as kv_cache.KVPool stores K and V (int8: one float32 scale per token and layer), one
 block table per sequence managed by the ordinary block_manager.BlockManager.
 `MLAStepAttention` is a step's attention (write the chunk's latents, then decode chunks
 together against their gathered blocks, prefill chunks one by one: fresh ones against their
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.reference.attention import causal_mask, is_decode, length_mask, padded_tables
+from adapters.reference.kv_cache import STORE_DTYPES, dequantise, quantise
 
 
 @dataclass(frozen=True)
@@ -62,33 +64,55 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
-def latent_bytes_per_token(num_layers: int, mla: MLAConfig, dtype: torch.dtype) -> int:
-    return num_layers * mla.latent_dim * torch.empty((), dtype=dtype).element_size()
+def latent_bytes_per_token(num_layers: int, mla: MLAConfig, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    """Latent bytes for one token, all layers: (rank + rope) values per layer, as `kv_dtype` stores
+    them, plus for int8 one float32 scale per token and layer (the latent is one "head" shared by
+    every head, so it has one scale, as kv_cache.bytes_per_token has one per token and KV head)."""
+    if kv_dtype == "int8":
+        per_layer = mla.latent_dim + 4  # int8 values + one float32 scale
+    elif kv_dtype == "fp8":
+        per_layer = mla.latent_dim
+    else:
+        per_layer = mla.latent_dim * torch.empty((), dtype=dtype).element_size()
+    return num_layers * per_layer
 
 
 class LatentPool:
-    """The paged latent cache: one pre-allocated tensor [layers, total_blocks, block_size, latent]."""
-
-    kv_dtype = "auto"
+    """The paged latent cache: one pre-allocated tensor [layers, total_blocks, block_size, latent],
+    in the model's dtype or quantised as kv_cache.KVPool quantises K and V (`kv_dtype` int8: int8
+    values and a float32 scale per token and layer in `scale` [layers, total_blocks, block_size],
+    scale = max|latent| / 127 over the token's rank + rope values; fp8: float8 e4m3 in uint8,
+    clamped to +-448, no scale). Reads dequantise to the model's dtype."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, mla: MLAConfig,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kv_dtype: str = "auto"):
         self.num_blocks, self.block_size, self.total_blocks = num_blocks, block_size, num_blocks
-        self.latent = torch.zeros(num_layers, num_blocks, block_size, mla.latent_dim, dtype=dtype, device=device)
-        self.bytes_per_token = latent_bytes_per_token(num_layers, mla, dtype)
-        self.nbytes = self.latent.numel() * self.latent.element_size()
+        self.kv_dtype, self.model_dtype = kv_dtype, dtype
+        store = STORE_DTYPES.get(kv_dtype, dtype)
+        self.latent = torch.zeros(num_layers, num_blocks, block_size, mla.latent_dim, dtype=store, device=device)
+        self.scale = None
+        if kv_dtype == "int8":
+            self.scale = torch.zeros(num_layers, num_blocks, block_size, dtype=torch.float32, device=device)
+        self.bytes_per_token = latent_bytes_per_token(num_layers, mla, dtype, kv_dtype)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.latent, self.scale) if t is not None)
         assert self.nbytes == self.bytes_per_token * num_blocks * block_size
 
     def rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return blocks * self.block_size + offsets
 
     def write(self, layer: int, rows: torch.Tensor, latent: torch.Tensor) -> None:
-        self.latent[layer].view(-1, self.latent.shape[-1]).index_copy_(0, rows, latent)
+        q, s = quantise(latent, self.kv_dtype)
+        self.latent[layer].view(-1, self.latent.shape[-1]).index_copy_(0, rows, q)
+        if self.scale is not None:
+            self.scale[layer].view(-1).index_copy_(0, rows, s)
 
     def gather(self, layer: int, tables: torch.Tensor) -> torch.Tensor:
-        """[B, n] block tables -> [B, n * block_size, latent]."""
+        """[B, n] block tables -> [B, n * block_size, latent] in the model's dtype."""
         b, n = tables.shape
-        return self.latent[layer].index_select(0, tables.reshape(-1)).view(b, n * self.block_size, -1)
+        ids = tables.reshape(-1)
+        x = self.latent[layer].index_select(0, ids)
+        s = None if self.scale is None else self.scale[layer].index_select(0, ids)
+        return dequantise(x, s, self.kv_dtype, self.model_dtype).view(b, n * self.block_size, -1)
 
 
 class MLAStepAttention:
