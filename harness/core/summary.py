@@ -8,6 +8,8 @@ from typing import Any
 def _cell(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
+    if fmt in ("ms", "mib") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return str(value)  # not a number (an adapter's bug): shown as it is, the table still printed
     if fmt == "ms":
         return f"{value * 1e3:.2f}"
     if fmt == "mib":
