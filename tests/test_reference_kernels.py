@@ -37,6 +37,7 @@ from adapters.reference.kernels_cuda import CudaStepAttention, paged_decode_torc
 from adapters.reference.kv_cache import KVPool
 from adapters.reference.model import Linear, ModelConfig
 from adapters.reference.scheduler import Chunk
+from harness.core.env import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
 LENGTHS = (5, 17, 33, 40)
@@ -84,17 +85,9 @@ def plain(spec):
 
 # ---- the private oneDNN API ---------------------------------------------------
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-
-
 # oneDNN's bf16 linear needs these (its own error names them); on a CPU without them (an AVX2-only
 # AMD EPYC, say) the probe must refuse bf16 and the engine take the plain path.
-CPU_FLAGS = _cpu_flags()
+CPU_FLAGS = set(cpu_flags())
 ONEDNN_BF16 = "avx_ne_convert" in CPU_FLAGS or {"avx512bw", "avx512vl", "avx512dq"} <= CPU_FLAGS
 NO_ONEDNN_BF16 = ("this CPU lacks what oneDNN's bf16 linear needs (avx_ne_convert, or avx512bw + avx512vl + "
                   "avx512dq): the reference engine runs bf16 on the plain path here")
