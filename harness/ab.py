@@ -24,6 +24,11 @@ left only where both sides lack the value; it is listed and never turns FAILED i
 `--allow-missing` accepts missing candidate values (a deliberate change of points) and compares
 the complete rounds.
 
+`--relative-to ENGINE` also compares every other engine's value divided by ENGINE's in the same
+run ("reference/hf"): on a machine whose speed changes from minute to minute the ratio of two
+engines measured in one run moves less than either (the rows of each engine alone stay in the
+table and in the verdict).
+
 `--baseline-override` / `--candidate-override` add overrides to one side only, so the same tool
 compares two configurations of one tree (e.g. `engine_options.reference.kv_cache=none`).
 
@@ -200,6 +205,28 @@ def run_medians(results: Path, metrics: list[str]) -> Values:
     return out
 
 
+def relative(values: Values, control: str) -> Values:
+    """`values` (one run's medians) plus, for every other engine's (point, metric), the value
+    divided by the `control` engine's in the same run, under the engine name "ENGINE/CONTROL":
+    the ratio of the two engines (e.g. reference/hf output tok/s), in which whatever slowed the
+    whole run down (a busy neighbour, a slower minute of the machine) cancels. Where the control's
+    value is missing the ratio is the reason, so that the comparison fails closed."""
+    out = dict(values)
+    for (engine, point, metric), v in values.items():
+        if point is None or engine == control or "/" in str(engine):
+            continue
+        c = values.get((control, point, metric))
+        name = f"{engine}/{control}"
+        if isinstance(v, tuple) and isinstance(c, tuple):
+            out[(name, point, metric)] = (v[0] / c[0], v[1] / c[1])
+        elif isinstance(v, tuple):
+            why = c if isinstance(c, str) else (values.get((control, None, None)) or "no value")
+            out[(name, point, metric)] = f"the control engine {control}: {why}"
+        else:
+            out[(name, point, metric)] = v
+    return out
+
+
 def _why_missing(values: Values, key: tuple) -> str:
     v = values.get(key)
     if isinstance(v, str):
@@ -256,6 +283,22 @@ def paired(rounds: list[tuple[Values, Values]], metrics: list[str], threshold: f
             ratio=math.exp(float(logs.mean())), ci_low=lo, ci_high=hi, verdict=verdict(lo, hi, better, threshold),
             round_ratios=[round(float(math.exp(v)), 4) for v in logs]))
     return out
+
+
+def compare(rounds: list[tuple[Values, Values]], metrics: list[str], threshold: float, allow_missing: bool = False,
+            relative_to: str | None = None) -> list[PairResult]:
+    """paired() over the rounds, and with `relative_to` also over every engine's ratio to that
+    engine (relative()). A control engine that no run measured is a failed row: nothing relative
+    was compared."""
+    if not relative_to:
+        return paired(rounds, metrics, threshold, allow_missing=allow_missing)
+    results = paired([(relative(a, relative_to), relative(b, relative_to)) for a, b in rounds], metrics, threshold,
+                     allow_missing=allow_missing)
+    if not any(k[0] == relative_to and k[1] is not None for a, b in rounds for k in list(a) + list(b)):
+        results.append(PairResult(f"*/{relative_to}", "-", ",".join(metrics), "-", None, None, None, None, None,
+                                  "failed", note=f"--relative-to {relative_to}: no run measured that engine "
+                                  "(name one of the engines the runs use, engines=[...])"))
+    return results
 
 
 VERDICTS = ("regressed", "failed", "improved", "unchanged", "new", "no-data")
@@ -317,6 +360,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-missing", action="store_true",
                     help="accept values missing from candidate rounds (a deliberate change of points): compare "
                          "the complete rounds instead of failing")
+    ap.add_argument("--relative-to", metavar="ENGINE",
+                    help="also compare every other engine's metric divided by this engine's in the same run "
+                         "(e.g. hf: the reference/hf ratio), which cancels whatever slowed a whole run down; "
+                         "the control engine must run in every round")
     ap.add_argument("--python", default=sys.executable, help="interpreter for both sides (default: this one)")
     ap.add_argument("--run-timeout-s", type=float, default=900.0, help="longest one infer-bench run may take")
     ap.add_argument("overrides", nargs="*", help="infer-bench overrides for both sides (after --)")
@@ -357,7 +404,7 @@ def run(argv: list[str]) -> int:
         for t in trees:
             remove_worktree(t)
         shutil.rmtree(work, ignore_errors=True)
-    results = paired(rounds, metrics, threshold, allow_missing=args.allow_missing)
+    results = compare(rounds, metrics, threshold, args.allow_missing, args.relative_to)
     return report(args, results, candidate_exits, threshold, base_commit, cand_commit, overrides, out)
 
 
@@ -400,7 +447,7 @@ def report(args: argparse.Namespace, results: list[PairResult], candidate_exits:
            "rounds": args.rounds, "method": METHOD, "allow_missing": args.allow_missing,
            "baseline_ref": args.baseline_ref, "baseline_commit": base_commit,
            "candidate": cand_commit or "working tree", "overrides": overrides,
-           "baseline_overrides": args.baseline_override, "candidate_overrides": args.candidate_override,
+           "relative_to": args.relative_to, "baseline_overrides": args.baseline_override, "candidate_overrides": args.candidate_override,
            "results": [asdict(r) for r in results]}
     verdict_file = Path(args.json) if args.json else out / "ab.json"
     atomic_write_text(verdict_file, json.dumps(doc, indent=2))

@@ -123,3 +123,51 @@ def test_run_medians_keeps_an_unavailable_engine_and_drops_values_that_are_not_p
     m = run_medians(f, ["decode_step_latency_s"])
     assert m[("reference", None, None)] == "unavailable: no torch here"
     assert ("hf", "k", "decode_step_latency_s") not in m
+
+
+HF = ("hf", KEY[1], KEY[2])
+REL = ("reference/hf", KEY[1], KEY[2])
+
+
+def two_engine_rounds(ref_effect: float, seed: int, n: int = 8):
+    """Rounds in which each whole run is slowed by its own factor (a noisy machine: 20 % spread),
+    both engines alike, plus 1 % noise per value; the candidate's reference is `ref_effect` times
+    slower."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        sides = []
+        for effect in (1.0, ref_effect):
+            run = rng.lognormal(0, 0.2)
+            sides.append({KEY: (run * effect * rng.lognormal(0, 0.01),) * 2, HF: (run * rng.lognormal(0, 0.01),) * 2})
+        out.append(tuple(sides))
+    return out
+
+
+def test_relative_to_a_control_engine_cancels_a_run_wide_slowdown():
+    from harness.ab import compare
+    rounds = two_engine_rounds(1.10, seed=3)
+    res = {r.engine: r for r in compare(rounds, [KEY[2]], 0.05, relative_to="hf")}
+    # each engine alone cannot resolve a 10 % change under 20 % run-to-run noise ...
+    assert res["reference"].verdict == "unchanged" and res["reference"].ci_high / res["reference"].ci_low > 1.2
+    # ... their ratio in the same run can
+    rel = res["reference/hf"]
+    assert rel.verdict == "regressed" and 1.05 < rel.ci_low and rel.ratio == pytest.approx(1.10, rel=0.03)
+    assert "hf/hf" not in res and overall(list(res.values()), [])[0] == "regressed"
+    same = {r.engine: r for r in compare(two_engine_rounds(1.0, seed=4), [KEY[2]], 0.05, relative_to="hf")}
+    assert same["reference/hf"].verdict == "unchanged"
+    assert 0.95 < same["reference/hf"].ci_low < same["reference/hf"].ci_high < 1.05
+
+
+def test_relative_to_fails_closed_without_the_control():
+    from harness.ab import compare
+    rounds = two_engine_rounds(1.0, seed=5, n=4)
+    rounds[2][1].pop(HF)  # the candidate's control value is missing in round 3
+    rounds[2][1][("hf", None, None)] = "unavailable: no transformers here"
+    res = {r.engine: r for r in compare(rounds, [KEY[2]], 0.05, relative_to="hf")}
+    assert res["reference/hf"].verdict == "failed"
+    assert "round 3" in res["reference/hf"].note and "the control engine hf: unavailable" in res["reference/hf"].note
+    # a control that no run measured: a failed row, not a silently missing comparison
+    res = compare(rounds_of([1.0] * 3, [1.0] * 3), [KEY[2]], 0.05, relative_to="vllm")
+    assert res[0].verdict == "unchanged" and res[-1].verdict == "failed" and "no run measured" in res[-1].note
+    assert overall(res, [])[0] == "failed"
