@@ -404,13 +404,43 @@ def test_deepseek_fused_expert_tensors_load_as_the_per_expert_ones(family_ckpt, 
 
 # ---- latent attention -----------------------------------------------------------------------------
 
-def test_latent_rope_dimensions_swapped_fails(family_ckpt, monkeypatch):
+@pytest.mark.parametrize("form", ["expand", "absorb"])
+def test_latent_rope_dimensions_swapped_fails(form, family_ckpt, monkeypatch):
     """The latent split with its rope part taken from the front instead of the back."""
     path = family_ckpt("deepseek-v3")
     hf_baseline(path)
     monkeypatch.setattr(ref_model, "split_latent", lambda kv, rank, rope: (kv[..., rope:rope + rank], kv[..., :rope]))
-    problems, fields = parity_problems(path)
+    problems, fields = parity_problems(path, {"mla_attention": form})
     assert problems, fields
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3-no-q-lora", "deepseek-v3-moe"])
+def test_absorbed_latent_decode_matches_transformers_in_float32(family, family_ckpt):
+    """kv_b folded into the query and the output (mla_attention=absorb): the same tokens and
+    float32 scores as transformers' expanded attention; and chunked on the plain kernels."""
+    for options in ({"mla_attention": "absorb"},
+                    {"mla_attention": "absorb", "kernels": "plain", "max_num_batched_tokens": 40}):
+        problems, fields = parity_problems(family_ckpt(family), options)
+        assert not problems, (options, problems, fields)
+
+
+@pytest.mark.parametrize("form", ["expand", "absorb"])
+def test_the_absorbed_decode_reads_the_latents_without_expanding_them(form, family_ckpt, monkeypatch):
+    """With absorb no decode step up-projects the cached latents (prefill still does); with expand
+    every decode step does."""
+    from adapters.reference import mla
+
+    e = load(family_ckpt("deepseek-v3"), mla_attention=form)
+    try:
+        e.prefill([list(range(3, 43)), list(range(5, 20))])
+        expanded = []
+        real = mla.MLAStepAttention.expand
+        monkeypatch.setattr(mla.MLAStepAttention, "expand",
+                            lambda self, layer, latent: expanded.append(latent.shape) or real(self, layer, latent))
+        e.decode(3)
+        assert (expanded == []) == (form == "absorb"), expanded
+    finally:
+        e.close()
 
 
 def test_the_latent_cache_holds_rank_plus_rope_per_token_and_layer(family_ckpt):

@@ -14,6 +14,7 @@ KV_CACHE_MODES = ("on", "none")
 KV_LAYOUTS = ("paged", "contiguous")
 KV_DTYPES = ("auto", "int8", "fp8")
 KERNELS = ("auto", "plain")
+MLA_FORMS = ("expand", "absorb")
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: the pool on CPU when kv_cache_bytes is null (at most)
 
 
@@ -46,6 +47,9 @@ class EngineConfig:
         "auto: the device's fast paths (oneDNN on CPU; SDPA, Triton, CUDA graphs on CUDA) | plain: the "
         "plain-PyTorch reference path only"))
     cuda_graphs: bool = spec(True, help="CUDA with kernels=auto: decode steps replayed from CUDA graphs")
+    mla_attention: str = spec("expand", choices=MLA_FORMS, help=(
+        "latent-attention (MLA) models' decode: expand (up-project every cached latent through kv_b each step) | "
+        "absorb (kv_b folded into the query and the output: attention reads the latents as stored)"))
     step_delay_frac: float = spec(0.0, ge=0, le=10, help=(
         "a deliberate handicap for calibrating regression gates: each step busy-waits this fraction of its "
         "own time (0.25: 25 % slower); 0: off"))

@@ -171,7 +171,8 @@ class LLMEngine:
         if self.groups:
             attention = partial(GroupedStepAttention, groups=self.groups, full_attention=attention)
         if mcfg.mla is not None:
-            attention = partial(MLAStepAttention, kv_b=[layer.mla["kv_b"] for layer in self.model.layers], mla=mcfg.mla)
+            attention = partial(MLAStepAttention, kv_b=[layer.mla["kv_b"] for layer in self.model.layers], mla=mcfg.mla,
+                                form=cfg.mla_attention)
         self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs)
         self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
         self._next_id = 0

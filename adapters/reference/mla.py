@@ -9,8 +9,18 @@ and only that vector is cached: (kv_lora_rank + qk_rope_head_dim) x element byte
 layer, for all heads together (dense K/V would keep heads x (qk_nope + qk_rope + v_head_dim)).
 Attention *decompresses* what it reads: kv_b_proj(c) gives each head's k_nope and v; a head's
 key is [k_nope, k_rot] (k_rot shared by every head), its query [q_nope, RoPE(q_rot)]; the scale
-is 1 / sqrt(qk_nope + qk_rope). (The other way, absorbing kv_b_proj into the query and the
-output, reads the latent without expanding it; it is not implemented here.)
+is 1 / sqrt(qk_nope + qk_rope).
+
+Decode has two forms (engine option `mla_attention`), equal in exact arithmetic:
+- `expand`: as above, every step up-projects every cached latent of the sequence through kv_b
+  (rank x heads x (qk_nope + v) multiply-adds per cached token and layer);
+- `absorb`: kv_b's key half W_uk [heads, qk_nope, rank] is folded into the query and its value
+  half W_uv [heads, v, rank] into the output, so attention reads the latents as they are
+  stored: q_lat = q_nope W_uk (per head), score = q_lat . c + q_rot . k_rot, o_lat = sum p c,
+  o = o_lat W_uv^T (heads x (rank + rope) x 2 per cached token and layer, plus a fixed
+  heads x rank x (qk_nope + v) per query). Prefill always expands (many queries share each
+  expanded key: the product is done once per token there, as vLLM does too). Which is faster
+  here is measured in docs/reference-engine.md.
 
 DeepSeek's RoPE is interleaved (`rope_interleave`, the default): the rope dims are taken even
 ones first, then odd ones (`deinterleave`), which turns it into the halves-rotated RoPE of
@@ -120,8 +130,8 @@ class MLAStepAttention:
     qk_head_dim] and the new latents [T, latent]. `kv_b[layer]` is the layer's kv_b_proj."""
 
     def __init__(self, pool: LatentPool | None, chunks: list, num_heads: int, device: torch.device,
-                 kv_b: list, mla: MLAConfig):
-        self.pool, self.kv_b, self.mla, self.heads = pool, kv_b, mla, num_heads
+                 kv_b: list, mla: MLAConfig, form: str = "expand"):
+        self.pool, self.kv_b, self.mla, self.heads, self.form = pool, kv_b, mla, num_heads, form
         self.scale = mla.qk_head_dim ** -0.5
         spans = [(c.seq, c.start, c.end) for c in chunks]
         self.num_decode = sum(1 for _, s, e in spans if pool is not None and is_decode(s, e))
@@ -158,6 +168,20 @@ class MLAStepAttention:
         k = torch.cat([k_nope, k_rot.unsqueeze(-2).expand(*k_rot.shape[:-1], self.heads, m.qk_rope_head_dim)], dim=-1)
         return k, v
 
+    def absorbed_decode(self, layer: int, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The absorbed form (module docstring): q [B, heads, qk_head_dim], latent [B, L, rank + rope]
+        as stored, mask [B, L] -> [B, heads * v_head_dim]."""
+        m = self.mla
+        w = self.kv_b[layer].weight.view(self.heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w_uk, w_uv = w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]  # [H, nope, rank], [H, v, rank]
+        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c, k_rot = latent[..., :m.kv_lora_rank], latent[..., m.kv_lora_rank:]
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        s = torch.einsum("bhr,blr->bhl", q_lat, c) + torch.einsum("bhd,bld->bhl", q_rot, k_rot)
+        p = s.float().mul_(self.scale).add_(mask[:, None]).softmax(dim=-1).to(q.dtype)
+        o_lat = torch.einsum("bhl,blr->bhr", p, c)
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv).reshape(q.shape[0], -1)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, R, H, dq], k [B, L, H, dq], v [B, L, H, dv], mask [B or 1, R, L] -> [B, R, H * dv]."""
         s = torch.einsum("brhd,blhd->bhrl", q, k).float().mul_(self.scale).add_(mask[:, None])
@@ -170,7 +194,10 @@ class MLAStepAttention:
             self.pool.write(layer, self.rows, latent)
         t = q.shape[0]
         out = torch.empty(t, self.heads * self.mla.v_head_dim, dtype=q.dtype, device=q.device)
-        if self.num_decode:
+        if self.num_decode and self.form == "absorb":
+            out[:self.num_decode] = self.absorbed_decode(layer, q[:self.num_decode],
+                                                         self.pool.gather(layer, self.decode_tables), self.decode_mask)
+        elif self.num_decode:
             k, v = self.expand(layer, self.pool.gather(layer, self.decode_tables))
             out[:self.num_decode] = self.attend(q[:self.num_decode, None], k, v, self.decode_mask[:, None])[:, 0]
         for offset, start, end, table, mask in self.prefills:

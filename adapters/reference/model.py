@@ -453,7 +453,7 @@ class Model:
         `moe` (routed and shared experts) on the layers after the first `first_k_dense_replace`."""
         a, mlp, m = p + "self_attn.", p + "mlp.", self.cfg.mla
         w = {"kv_a": make_linear(take(a + "kv_a_proj_with_mqa.weight"), take(a + "kv_a_proj_with_mqa.bias", False)),
-             "kv_a_norm": take(a + "kv_a_layernorm.weight"), "kv_b": make_linear(take(a + "kv_b_proj.weight"), None)}
+             "kv_a_norm": take(a + "kv_a_layernorm.weight"), "kv_b": Linear(take(a + "kv_b_proj.weight"))}  # plain: the absorbed decode reads its weight (mla.py)
         if m.q_lora_rank is None:
             w["q"] = make_linear(take(a + "q_proj.weight"), None)
         else:
