@@ -11,6 +11,7 @@ Read it in this order (the plain-PyTorch path, which holds the reference semanti
     attention.py      attention through the block table (prefill, cached prefix, decode, windows)
     layer_groups.py   layers grouped by window: a pool, blocks and tables per group; windows free blocks
     mla.py            latent attention (DeepSeek-V3) over a paged latent cache
+    gemma.py          Gemma 3 on model.py's decoder: its norms, MLP, attention scale, two RoPE tables
     runner.py         one step: inputs in, greedy tokens out
     llm_engine.py     the engine: all of the above wired together, with the online API a server
                       drives (add_request / step / abort; harness/serve.py) and score()

@@ -2,24 +2,27 @@
 
 The reference engine (model.py) runs LLaMA, Mistral (with or without its window), Qwen2 and Qwen3
 (qk-norm; per-layer full or sliding attention from `layer_types`), the MoE families Qwen3-MoE and
-Mixtral, and DeepSeek-V3 (latent attention; its routed experts with sigmoid scores, the gate's
-correction bias, group-limited top-k and shared experts, after its leading dense layers); plain,
-linear or llama3 RoPE. Anything else a shape says (another family, chunked or linear-attention
-layers, sinks) it refuses in one line naming what it lacks. The harness calls this at plan time
+Mixtral, DeepSeek-V3 (latent attention; its routed experts with sigmoid scores, the gate's
+correction bias, group-limited top-k and shared experts, after its leading dense layers) and
+Gemma 3 text (gemma.py: its (1 + w) norms, four per layer, qk-norm, query_pre_attn_scalar,
+gelu-tanh MLP, scaled embeddings, a RoPE table per layer type); plain, linear or llama3 RoPE.
+Anything else a shape says (another family such as Gemma 2, chunked or linear-attention layers,
+sinks, a multimodal wrapper's checkpoint) it refuses in one line naming what it lacks. The harness calls this at plan time
 (adapters.unsupported_model), so the engine's row is `unavailable` with that line and parity takes
 transformers as its base. Widen it together with model.py (its SUPPORTED_ARCHITECTURES and
 family_fields, which refuse the same things at load). model.py also refuses at load what a shape
 does not carry: a DeepSeek-V3 config whose scoring_func is not sigmoid, or whose n_group does not
-divide its experts.
+divide its experts; a Gemma 3 config with logit softcapping, bidirectional attention, another
+hidden_activation or another local (sliding_attention) rope_type (gemma.gemma_config).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gemma3_text")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")  # routed experts the engine computes
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text")
 LATENT_FAMILIES = ("deepseek_v3",)
 ROPE_TYPES = ("linear", "llama3")
 KINDS = ("full", "sliding", "latent")
@@ -32,6 +35,8 @@ def unsupported_reason(shape: Any) -> str | None:
     arch = shape.architecture
     if arch not in FAMILIES:
         lacks.append(f"the {arch} family")
+    elif (shape.hf_architecture or "").endswith("ForConditionalGeneration"):  # e.g. Gemma 3's image-text model
+        lacks.append(f"the {shape.hf_architecture} checkpoint (its language model's *ForCausalLM only)")
     kinds = sorted(set(shape.layer_kinds()) - set(KINDS))
     if kinds:
         lacks.append(f"{' and '.join(kinds)} attention layers")

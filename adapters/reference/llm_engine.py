@@ -40,7 +40,7 @@ from adapters.reference.layer_groups import (
     GroupedBlockManager, GroupedPool, GroupedStepAttention, bytes_per_token_of, group_blocks, layer_groups,
 )
 from adapters.reference.mla import LatentPool, MLAStepAttention, latent_bytes_per_token
-from adapters.reference.model import Model, ModelConfig
+from adapters.reference.model import Model, ModelConfig, model_class
 from adapters.reference.runner import ModelRunner, StepOutput
 from adapters.reference.scheduler import Scheduler, Sequence
 from harness import __version__
@@ -145,7 +145,7 @@ class LLMEngine:
         mcfg = ModelConfig.from_dir(model.path)
         dtype = DTYPES[model.dtype]
         self.kernels = kernels.select(self.device, dtype, cfg)
-        self.model: Model | None = Model(mcfg, model.path, dtype, self.device, max_len=model.max_model_len,
+        self.model: Model | None = model_class(mcfg)(mcfg, model.path, dtype, self.device, max_len=model.max_model_len,
                                          make_linear=self.kernels.make_linear, rows=self.kernels.rows)
         # what load() reports (LoadInfo.details)
         self.details: dict[str, Any] = {"options": vars(cfg).copy(), "architecture": mcfg.architecture,

@@ -1,6 +1,7 @@
 """A LLaMA-family decoder in plain PyTorch: LLaMA, Mistral (with its sliding window), Qwen2, Qwen3
-(qk-norm), the mixture-of-experts families Qwen3-MoE and Mixtral, and DeepSeek-V3 (latent
-attention, mla.py; its routed and shared experts).
+(qk-norm), the mixture-of-experts families Qwen3-MoE and Mixtral, DeepSeek-V3 (latent
+attention, mla.py; its routed and shared experts) and Gemma 3 (gemma.py: its norms, MLP, scale
+and two RoPE tables on this decoder).
 
 The forward pass works on a *flat* batch: the new tokens of every scheduled sequence laid end to
 end ([T] token ids with their positions), so the linear layers never see padding. Attention is
@@ -30,6 +31,9 @@ Families (read from the checkpoint's transformers config, see `family_fields`):
   `topk_group` best of `n_group` groups), weighted by their un-biased scores (renormalised when
   `norm_topk_prob`, times `routed_scaling_factor`); a shared SwiGLU expert runs on every token
   beside them. Its first `first_k_dense_replace` layers keep a dense MLP.
+- Gemma 3 (`gemma`, gemma.GemmaModel): its sliding layers (`layer_types`, as Qwen3's) rotate
+  with their own RoPE table (`local_cos`/`local_sin`, `LayerWeights.local_rope`) and the
+  embeddings are scaled (`embed_scale`); the rest (norms, MLP, attention scale) is gemma.py's.
 
 This is the plain path. The device's kernels (kernels.py) may replace `Linear` (on a CPU:
 weights packed once for oneDNN, residual adds fused; kernels_cpu.py) and the slicing of long
@@ -42,6 +46,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +55,14 @@ from adapters.reference.mla import MLAConfig, deinterleave, rms, split_latent
 from harness.core.errors import UserError
 from harness.core.presets import shape_from_hf_config
 
+if TYPE_CHECKING:
+    from adapters.reference.gemma import GemmaConfig
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
-QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # per-layer kinds in layer_types
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# per-layer kinds in layer_types
+LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM")
 ROWS = 1024  # CPU: tokens per slice of the token-wise parts of a layer (see in_slices)
 
@@ -109,6 +118,7 @@ class ModelConfig:
     windows: tuple[int | None, ...] | None = None  # per layer: the sliding window, None for full; None: all full
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # latent attention (DeepSeek-V3): every layer; see mla.py
+    gemma: GemmaConfig | None = None  # Gemma 3's extras (gemma.py)
 
     def window(self, layer: int) -> int | None:
         return None if self.windows is None else self.windows[layer]
@@ -195,7 +205,20 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
     elif arch == "MixtralForCausalLM":
         out["moe"] = MoEConfig(int(hf.num_local_experts), int(hf.num_experts_per_tok), int(hf.intermediate_size),
                                True, False, (True,) * n, "mixtral")
+    elif arch == "Gemma3ForCausalLM":
+        from adapters.reference.gemma import gemma_config
+
+        out["gemma"] = gemma_config(path, hf)
     return out
+
+
+def model_class(cfg: ModelConfig) -> type[Model]:
+    """The decoder class for this config: Model, or gemma.GemmaModel for Gemma 3."""
+    if cfg.gemma is not None:
+        from adapters.reference.gemma import GemmaModel
+
+        return GemmaModel
+    return Model
 
 
 def deepseek_moe(path: str | Path, hf, experts: int, dense: int, n: int) -> MoEConfig:
@@ -347,6 +370,26 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     moe: MoE | None = None
     mla: dict | None = None  # latent attention's matrices and norms (mla.py); qkv is None then
+    # Gemma 3 (gemma.py): norms of the attention's and of the MLP's output, before each residual add
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    local_rope: bool = False  # rotated with the model's local RoPE table (Gemma 3's sliding layers)
+
+
+def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
+    """The parts concatenated along rows (fused weights); None when the first is (an absent bias)."""
+    return None if parts[0] is None else torch.cat(parts).contiguous()
+
+
+def rope_tables(inv_freq: torch.Tensor, length: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] for every position, computed in float32 and stored in
+    `dtype`; the first half of rotate_half(x) is -x2, so -sin is stored there (see Model.rotate)."""
+    freqs = torch.outer(torch.arange(length, dtype=torch.float), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    half = emb.shape[-1] // 2
+    sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -376,9 +419,6 @@ class Model:
             if t is None and required:
                 raise ValueError(f"{path}: the checkpoint lacks {name}.")
             return None if t is None else t.to(device=device, dtype=as_dtype).contiguous()
-
-        def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
-            return None if parts[0] is None else torch.cat(parts).contiguous()
 
         def experts(p: str, i: int) -> MoE:
             """Layer i's router and experts: per-expert matrices, or transformers' fused 3-D ones."""
@@ -417,6 +457,9 @@ class Model:
             if cfg.mla is not None:
                 self.layers.append(self._mla_layer(p, take, make_linear, experts(p, i) if sparse else None))
                 continue
+            if cfg.gemma is not None:
+                self.layers.append(self._gemma_layer(i, take, make_linear))
+                continue
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=make_linear(cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
@@ -442,11 +485,14 @@ class Model:
                              f"{' ...' if len(unused) > 5 else ''}. Use engine hf for this model.")
         # cos/sin for every position, computed once in float32 and stored in the model's dtype
         self.rope_len = max(cfg.max_position_embeddings, max_len)
-        freqs = torch.outer(torch.arange(self.rope_len, dtype=torch.float), rope_inv_freq(cfg))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        half = cfg.head_dim // 2  # the first half of rotate_half(x) is -x2: store -sin there
-        self.sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1).to(device=device, dtype=dtype)
+        self.cos, self.sin = rope_tables(rope_inv_freq(cfg), self.rope_len, device, dtype)
+        # Gemma 3 (gemma.GemmaModel sets them): the local layers' table, the embeddings' scale
+        self.local_cos: torch.Tensor | None = None
+        self.local_sin: torch.Tensor | None = None
+        self.embed_scale: torch.Tensor | None = None
+
+    def _gemma_layer(self, i: int, take, make_linear) -> LayerWeights:
+        raise NotImplementedError("a Gemma 3 config is loaded by gemma.GemmaModel (model_class)")
 
     def _mla_layer(self, p: str, take, make_linear, moe: MoE | None) -> LayerWeights:
         """A DeepSeek-V3 layer: latent attention's matrices (mla.py) and a dense SwiGLU MLP, or
@@ -493,7 +539,8 @@ class Model:
                 v for v in layer.mla.values() if not isinstance(v, torch.Tensor)]
             norms += [v for v in (layer.mla or {}).values() if isinstance(v, torch.Tensor)]
             linears += layer.moe.linears() if layer.moe else [layer.gate_up, layer.down]
-            norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
+            norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                                  layer.attn_out_norm, layer.mlp_out_norm) if t is not None]
             if layer.moe is not None and layer.moe.bias is not None:
                 norms.append(layer.moe.bias)
         return sum(x.nbytes for x in linears) + sum(t.numel() * t.element_size() for t in norms)
@@ -535,7 +582,12 @@ class Model:
         t = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        local = None  # Gemma 3: the local layers' cos/sin
+        if self.local_cos is not None:
+            local = self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:  # Gemma 3: times sqrt(hidden_size), in the model's dtype
+            x = x * self.embed_scale
         if c.moe is not None:
             for layer in self.layers:
                 if layer.moe is not None:
@@ -556,7 +608,10 @@ class Model:
             if layer.q_norm is not None:  # qk-norm: each head's Q and K normalised before RoPE
                 qn, kn = qk.split([c.num_heads, c.num_kv_heads], dim=1)
                 qk = torch.cat([self.rms_norm(qn, layer.q_norm), self.rms_norm(kn, layer.k_norm)], dim=1)
-            qk = self.rotate(qk, cos, sin)
+            if local is not None and layer.local_rope:
+                qk = self.rotate(qk, *local)
+            else:
+                qk = self.rotate(qk, cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].view(t, c.num_kv_heads, c.head_dim)
             o = attend(i, q, k, v)  # [T, heads * head_dim]
