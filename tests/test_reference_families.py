@@ -415,11 +415,12 @@ def test_latent_rope_dimensions_swapped_fails(form, family_ckpt, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v3-no-q-lora", "deepseek-v3-moe"])
-def test_absorbed_latent_decode_matches_transformers_in_float32(family, family_ckpt):
-    """kv_b folded into the query and the output (mla_attention=absorb): the same tokens and
-    float32 scores as transformers' expanded attention; and chunked on the plain kernels."""
-    for options in ({"mla_attention": "absorb"},
-                    {"mla_attention": "absorb", "kernels": "plain", "max_num_batched_tokens": 40}):
+def test_expanded_latent_decode_matches_transformers_in_float32(family, family_ckpt):
+    """The default (mla_attention=absorb: kv_b folded into the query and the output) is what the
+    family tests above check; the expanded form (every cached latent up-projected per step, as
+    transformers does) gives the same tokens and float32 scores; and chunked on the plain kernels."""
+    for options in ({"mla_attention": "expand"},
+                    {"mla_attention": "expand", "kernels": "plain", "max_num_batched_tokens": 40}):
         problems, fields = parity_problems(family_ckpt(family), options)
         assert not problems, (options, problems, fields)
 

@@ -47,9 +47,10 @@ class EngineConfig:
         "auto: the device's fast paths (oneDNN on CPU; SDPA, Triton, CUDA graphs on CUDA) | plain: the "
         "plain-PyTorch reference path only"))
     cuda_graphs: bool = spec(True, help="CUDA with kernels=auto: decode steps replayed from CUDA graphs")
-    mla_attention: str = spec("expand", choices=MLA_FORMS, help=(
+    mla_attention: str = spec("absorb", choices=MLA_FORMS, help=(
         "latent-attention (MLA) models' decode: expand (up-project every cached latent through kv_b each step) | "
-        "absorb (kv_b folded into the query and the output: attention reads the latents as stored)"))
+        "absorb (kv_b folded into the query and the output: attention reads the latents as stored; 1.6-6x faster "
+        "decode on tiny-deepseek-v3, docs/reference-engine.md)"))
     step_delay_frac: float = spec(0.0, ge=0, le=10, help=(
         "a deliberate handicap for calibrating regression gates: each step busy-waits this fraction of its "
         "own time (0.25: 25 % slower); 0: off"))

@@ -130,7 +130,7 @@ class MLAStepAttention:
     qk_head_dim] and the new latents [T, latent]. `kv_b[layer]` is the layer's kv_b_proj."""
 
     def __init__(self, pool: LatentPool | None, chunks: list, num_heads: int, device: torch.device,
-                 kv_b: list, mla: MLAConfig, form: str = "expand"):
+                 kv_b: list, mla: MLAConfig, form: str = "absorb"):
         self.pool, self.kv_b, self.mla, self.heads, self.form = pool, kv_b, mla, num_heads, form
         self.scale = mla.qk_head_dim ** -0.5
         spans = [(c.seq, c.start, c.end) for c in chunks]
