@@ -142,19 +142,12 @@ class KVPool:
         for b in fresh:
             self.used[b] = 1
 
-    # ---- quantisation -------------------------------------------------------------------
-    def _quantise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return quantise(x, self.kv_dtype)
-
-    def _dequantise(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        return dequantise(x, scale, self.kv_dtype, self.model_dtype)
-
     # ---- write and read -----------------------------------------------------------------
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V of tokens [T, kv_heads, head_dim] in `rows` (see `rows()`)."""
         d = k.shape[-1]
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            q, s = self._quantise(x)
+            q, s = quantise(x, self.kv_dtype)
             cache[layer].view(-1, d).index_copy_(0, rows, q.reshape(-1, d))
             if scales is not None:
                 scales[layer].view(-1).index_copy_(0, rows, s.reshape(-1))
@@ -187,7 +180,7 @@ class KVPool:
             else:
                 x = x.reshape(-1, self.block_size * d).index_select(0, rows)
                 s = None if s is None else s.reshape(-1, self.block_size).index_select(0, rows)
-            x = self._dequantise(x.view(-1, d), None if s is None else s.reshape(-1))
+            x = dequantise(x.view(-1, d), None if s is None else s.reshape(-1), self.kv_dtype, self.model_dtype)
             out.append(x.view(self.kv_heads, b, -1, d))
         return out[0], out[1]
 
