@@ -10,6 +10,8 @@ made by swapping one of our own functions for a plausibly wrong variant."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -43,6 +45,16 @@ def family_configs():
                                              moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
         "mixtral": MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
         "mistral-window": MistralConfig(**_common(sliding_window=48)),
+        # YaRN: 4x a trained context of 64 positions (the prompts run past it); with mscale / mscale_all_dim
+        # on DeepSeek (its softmax scale corrected too)
+        "qwen3-yarn": Qwen3Config(**_common(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                             "original_max_position_embeddings": 64})),
+        "deepseek-v3-yarn": DeepseekV3Config(**_common(
+            num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                             "mscale": 0.707, "mscale_all_dim": 0.707})),
         "qwen3-alternating": Qwen3Config(**_common(num_hidden_layers=4, use_sliding_window=True, sliding_window=48,
                                                    layer_types=["sliding_attention", "full_attention"] * 2)),
         # latent attention; every layer dense
@@ -131,7 +143,7 @@ def parity_problems(path, options=None) -> tuple[list[str], dict]:
 
 
 FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "mistral-window", "qwen3-alternating", "deepseek-v3",
-            "deepseek-v3-no-q-lora", "deepseek-v3-moe"]
+            "deepseek-v3-no-q-lora", "deepseek-v3-moe", "qwen3-yarn", "deepseek-v3-yarn"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -491,3 +503,42 @@ def test_kv_cache_bytes_is_checked_against_the_latent_size(family_ckpt):
     assert ReferenceEngine.check_options({"kv_cache_bytes": latent_one_sequence}, spec) == []
     problems = ReferenceEngine.check_options({"kv_cache_bytes": latent_one_sequence - 1}, spec)
     assert len(problems) == 1 and "320 bytes per token" in problems[0]
+
+
+# ---- YaRN RoPE --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bug", ["attention factor left out", "frequencies not blended", "score factor left out"])
+def test_yarn_bugs_fail(bug, family_ckpt, monkeypatch):
+    """Each part of YaRN matters: cos/sin times the attention factor, the frequencies kept /
+    interpolated / blended by dim, and (DeepSeek, mscale_all_dim) the softmax scale's correction."""
+    family = "deepseek-v3-yarn" if bug == "score factor left out" else "qwen3-yarn"
+    path = family_ckpt(family)
+    hf_baseline(path)
+    if bug == "attention factor left out":
+        monkeypatch.setattr(ref_model, "rope_attention_factor", lambda cfg: 1.0)
+    elif bug == "frequencies not blended":  # every frequency interpolated (plain linear scaling)
+        monkeypatch.setattr(ref_model, "yarn_inv_freq", lambda inv_freq, s, theta, n: inv_freq / float(s["factor"]))
+    else:
+        monkeypatch.setattr(ref_model, "mla_score_factor", lambda rope: 1.0)
+    problems, fields = parity_problems(path)
+    assert problems, fields
+
+
+def test_yarn_factors_are_transformers():
+    """The factors the engine multiplies by are the ones transformers' own YaRN computes
+    (DeepSeek: its attention factor is mscale / mscale_all_dim, 1 when they are equal; the softmax
+    correction mscale(factor, mscale_all_dim) squared)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for family in ("qwen3-yarn", "deepseek-v3-yarn"):
+        hf = family_configs()[family]
+        inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+        cfg = ref_model.ModelConfig(architecture="x", num_layers=1, hidden_size=hf.hidden_size, num_heads=4,
+                                    num_kv_heads=2, head_dim=inv_freq.numel() * 2, intermediate_size=1, vocab_size=1,
+                                    rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=dict(hf.rope_parameters),
+                                    max_position_embeddings=hf.max_position_embeddings, tie_word_embeddings=False)
+        assert torch.allclose(ref_model.rope_inv_freq(cfg), inv_freq, rtol=1e-6)
+        assert ref_model.rope_attention_factor(cfg) == pytest.approx(attention)
+    assert ref_model.rope_attention_factor(cfg) == pytest.approx(1.0)  # DeepSeek's equal mscales
+    assert ref_model.mla_score_factor(dict(family_configs()["deepseek-v3-yarn"].rope_parameters)) == \
+        pytest.approx((0.1 * 0.707 * math.log(4.0) + 1) ** 2)

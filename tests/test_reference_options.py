@@ -113,7 +113,9 @@ def test_fp8_needs_a_recent_gpu(monkeypatch):
     ({"architectures": ["GPTNeoXForCausalLM"]}, "architecture GPTNeoXForCausalLM is not supported"),
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
       "layer_types": ["chunked_attention", "full_attention"]}, "validate_layer_type"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type yarn"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}}, "rope_type dynamic"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
 ])
 def test_unsupported_checkpoint(tiny_ckpt, tmp_path, change, message):
     ckpt = tmp_path / "ckpt"

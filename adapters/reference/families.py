@@ -5,7 +5,7 @@ The reference engine (model.py) runs LLaMA, Mistral (with or without its window)
 Mixtral, DeepSeek-V3 (latent attention; its routed experts with sigmoid scores, the gate's
 correction bias, group-limited top-k and shared experts, after its leading dense layers) and
 Gemma 3 text (gemma.py: its (1 + w) norms, four per layer, qk-norm, query_pre_attn_scalar,
-gelu-tanh MLP, scaled embeddings, a RoPE table per layer type); plain, linear or llama3 RoPE.
+gelu-tanh MLP, scaled embeddings, a RoPE table per layer type); plain, linear, llama3 or YaRN RoPE.
 Anything else a shape says (another family such as Gemma 2, chunked or linear-attention layers,
 sinks, a multimodal wrapper's checkpoint) it refuses in one line naming what it lacks. The harness calls this at plan time
 (adapters.unsupported_model), so the engine's row is `unavailable` with that line and parity takes
@@ -24,7 +24,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deeps
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")  # routed experts the engine computes
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text")
 LATENT_FAMILIES = ("deepseek_v3",)
-ROPE_TYPES = ("linear", "llama3")
+ROPE_TYPES = ("linear", "llama3", "yarn")
 KINDS = ("full", "sliding", "latent")
 
 

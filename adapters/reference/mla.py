@@ -53,6 +53,7 @@ class MLAConfig:
     v_head_dim: int
     q_lora_rank: int | None  # None: one q_proj; else q_a_proj -> RMSNorm -> q_b_proj
     rope_interleave: bool
+    score_factor: float = 1.0  # YaRN's mscale_all_dim correction of the softmax scale (model.mla_score_factor)
 
     @property
     def latent_dim(self) -> int:
@@ -132,7 +133,7 @@ class MLAStepAttention:
     def __init__(self, pool: LatentPool | None, chunks: list, num_heads: int, device: torch.device,
                  kv_b: list, mla: MLAConfig, form: str = "absorb"):
         self.pool, self.kv_b, self.mla, self.heads, self.form = pool, kv_b, mla, num_heads, form
-        self.scale = mla.qk_head_dim ** -0.5
+        self.scale = mla.qk_head_dim ** -0.5 * mla.score_factor
         spans = [(c.seq, c.start, c.end) for c in chunks]
         self.num_decode = sum(1 for _, s, e in spans if pool is not None and is_decode(s, e))
         if pool is not None:

@@ -64,6 +64,7 @@ QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # per-layer kinds in layer_types
 LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM")
+ROPE_TYPES = ("linear", "llama3", "yarn")  # besides the default
 ROWS = 1024  # CPU: tokens per slice of the token-wise parts of a layer (see in_slices)
 
 
@@ -136,9 +137,12 @@ class ModelConfig:
             raise ValueError(f"architecture {arch} is not supported by the reference engine "
                              f"(it runs {', '.join(SUPPORTED_ARCHITECTURES)}). Use engine hf for this model.")
         rope = shape.rope_scaling
-        if rope and rope["rope_type"] not in ("linear", "llama3"):
+        if rope and rope["rope_type"] not in ROPE_TYPES:
             raise ValueError(f"rope_type {rope['rope_type']} is not supported by the reference engine "
-                             "(default, linear and llama3 are).")
+                             f"(default, {', '.join(ROPE_TYPES)} are).")
+        if rope and float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError(f"rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']} is not supported "
+                             "by the reference engine (RoPE over the whole head only).")
         extra = family_fields(path, arch, shape)
         return cls(
             architecture=arch,
@@ -196,12 +200,12 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
         if experts > 0 and dense < n:
             out["moe"] = deepseek_moe(path, hf, experts, dense, n)
         rope = dict(getattr(hf, "rope_parameters", None) or {})
-        if rope.get("rope_type", "default") != "default":
+        if rope.get("rope_type", "default") not in ("default", "yarn"):
             raise ValueError(f"{path}: DeepSeek-V3 with rope_type {rope['rope_type']} is not supported by the "
-                             "reference engine (default RoPE only).")
+                             "reference engine (default and yarn RoPE are).")
         out["mla"] = MLAConfig(int(hf.kv_lora_rank), int(hf.qk_rope_head_dim), int(hf.qk_nope_head_dim),
                                int(hf.v_head_dim), None if hf.q_lora_rank is None else int(hf.q_lora_rank),
-                               bool(hf.rope_interleave))
+                               bool(hf.rope_interleave), mla_score_factor(rope))
     elif arch == "MixtralForCausalLM":
         out["moe"] = MoEConfig(int(hf.num_local_experts), int(hf.num_experts_per_tok), int(hf.intermediate_size),
                                True, False, (True,) * n, "mixtral")
@@ -239,13 +243,51 @@ def deepseek_moe(path: str | Path, hf, experts: int, dense: int, n: int) -> MoEC
                      shared_intermediate_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts or 0))
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times the trained one: 0.1 m ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_factor(s: dict, max_position_embeddings: int) -> float:
+    """YaRN's `factor`; a config without one (DeepSeek's may) means max / original positions."""
+    if s.get("factor") is not None:
+        return float(s["factor"])
+    return max_position_embeddings / float(s["original_max_position_embeddings"])
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: 1, or under YaRN its attention factor (the config's
+    `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+    given, else mscale(factor)): transformers' choice, taken from the YaRN paper."""
+    s = cfg.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    f = yarn_factor(s, cfg.max_position_embeddings)
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(f, float(s["mscale"])) / yarn_mscale(f, float(s["mscale_all_dim"]))
+    return yarn_mscale(f)
+
+
+def mla_score_factor(rope: dict) -> float:
+    """DeepSeek's latent attention under YaRN with `mscale_all_dim`: its softmax scale is
+    qk_head_dim ** -0.5 times mscale(factor, mscale_all_dim) squared (every dim of q.k, not only
+    the rotated ones; DeepSeek's reference code and transformers' yarn_apply_mscale); else 1."""
+    if rope.get("rope_type", "default") == "default" or not rope.get("mscale_all_dim"):
+        return 1.0
+    return yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """The rotary frequencies (float32), with linear or Llama-3 scaling when configured."""
+    """The rotary frequencies (float32), with linear, Llama-3 or YaRN scaling when configured."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
+    if s["rope_type"] == "yarn":
+        return yarn_inv_freq(inv_freq, s, cfg.rope_theta, cfg.max_position_embeddings)
     factor = float(s["factor"])
     if s["rope_type"] == "linear":
         return inv_freq / factor
@@ -258,6 +300,28 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, s: dict, theta: float, max_positions: int) -> torch.Tensor:
+    """YaRN ("NTK-by-parts"): a frequency that turns more than `beta_fast` times over the trained
+    context (`original_max_position_embeddings`) is kept, one that turns fewer than `beta_slow`
+    times is divided by the factor, and the dims between are blended linearly (their bounds
+    rounded outwards unless `truncate` is false)."""
+    d = 2 * inv_freq.numel()
+    f = yarn_factor(s, max_positions)
+    trained = float(s["original_max_position_embeddings"])
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency turns `turns` times over the trained context
+        return d * math.log(trained / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(float(s.get("beta_fast") or 32)), dim_turning(float(s.get("beta_slow") or 1))
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    interpolated = ((torch.arange(d // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    return inv_freq * (1 - interpolated) + inv_freq / f * interpolated
 
 
 class Linear:
@@ -382,14 +446,15 @@ def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def rope_tables(inv_freq: torch.Tensor, length: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [length, head_dim] for every position, computed in float32 and stored in
-    `dtype`; the first half of rotate_half(x) is -x2, so -sin is stored there (see Model.rotate)."""
+                dtype: torch.dtype, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] for every position, computed in float32, times `factor`
+    (YaRN's attention factor, rope_attention_factor) and stored in `dtype`; the first half of
+    rotate_half(x) is -x2, so -sin is stored there (see Model.rotate)."""
     freqs = torch.outer(torch.arange(length, dtype=torch.float), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     half = emb.shape[-1] // 2
     sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+    return (emb.cos() * factor).to(device=device, dtype=dtype), (sin * factor).to(device=device, dtype=dtype)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -485,7 +550,7 @@ class Model:
                              f"{' ...' if len(unused) > 5 else ''}. Use engine hf for this model.")
         # cos/sin for every position, computed once in float32 and stored in the model's dtype
         self.rope_len = max(cfg.max_position_embeddings, max_len)
-        self.cos, self.sin = rope_tables(rope_inv_freq(cfg), self.rope_len, device, dtype)
+        self.cos, self.sin = rope_tables(rope_inv_freq(cfg), self.rope_len, device, dtype, rope_attention_factor(cfg))
         # Gemma 3 (gemma.GemmaModel sets them): the local layers' table, the embeddings' scale
         self.local_cos: torch.Tensor | None = None
         self.local_sin: torch.Tensor | None = None
