@@ -13,7 +13,7 @@ transformers as its base. Widen it together with model.py (its SUPPORTED_ARCHITE
 family_fields, which refuse the same things at load). model.py also refuses at load what a shape
 does not carry: a DeepSeek-V3 config whose scoring_func is not sigmoid, or whose n_group does not
 divide its experts; a Gemma 3 config with logit softcapping, bidirectional attention, another
-hidden_activation or another local (sliding_attention) rope_type (gemma.gemma_config).
+hidden_activation or another local (sliding_attention) rope_type (gemma_config.gemma_config).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from adapters.reference.layer_groups import (
     GroupedBlockManager, GroupedPool, GroupedStepAttention, bytes_per_token_of, group_blocks, layer_groups,
 )
 from adapters.reference.mla import LatentPool, MLAStepAttention, latent_bytes_per_token
-from adapters.reference.model import Model, ModelConfig, model_class
+from adapters.reference.gemma import GemmaModel
+from adapters.reference.model import Model, ModelConfig
 from adapters.reference.runner import ModelRunner, StepOutput
 from adapters.reference.scheduler import Scheduler, Sequence
 from harness import __version__
@@ -112,6 +113,11 @@ def _cuda_kv_budget(device: torch.device, cfg: EngineConfig, mcfg: ModelConfig,
     source = (f"{opt}={u} ({u} x {total} total bytes - {used} in use - {reserve} activation reserve)")
     return budget, source, {"total_bytes": total, "used_before_pool_bytes": used, "utilization": u,
                             "activation_reserve_bytes": reserve, "kv_budget_bytes": budget}
+
+
+def model_class(cfg: ModelConfig) -> type[Model]:
+    """The decoder class for this config: model.Model, or gemma.GemmaModel for Gemma 3."""
+    return GemmaModel if cfg.gemma is not None else Model
 
 
 def _spin(seconds: float) -> None:

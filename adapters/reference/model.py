@@ -56,7 +56,7 @@ from harness.core.errors import UserError
 from harness.core.presets import shape_from_hf_config
 
 if TYPE_CHECKING:
-    from adapters.reference.gemma import GemmaConfig
+    from adapters.reference.gemma_config import GemmaConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
@@ -210,19 +210,10 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
         out["moe"] = MoEConfig(int(hf.num_local_experts), int(hf.num_experts_per_tok), int(hf.intermediate_size),
                                True, False, (True,) * n, "mixtral")
     elif arch == "Gemma3ForCausalLM":
-        from adapters.reference.gemma import gemma_config
+        from adapters.reference.gemma_config import gemma_config
 
         out["gemma"] = gemma_config(path, hf)
     return out
-
-
-def model_class(cfg: ModelConfig) -> type[Model]:
-    """The decoder class for this config: Model, or gemma.GemmaModel for Gemma 3."""
-    if cfg.gemma is not None:
-        from adapters.reference.gemma import GemmaModel
-
-        return GemmaModel
-    return Model
 
 
 def deepseek_moe(path: str | Path, hf, experts: int, dense: int, n: int) -> MoEConfig:
@@ -557,7 +548,7 @@ class Model:
         self.embed_scale: torch.Tensor | None = None
 
     def _gemma_layer(self, i: int, take, make_linear) -> LayerWeights:
-        raise NotImplementedError("a Gemma 3 config is loaded by gemma.GemmaModel (model_class)")
+        raise NotImplementedError("a Gemma 3 config is loaded by gemma.GemmaModel (llm_engine.model_class)")
 
     def _mla_layer(self, p: str, take, make_linear, moe: MoE | None) -> LayerWeights:
         """A DeepSeek-V3 layer: latent attention's matrices (mla.py) and a dense SwiGLU MLP, or
