@@ -328,12 +328,11 @@ def test_a_shared_prefix_longer_than_the_window_reuses_only_the_window(family_ck
     assert first + got == want[0]
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-alternating", "deepseek-v3"])
-def test_online_api_with_continuous_batching(family, family_ckpt):
-    """Requests of different lengths joining while others decode give the fixed batch's tokens."""
+def check_online_api(path) -> None:
+    """Requests of different lengths joining while others decode give the fixed batch's tokens,
+    and every block goes back."""
     from adapters.base import Request
 
-    path = family_ckpt(family)
     ps = prompts()
     e = load(path, max_num_batched_tokens=64)
     try:
@@ -353,6 +352,11 @@ def test_online_api_with_continuous_batching(family, family_ckpt):
         assert e.kv_cache_info().blocks_in_use == 0  # every block went back
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-alternating", "deepseek-v3"])
+def test_online_api_with_continuous_batching(family, family_ckpt):
+    check_online_api(family_ckpt(family))
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3-moe"])

@@ -21,8 +21,7 @@ import torch
 from adapters.reference import attention as ref_attention
 from adapters.reference import gemma as ref_gemma
 from adapters.reference.model import ModelConfig
-from test_reference_families import _common, groups_of, hf_baseline, load, parity_problems, prompts
-from workloads.parity import greedy_tokens
+from test_reference_families import _common, check_online_api, groups_of, hf_baseline, load, parity_problems, prompts
 
 WINDOW = 16
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -170,28 +169,7 @@ def test_the_kv_estimate_matches_the_blocks_each_gemma_group_holds(gemma_ckpt):
 
 
 def test_gemma_online_api_with_continuous_batching(gemma_ckpt):
-    """Requests of different lengths joining while others decode give the fixed batch's tokens."""
-    from adapters.base import Request
-
-    ps = prompts()
-    e = load(gemma_ckpt, max_num_batched_tokens=64)
-    try:
-        want = greedy_tokens(e, ps, 6)
-        e.add_request(Request("r0", ps[0], 6))
-        got: dict = {"r0": [], "r1": [], "r2": []}
-        steps = 0
-        while e.has_work() or steps < 3:
-            if steps == 2:
-                e.add_request(Request("r1", ps[1], 6))
-            if steps == 3:
-                e.add_request(Request("r2", ps[2], 6))
-            for ev in e.step():
-                got[ev.request_id].append(ev.token_id)
-            steps += 1
-        assert [got["r0"], got["r1"], got["r2"]] == want
-        assert e.kv_cache_info().blocks_in_use == 0  # every block went back
-    finally:
-        e.close()
+    check_online_api(gemma_ckpt)
 
 
 # ---- what the engine refuses ---------------------------------------------------------------------
