@@ -104,13 +104,14 @@ def test_reference_refuses_at_plan_time_exactly_what_it_cannot_load(family_ckpts
         assert any(has and word in why for word, has in named.items()) or "family" in why, why
 
 
-def test_reference_runs_the_dense_families_and_gemma_and_alone_cannot_run_gpt_oss():
+def test_reference_runs_the_dense_families_gemma_and_gpt_oss_and_alone_cannot_run_qwen3_next():
     from harness.core.errors import UserError
     assert "reference" not in _plan("model=tiny", "engines=[reference,hf]").unavailable
     assert "reference" not in _plan("model=tiny-gemma3", "engines=[reference]").unavailable
-    with pytest.raises(UserError, match="no engine can run tiny-gpt-oss. reference: the reference engine runs.*"
-                                        "attention sinks"):
-        _plan("model=tiny-gpt-oss", "engines=[reference]")
+    assert "reference" not in _plan("model=tiny-gpt-oss", "engines=[reference]").unavailable
+    with pytest.raises(UserError, match="no engine can run tiny-qwen3-next. reference: the reference engine runs.*"
+                                        "linear attention"):
+        _plan("model=tiny-qwen3-next", "engines=[reference]")
 
 
 # ---- the transformers adapter's per-group report -------------------------------------------

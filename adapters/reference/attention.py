@@ -27,6 +27,11 @@ visible_from(p, W) = p - W + 1 <= j <= p (transformers' convention). Its decode 
 blocks of each sequence's window (at most ceil(W / block) + 1), and every mask hides the keys
 before the window; the blocks before it may already be back in the pool (layer_groups.py), their
 table entries pointing at the zeroed null block.
+
+Attention sinks (gpt-oss): a learned logit per query head, `sinks[layer][h]`, joins each row's
+softmax as one more column whose value is zero: p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i)).
+The probabilities of a row then add up to less than 1, so a head can attend to nothing. Only this
+plain path computes them (`softmax_with_sink`); the engine uses it for a model with sinks.
 """
 
 from __future__ import annotations
@@ -49,29 +54,49 @@ def is_decode(start: int, end: int) -> bool:
     return end - start == 1 and start > 0
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, rows: int) -> torch.Tensor:
+def softmax_with_sink(s: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim of float32 scores `s` with one more logit per row, `sink`
+    (broadcastable to s[..., :1]), whose probability is dropped: exp(s_j - m) / (exp(sink - m) +
+    sum_i exp(s_i - m)), m the row's largest logit, sink included. A row whose keys are all
+    masked (-inf) gets zeros."""
+    m = torch.maximum(s.amax(dim=-1, keepdim=True), sink)
+    e = (s - m).exp_()
+    return e.div_(e.sum(dim=-1, keepdim=True).add_((sink - m).exp()))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, rows: int,
+           sink: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v for grouped queries.
 
     q [..., kv_heads, G * rows, d] (the G query heads of a KV head, `rows` positions each);
     k, v [..., kv_heads, keys, d]; mask: additive float32, broadcastable to
-    [..., kv_heads, G, rows, keys]. Returns [..., kv_heads, G * rows, d]."""
+    [..., kv_heads, G, rows, keys]; sink: None, or float32 [heads] (softmax_with_sink).
+    Returns [..., kv_heads, G * rows, d]."""
     s = torch.matmul(q, k.transpose(-1, -2))
     s = s.view(*s.shape[:-2], -1, rows, s.shape[-1]).float().mul_(q.shape[-1] ** -0.5).add_(mask)
-    p = s.softmax(dim=-1).to(q.dtype)
+    if sink is None:
+        p = s.softmax(dim=-1).to(q.dtype)
+    else:  # head h = kv head * G + g
+        p = softmax_with_sink(s, sink.view(q.shape[-3], -1, 1, 1)).to(q.dtype)
     return torch.matmul(p.view(*q.shape[:-1], -1), v)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     sink: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence against its gathered context.
 
     q [B, heads, d]; k, v [kv_heads, B, L, d] (pool.gather); mask: additive float32 [B, L] (-inf
-    past each sequence's length). Returns [B, heads * d]. The G query heads of a KV head are its
-    G rows: scores [kv_heads, B, G, L] in one batched product."""
+    past each sequence's length); sink: None, or float32 [heads] (softmax_with_sink). Returns
+    [B, heads * d]. The G query heads of a KV head are its G rows: scores [kv_heads, B, G, L] in
+    one batched product."""
     kv_heads, b, _, d = k.shape
     heads = q.shape[1]
     qg = q.view(b, kv_heads, heads // kv_heads, d).transpose(0, 1)  # [kv_heads, B, G, d]
     s = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(d ** -0.5).add_(mask[None, :, None, :])
-    p = s.softmax(dim=-1).to(q.dtype)
+    if sink is None:
+        p = s.softmax(dim=-1).to(q.dtype)
+    else:
+        p = softmax_with_sink(s, sink.view(kv_heads, 1, -1, 1)).to(q.dtype)
     return torch.matmul(p, v).transpose(0, 1).reshape(b, heads * d)
 
 
@@ -119,8 +144,11 @@ class StepAttention:
     calls it once per layer. Subclasses (kernels_cuda.py) replace `decode` and `prefill`."""
 
     def __init__(self, pool: KVPool | None, chunks: list, num_heads: int, device: torch.device,
-                 score_budget: int = SCORE_BUDGET, window: int | None = None):
+                 score_budget: int = SCORE_BUDGET, window: int | None = None,
+                 sinks: list[torch.Tensor | None] | None = None):
+        """`sinks`: per layer (as `layer` counts), None or the layer's float32 [heads] sink logits."""
         self.pool, self.num_heads, self.score_budget, self.window = pool, num_heads, score_budget, window
+        self.sinks = sinks
         bs = pool.block_size if pool else 0
         spans = [(c.seq, c.start, c.end) for c in chunks]
         self.num_decode = sum(1 for _, s, e in spans if pool is not None and is_decode(s, e))
@@ -212,6 +240,8 @@ class StepAttention:
             self._gather_plan = rows, length_mask(self.decode_lens, keys)
         rows, mask = self._gather_plan
         kc, vc = self.pool.gather(layer, self.decode_tables, self.decode_len, rows)
+        if self.sinks is not None:
+            return decode_attention(q, kc, vc, mask, self.sinks[layer])
         return decode_attention(q, kc, vc, mask)
 
     def prefill(self, layer: int, g: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -228,8 +258,9 @@ class StepAttention:
             ks, vs = self.pool.read(layer, g.table, g.end)
         dest = out[span].view(g.count, n, heads * d)
         gq = heads // kv_heads
+        sink = None if self.sinks is None else self.sinks[layer]
         for r0, r1, mask in g.slices:  # query rows r0..r1 see keys up to their own position
             r, keys = r1 - r0, g.start + r1
             qr = qs[:, r0:r1].permute(0, 2, 1, 3).reshape(g.count, kv_heads, gq * r, d)
-            o = attend(qr, ks[:, :, :keys], vs[:, :, :keys], mask, r)
+            o = attend(qr, ks[:, :, :keys], vs[:, :, :keys], mask, r, sink)
             dest[:, r0:r1] = o.view(g.count, heads, r, d).transpose(1, 2).reshape(g.count, r, heads * d)

@@ -3,11 +3,13 @@
 The reference engine (model.py) runs LLaMA, Mistral (with or without its window), Qwen2 and Qwen3
 (qk-norm; per-layer full or sliding attention from `layer_types`), the MoE families Qwen3-MoE and
 Mixtral, DeepSeek-V3 (latent attention; its routed experts with sigmoid scores, the gate's
-correction bias, group-limited top-k and shared experts, after its leading dense layers) and
+correction bias, group-limited top-k and shared experts, after its leading dense layers),
 Gemma 3 text (gemma.py: its (1 + w) norms, four per layer, qk-norm, query_pre_attn_scalar,
-gelu-tanh MLP, scaled embeddings, a RoPE table per layer type); plain, linear, llama3 or YaRN RoPE.
+gelu-tanh MLP, scaled embeddings, a RoPE table per layer type) and gpt-oss (attention sinks,
+alternating windows, its biased router and clamped-SwiGLU experts with biases; unquantised
+weights: its MXFP4 checkpoints are refused at load); plain, linear, llama3 or YaRN RoPE.
 Anything else a shape says (another family such as Gemma 2, chunked or linear-attention layers,
-sinks, a multimodal wrapper's checkpoint) it refuses in one line naming what it lacks. The harness calls this at plan time
+sinks outside gpt-oss, a multimodal wrapper's checkpoint) it refuses in one line naming what it lacks. The harness calls this at plan time
 (adapters.unsupported_model), so the engine's row is `unavailable` with that line and parity takes
 transformers as its base. Widen it together with model.py (its SUPPORTED_ARCHITECTURES and
 family_fields, which refuse the same things at load). model.py also refuses at load what a shape
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gemma3_text")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")  # routed experts the engine computes
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gemma3_text", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")  # routed experts the engine computes
+SINK_FAMILIES = ("gpt_oss",)
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text")
 LATENT_FAMILIES = ("deepseek_v3",)
 ROPE_TYPES = ("linear", "llama3", "yarn")
@@ -46,8 +49,8 @@ def unsupported_reason(shape: Any) -> str | None:
         lacks.append(f"the {arch} family's routed experts ({shape.num_experts} experts)")
     if shape.qk_norm and arch not in QK_NORM_FAMILIES:
         lacks.append(f"qk-norm in the {arch} family")
-    if shape.attention_sinks:
-        lacks.append("attention sinks")
+    if shape.attention_sinks and arch not in SINK_FAMILIES:
+        lacks.append(f"attention sinks in the {arch} family")
     rope = (shape.rope_scaling or {}).get("rope_type")
     if rope and rope not in ROPE_TYPES:
         lacks.append(f"rope_type {rope}")

@@ -114,19 +114,23 @@ class _GroupChunk:
 class GroupedStepAttention:
     """One step's attention for a grouped model: a StepAttention per group, over that group's
     pool and tables; windowed groups use the plain path (the fused kernels know no window).
-    Without a cache (`pool` None) every group attends fresh chunks with its own mask."""
+    Without a cache (`pool` None) every group attends fresh chunks with its own mask. `sinks`
+    (gpt-oss; per model layer, attention.StepAttention's) go to each group's parts by the group's
+    own layer numbers; `full_attention` must then take them (the plain StepAttention does)."""
 
     def __init__(self, pool: GroupedPool | None, chunks: list, num_heads: int, device: torch.device,
-                 groups: list[LayerGroup], full_attention=attn.StepAttention):
+                 groups: list[LayerGroup], full_attention=attn.StepAttention,
+                 sinks: list[torch.Tensor | None] | None = None):
         self.parts = []
         for gi, g in enumerate(groups):
             sub = None if pool is None else pool.pools[gi]
             views = chunks if pool is None else [_GroupChunk(_GroupView(c.seq.group_tables[gi]), c.start, c.end)
                                                  for c in chunks]
+            extra = {} if sinks is None else {"sinks": [sinks[layer] for layer in g.layers]}
             if g.window is None:
-                self.parts.append(full_attention(sub, views, num_heads, device))
+                self.parts.append(full_attention(sub, views, num_heads, device, **extra))
             else:
-                self.parts.append(attn.StepAttention(sub, views, num_heads, device, window=g.window))
+                self.parts.append(attn.StepAttention(sub, views, num_heads, device, window=g.window, **extra))
         self.where = {layer: (gi, j) for gi, g in enumerate(groups) for j, layer in enumerate(g.layers)}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 
 from adapters.base import KVCacheInfo, ModelSpec, Request, TokenEvent, TokenScores, now_ns
 from adapters.reference import kernels
+from adapters.reference.attention import SCORE_BUDGET, StepAttention
 from adapters.reference.block_manager import BlockManager
 from adapters.reference.config import CPU_DEFAULT_KV_BYTES, EngineConfig, cross_field_problems
 from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
@@ -174,8 +175,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens)
         self.graphs = self._capture_graphs(max_seqs, max_len) if graphs else None
         attention = self.kernels.attention
+        sinks = [layer.sinks for layer in self.model.layers] if mcfg.attention_sinks else None
+        if sinks is not None:  # the fused kernels have no sink term: the plain path computes it (attention.py)
+            budget = kernels.GPU_SCORE_BUDGET if self.device.type == "cuda" else SCORE_BUDGET
+            attention = partial(StepAttention, score_budget=budget)
+            self.details["attention_sinks"] = "plain attention (attention.softmax_with_sink); the fused kernels have none"
         if self.groups:
-            attention = partial(GroupedStepAttention, groups=self.groups, full_attention=attention)
+            attention = partial(GroupedStepAttention, groups=self.groups, full_attention=attention, sinks=sinks)
+        elif sinks is not None:
+            attention = partial(attention, sinks=sinks)
         if mcfg.mla is not None:
             attention = partial(MLAStepAttention, kv_b=[layer.mla["kv_b"] for layer in self.model.layers], mla=mcfg.mla,
                                 form=cfg.mla_attention)

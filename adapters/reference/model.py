@@ -1,7 +1,7 @@
 """A LLaMA-family decoder in plain PyTorch: LLaMA, Mistral (with its sliding window), Qwen2, Qwen3
 (qk-norm), the mixture-of-experts families Qwen3-MoE and Mixtral, DeepSeek-V3 (latent
-attention, mla.py; its routed and shared experts) and Gemma 3 (gemma.py: its norms, MLP, scale
-and two RoPE tables on this decoder).
+attention, mla.py; its routed and shared experts), Gemma 3 (gemma.py: its norms, MLP, scale
+and two RoPE tables on this decoder) and gpt-oss (attention sinks, its experts).
 
 The forward pass works on a *flat* batch: the new tokens of every scheduled sequence laid end to
 end ([T] token ids with their positions), so the linear layers never see padding. Attention is
@@ -31,6 +31,15 @@ Families (read from the checkpoint's transformers config, see `family_fields`):
   `topk_group` best of `n_group` groups), weighted by their un-biased scores (renormalised when
   `norm_topk_prob`, times `routed_scaling_factor`); a shared SwiGLU expert runs on every token
   beside them. Its first `first_k_dense_replace` layers keep a dense MLP.
+- gpt-oss (GptOssForCausalLM): Q/K/V/O with biases; a learned attention sink per head and layer
+  (`LayerWeights.sinks`, float32; attention.softmax_with_sink); sliding and full layers from
+  `layer_types`; every layer sparse. Its router has a bias and takes the top k of the *logits*,
+  then a softmax over those k (`route_topk_softmax`). Its experts have biases and a clamped
+  SwiGLU (`clamped_swiglu`): gate clamped above at `swiglu_limit`, up to +-limit,
+  (up + 1) * gate * sigmoid(alpha * gate). transformers stores them fused and transposed,
+  gate_up_proj [E, hidden, 2I] with gate and up *interleaved* (columns 0, 2, 4, ... are the
+  gate's): they are transposed and de-interleaved at load (`gpt_oss_experts`). Its published
+  checkpoints keep the experts in MXFP4 (`*_blocks`, `*_scales`): refused at load.
 - Gemma 3 (`gemma`, gemma.GemmaModel): its sliding layers (`layer_types`, as Qwen3's) rotate
   with their own RoPE table (`local_cos`/`local_sin`, `LayerWeights.local_rope`) and the
   embeddings are scaled (`embed_scale`); the rest (norms, MLP, attention scale) is gemma.py's.
@@ -59,10 +68,11 @@ if TYPE_CHECKING:
     from adapters.reference.gemma_config import GemmaConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
+                           "GptOssForCausalLM")
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # per-layer kinds in layer_types
-LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM")
 ROPE_TYPES = ("linear", "llama3", "yarn")  # besides the default
 ROWS = 1024  # CPU: tokens per slice of the token-wise parts of a layer (see in_slices)
@@ -91,13 +101,18 @@ class MoEConfig:
     weights_in_model_dtype: bool  # Qwen3-MoE casts the routing weights to the model's dtype; Mixtral keeps float32
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
     # "qwen3_moe" and "deepseek_v3" (mlp.gate, mlp.experts.N.{gate,up,down}_proj) | "mixtral" (block_sparse_moe, w1/w3/w2)
+    # | "gpt_oss" (mlp.router with a bias, mlp.experts.{gate_up,down}_proj[_bias] fused; gpt_oss_experts)
     naming: str
-    # DeepSeek-V3 ("sigmoid"; see route_sigmoid). "softmax": Qwen3-MoE and Mixtral (route), the rest unused
+    # "softmax": Qwen3-MoE and Mixtral (route); "sigmoid": DeepSeek-V3 (route_sigmoid), with the fields
+    # below; "topk_softmax": gpt-oss (route_topk_softmax)
     scoring: str = "softmax"
     n_group: int = 1  # the experts in n_group equal groups, the choice limited to the topk_group best
     topk_group: int = 1
     scaling: float = 1.0  # routed_scaling_factor: the routing weights times this
     shared_intermediate_size: int = 0  # one shared SwiGLU expert of this size on every token (0: none)
+    # the experts' activation: SwiGLU, or gpt-oss's clamped one (swiglu_limit set; clamped_swiglu)
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # latent attention (DeepSeek-V3): every layer; see mla.py
     gemma: GemmaConfig | None = None  # Gemma 3's extras (gemma.py)
+    attention_sinks: bool = False  # a learned sink logit per head and layer (gpt-oss; attention.softmax_with_sink)
 
     def window(self, layer: int) -> int | None:
         return None if self.windows is None else self.windows[layer]
@@ -166,7 +182,7 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
     """What a family adds to the LLaMA shape (qk-norm, windows per layer, experts), read from the
     checkpoint's transformers config (its class supplies the family's defaults). LLaMA and a
     Qwen2/Mistral without a window need nothing more, and transformers is not imported."""
-    if arch not in QK_NORM + ("MixtralForCausalLM", "DeepseekV3ForCausalLM") and not shape.sliding_window:
+    if arch not in QK_NORM + ("MixtralForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM") and not shape.sliding_window:
         return {}
     from transformers import AutoConfig
 
@@ -209,6 +225,11 @@ def family_fields(path: str | Path, arch: str, shape) -> dict:
     elif arch == "MixtralForCausalLM":
         out["moe"] = MoEConfig(int(hf.num_local_experts), int(hf.num_experts_per_tok), int(hf.intermediate_size),
                                True, False, (True,) * n, "mixtral")
+    elif arch == "GptOssForCausalLM":  # every layer sparse; the router's softmax in the model's dtype
+        out["moe"] = MoEConfig(int(hf.num_local_experts), int(hf.num_experts_per_tok), int(hf.intermediate_size),
+                               False, True, (True,) * n, "gpt_oss", scoring="topk_softmax",
+                               swiglu_alpha=float(hf.swiglu_alpha), swiglu_limit=float(hf.swiglu_limit))
+        out["attention_sinks"] = True
     elif arch == "Gemma3ForCausalLM":
         from adapters.reference.gemma_config import gemma_config
 
@@ -343,6 +364,27 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights, ids
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's router: logits [T, experts] -> (weights [T, top_k], expert ids [T, top_k]): the
+    top k of the logits, then a softmax over those k only (in the logits' dtype, as transformers)."""
+    top, ids = logits.topk(top_k, dim=-1)
+    return top.softmax(dim=-1), ids
+
+
+def silu_glu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused [tokens, 2 x intermediate] gate-and-up output: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on [gate | up] (de-interleaved at load): the gate clamped
+    above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1).mul_(gate * torch.sigmoid(gate * alpha))
+
+
 def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                   renormalise: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's router: logits [T, experts] -> (weights [T, top_k] float32, expert ids [T, top_k]).
@@ -367,6 +409,27 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group:
     return weights * scaling, ids
 
 
+def gpt_oss_experts(base: str, m: MoEConfig, raw: dict, take, make_linear, path) -> MoE:
+    """gpt-oss's router (weight and bias) and experts from transformers' fused, transposed tensors:
+    gate_up_proj [E, hidden, 2I] with gate and up interleaved column by column (and its bias
+    [E, 2I]), down_proj [E, I, hidden] (bias [E, hidden]). Each expert becomes a gate_up Linear
+    [2I, hidden] with the gate's rows first, and a down Linear [hidden, I]."""
+    if base + "experts.gate_up_proj_blocks" in raw:
+        raise ValueError(f"{path}: the experts are stored in MXFP4 (experts.gate_up_proj_blocks / _scales, as gpt-oss's "
+                         "published checkpoints); the reference engine reads unquantised weights only. Use engine hf "
+                         "or vllm for this checkpoint, or save it dequantised.")
+    router = make_linear(take(base + "router.weight"), take(base + "router.bias"))
+    gu, gu_bias = take(base + "experts.gate_up_proj"), take(base + "experts.gate_up_proj_bias")
+    dn, dn_bias = take(base + "experts.down_proj"), take(base + "experts.down_proj_bias")
+    gate_up, down = [], []
+    for e in range(m.num_experts):
+        w = gu[e].t()  # [2I, hidden], rows gate0, up0, gate1, up1, ...
+        gate_up.append(make_linear(torch.cat([w[0::2], w[1::2]]).contiguous(),
+                                   torch.cat([gu_bias[e][0::2], gu_bias[e][1::2]]).contiguous()))
+        down.append(make_linear(dn[e].t().contiguous(), dn_bias[e].contiguous()))
+    return MoE(m, router, gate_up, down)
+
+
 class MoE:
     """A sparse MLP: a router and `num_experts` SwiGLU experts (gate and up fused per expert).
     DeepSeek-V3 (cfg.scoring "sigmoid") adds the router's correction `bias` (float32, as is its
@@ -376,6 +439,10 @@ class MoE:
                  bias: torch.Tensor | None = None, shared: tuple[Linear, Linear] | None = None):
         self.cfg, self.router, self.gate_up, self.down = cfg, router, gate_up, down
         self.bias, self.shared = bias, shared
+        if cfg.swiglu_limit is None:
+            self.activation: Callable[[torch.Tensor], torch.Tensor] = silu_glu
+        else:  # gpt-oss
+            self.activation = lambda gu: clamped_swiglu(gu, cfg.swiglu_alpha, cfg.swiglu_limit)
         self.touched: set[int] = set()  # experts that received a token since Model.forward began
 
     def linears(self) -> list[Linear]:
@@ -386,6 +453,8 @@ class MoE:
         c = self.cfg
         if c.scoring == "softmax":
             weights, ids = route(self.router(x), c.top_k, c.renormalise)
+        elif c.scoring == "topk_softmax":  # gpt-oss
+            weights, ids = route_topk_softmax(self.router(x), c.top_k)
         else:  # DeepSeek-V3: the router's product in float32 too (its weight is kept in float32)
             weights, ids = route_sigmoid(self.router(x.float()), self.bias, c.top_k, c.n_group, c.topk_group,
                                          c.renormalise, c.scaling)
@@ -404,8 +473,7 @@ class MoE:
             first += n
             self.touched.add(e)
             tokens = pairs // c.top_k
-            gate, up = self.gate_up[e](x[tokens]).chunk(2, dim=-1)
-            y = self.down[e](F.silu(gate).mul_(up))
+            y = self.down[e](self.activation(self.gate_up[e](x[tokens])))
             out.index_add_(0, tokens, y * w[pairs, None])
         if self.shared is not None:  # every token, weight 1
             gate, up = self.shared[0](x).chunk(2, dim=-1)
@@ -429,6 +497,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     local_rope: bool = False  # rotated with the model's local RoPE table (Gemma 3's sliding layers)
+    sinks: torch.Tensor | None = None  # [heads] float32: the attention sink logits (gpt-oss)
 
 
 def cat(*parts: torch.Tensor | None) -> torch.Tensor | None:
@@ -479,6 +548,8 @@ class Model:
         def experts(p: str, i: int) -> MoE:
             """Layer i's router and experts: per-expert matrices, or transformers' fused 3-D ones."""
             m = cfg.moe
+            if m.naming == "gpt_oss":
+                return gpt_oss_experts(p + "mlp.", m, raw, take, make_linear, path)
             if m.naming == "mixtral":
                 base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
             else:
@@ -530,6 +601,7 @@ class Model:
                 q_norm=take(attn + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=take(attn + "k_norm.weight") if cfg.qk_norm else None,
                 moe=experts(p, i) if sparse else None,
+                sinks=take(attn + "sinks", as_dtype=torch.float32) if cfg.attention_sinks else None,
             ))
         self.norm = take("norm.weight")
         lm_head = raw.pop("lm_head.weight", None)
@@ -596,7 +668,7 @@ class Model:
             norms += [v for v in (layer.mla or {}).values() if isinstance(v, torch.Tensor)]
             linears += layer.moe.linears() if layer.moe else [layer.gate_up, layer.down]
             norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
-                                  layer.attn_out_norm, layer.mlp_out_norm) if t is not None]
+                                  layer.attn_out_norm, layer.mlp_out_norm, layer.sinks) if t is not None]
             if layer.moe is not None and layer.moe.bias is not None:
                 norms.append(layer.moe.bias)
         return sum(x.nbytes for x in linears) + sum(t.numel() * t.element_size() for t in norms)
