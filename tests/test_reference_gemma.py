@@ -18,10 +18,10 @@ import shutil
 import pytest
 import torch
 
-from adapters.reference import attention as ref_attention
 from adapters.reference import gemma as ref_gemma
 from adapters.reference.model import ModelConfig
-from test_reference_families import _common, check_online_api, groups_of, hf_baseline, load, parity_problems, prompts
+from test_reference_families import (_common, check_online_api, hf_baseline, load, parity_problems, window_blocks_held,
+                                     window_off_by_one_problems)
 
 WINDOW = 16
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -124,31 +124,16 @@ def test_gemma_bugs_fail(bug, kernels, gemma_ckpt, monkeypatch):
 
 
 def test_gemma_window_off_by_one_fails(gemma_ckpt, monkeypatch):
-    hf_baseline(gemma_ckpt)
-    real = ref_attention.visible_from
-    monkeypatch.setattr(ref_attention, "visible_from", lambda pos, window: real(pos, window + 1))
-    problems, fields = parity_problems(gemma_ckpt, {"kernels": "plain"})
+    problems, fields = window_off_by_one_problems(gemma_ckpt, monkeypatch)
     assert problems, fields
 
 
 # ---- the paged cache and the online API ---------------------------------------------------------
 
 def test_a_gemma_window_holds_its_blocks_flat_while_full_layers_grow(gemma_ckpt):
-    e = load(gemma_ckpt)
-    kind = f"sliding({WINDOW})"
-    try:
-        held = []
-        for n in (20, 100, 300):
-            e.prefill([[3 + i % 200 for i in range(n)]])
-            e.decode(5)
-            g = groups_of(e)
-            assert g["full"]["blocks_in_use"] == -(-(n + 5) // 16)  # prompt + 5 tokens with K/V
-            held.append(g[kind]["blocks_in_use"])
-            assert held[-1] <= g[kind]["max_blocks_per_sequence"] == 2  # ceil(16 / 16) + 1
-            e.release()
-        assert held[1:] == [2, 2]
-    finally:
-        e.close()
+    held, bounds = window_blocks_held(gemma_ckpt, WINDOW)
+    assert all(h <= b == 2 for h, b in zip(held, bounds))  # ceil(16 / 16) + 1
+    assert held[1:] == [2, 2]
 
 
 def test_the_kv_estimate_matches_the_blocks_each_gemma_group_holds(gemma_ckpt):

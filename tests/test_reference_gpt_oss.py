@@ -22,7 +22,8 @@ import torch
 from adapters.reference import attention as ref_attention
 from adapters.reference import model as ref_model
 from adapters.reference.model import ModelConfig
-from test_reference_families import _common, check_online_api, groups_of, hf_baseline, load, parity_problems, prompts
+from test_reference_families import (_common, check_online_api, hf_baseline, load, parity_problems, prompts,
+                                     window_blocks_held, window_off_by_one_problems)
 
 WINDOW = 16
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -161,29 +162,15 @@ def test_swiglu_without_the_clamp_fails(gpt_oss_ckpt, monkeypatch):
 
 
 def test_window_off_by_one_fails(gpt_oss_ckpt, monkeypatch):
-    hf_baseline(gpt_oss_ckpt)
-    real = ref_attention.visible_from
-    monkeypatch.setattr(ref_attention, "visible_from", lambda pos, window: real(pos, window + 1))
-    problems, fields = parity_problems(gpt_oss_ckpt, {"kernels": "plain"})
+    problems, fields = window_off_by_one_problems(gpt_oss_ckpt, monkeypatch)
     assert problems, fields
 
 
 # ---- the paged cache, the online API, the experts ------------------------------------------------
 
 def test_the_window_holds_its_blocks_flat(gpt_oss_ckpt):
-    e = load(gpt_oss_ckpt)
-    try:
-        held = []
-        for n in (20, 100, 300):
-            e.prefill([[3 + i % 200 for i in range(n)]])
-            e.decode(5)
-            g = groups_of(e)
-            assert g["full"]["blocks_in_use"] == -(-(n + 5) // 16)
-            held.append(g[f"sliding({WINDOW})"]["blocks_in_use"])
-            e.release()
-        assert held[1:] == [2, 2]  # ceil(16 / 16) + 1 at most; 2 once the window spans two blocks
-    finally:
-        e.close()
+    held, _ = window_blocks_held(gpt_oss_ckpt, WINDOW)
+    assert held[1:] == [2, 2]  # ceil(16 / 16) + 1 at most; 2 once the window spans two blocks
 
 
 def test_online_api_with_continuous_batching(gpt_oss_ckpt):
