@@ -4,7 +4,8 @@ The semantics are fixed by docs/design.md ("The engine interface"):
 
 - load(model, options)  load weights from a local HF-format directory, allocate the KV cache
 - prefill(prompts)      run a batch of token-id lists until every sequence has its first token
-- decode(steps)         advance every live sequence by one token per step, `steps` times
+- decode(steps)         advance every live sequence by `steps` tokens (one engine step per token;
+                        with speculative decoding an engine step may emit several: DecodeResult)
 - release()             drop the live sequences and free their KV blocks
 - serve(requests, t0)   continuous batching: requests arrive at scheduled times (a list) or as a
                         RequestSource makes them due (a closed loop); yields one timestamped
@@ -180,11 +181,20 @@ class StepTiming:
 
 @dataclass
 class DecodeResult:
-    """`tokens[i][b]` is the token that step i produced for sequence b."""
+    """`tokens[i][b]` is sequence b's i-th new token (i < the `steps` asked for).
+
+    `steps` lists the engine steps that produced them. Without speculative decoding that is one
+    step per token (`steps[i]` produced `tokens[i]`). With it, one engine step (draft, then one
+    verifying forward pass) may emit 1 .. k + 1 tokens per sequence, so there are fewer steps
+    than tokens: `emitted[j][b]` is how many tokens step j gave sequence b (0 once b has its
+    `steps` tokens; tokens accepted beyond that are dropped, as a server drops them beyond
+    max_tokens), and `steps[j].num_tokens` is their sum. `emitted` is None when every step gave
+    every sequence exactly one token."""
 
     tokens: list[list[int]]
     steps: list[StepTiming]
     logits: list[Any] | None = None  # one [batch, vocab] tensor per step, only when asked for
+    emitted: list[list[int]] | None = None
 
     @property
     def step_latencies_s(self) -> list[float]:
@@ -214,6 +224,40 @@ class RequestFailed:
     request_id: str
     reason: str
     time_ns: int
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters, cumulative since load (`Engine.spec_decode_stats`); a
+    workload takes the difference over a point. The names follow vLLM's spec-decode metrics:
+
+    - `drafts`: draft proposals verified (one per sequence per speculative step that proposed at
+      least one token);
+    - `draft_tokens`: tokens proposed over all drafts (at most k each; n-gram lookup may propose
+      fewer, or none, when nothing matches);
+    - `accepted_tokens`: proposed tokens the target accepted (the bonus token the verifying pass
+      adds is not counted: each draft emits accepted + 1 tokens);
+    - `accepted_per_pos[i]`: drafts whose token at position i (0-based) was accepted;
+    - `draft_time_s`: time spent proposing (running the draft model, or the n-gram lookup),
+      None where the engine cannot say; `verify_time_s` likewise for the target's passes.
+
+    Derived (docs/metrics.md): acceptance rate = accepted_tokens / draft_tokens; mean acceptance
+    length = 1 + accepted_tokens / drafts. `source` says where the counters come from
+    ("engine": the engine's own counters; "metrics": a server's /metrics; "derived": the
+    adapter counted them from what it saw); `aggregate_only` names what a server reports only in
+    aggregate (e.g. SGLang's mean accept length, with no per-position counts)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_time_s: float | None = None
+    verify_time_s: float | None = None
+    source: str = "engine"
+    aggregate_only: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -271,6 +315,12 @@ class Capabilities:
     paged: bool = False  # the KV cache is split into blocks (block_size applies)
     logits: bool = False  # prefill/decode can return logits (for correctness checks)
     scores: bool = False  # score() gives teacher-forced log-probabilities (parity)
+    # speculative decoding methods this engine can run (values of STANDARD_OPTIONS'
+    # speculative_method, "none" excluded); () = it cannot speculate
+    speculative_methods: tuple[str, ...] = ()
+    # the largest batch (sequences decoding at once) it can speculate at, None = no limit
+    # (transformers' assisted generation: 1); a point beyond it is an `unsupported` row
+    speculative_max_batch: int | None = None
     options: tuple[str, ...] = ()  # option names accepted in engine_options.<name>
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,6 +341,12 @@ STANDARD_OPTIONS = {
     "kv_dtype": "auto | fp8 | int8 ... (KV-cache storage dtype)",
     "block_size": "tokens per KV block",
     "prefix_caching": "true | false",
+    # speculative decoding (docs/metrics.md, "Speculative decoding"); greedy verification always
+    "speculative_method": "none | ngram | draft | eagle | mtp (draft tokens proposed, the target verifies them in one pass)",
+    "num_speculative_tokens": "k: tokens proposed per speculative step (>= 1)",
+    "draft_model": "method draft: a model preset or a checkpoint directory sharing the target's tokenizer",
+    "prompt_lookup_min": "method ngram: the shortest n-gram matched against the sequence's own tokens",
+    "prompt_lookup_max": "method ngram: the longest n-gram matched (the longest match wins)",
 }
 
 
@@ -382,6 +438,11 @@ class Engine(ABC):
         """The point ended: extra row fields only the engine knows (e.g. a server's identity and
         the telemetry it collected since begin_point()). Default: none."""
         return {}
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters since load; None where the engine does not speculate
+        (or cannot say)."""
+        return None
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (between measured points). Engines without one: no-op."""
