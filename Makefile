@@ -21,7 +21,7 @@ VLLM_ARGS := engine_options.vllm.python=$(VLLM_VENV)/bin/python
 VLLM_ENV  := INFER_BENCH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
 endif
 
-.PHONY: venv demo test test-main test-vllm test-fast browser-deps clean
+.PHONY: venv demo test test-main test-vllm test-fast test-heavy browser-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -82,18 +82,22 @@ test:
 
 test-main: venv browser-deps
 	$(BIN)/lint-imports
-	INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_ENV) $(BIN)/pytest -m "" -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile \
+	INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_ENV) $(BIN)/pytest -m "not heavy" -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile \
 	    $(foreach g,$(MUST_RUN),--must-run $(g))
 
 test-vllm: $(VLLM_VENV)/.installed
 	@mkdir -p runs
 	@echo "vLLM's own tests (.venv-vllm), beside the set-up and the main suite: runs/test-vllm.log"
-	@INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_VENV)/bin/python -m pytest -m "" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
+	@INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_VENV)/bin/python -m pytest -m "not heavy" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
 	    tests/test_vllm*.py tests/test_trtllm*.py > runs/test-vllm.log 2>&1; code=$$?; \
 	  echo "---- vLLM's own tests (.venv-vllm), exit $$code:"; cat runs/test-vllm.log; exit $$code
 
 test-fast: venv
 	$(BIN)/pytest -q
+
+# The heaviest end-to-end tests (marker `heavy`: minutes each), outside CI's `make test`.
+test-heavy: venv
+	$(VLLM_ENV) $(BIN)/pytest -m heavy -q
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
