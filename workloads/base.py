@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -172,6 +172,9 @@ class RunContext:
     token_low: int = 4  # prompts draw token ids from [token_low, token_high) minus avoid_ids
     token_high: int = 4096
     avoid_ids: tuple[int, ...] = ()
+    # checkpoints besides the run's model that the workload names (Workload.models: a draft
+    # model), as the harness materialised them: reference as given -> local directory
+    models: dict[str, str] = field(default_factory=dict)
 
     def prompts(self, batch: int, length: int, key: str) -> list[list[int]]:
         return synthetic_prompts(batch, length, self.token_low, self.token_high, self.avoid_ids,
@@ -216,6 +219,20 @@ class Workload(ABC):
             return [f"workload: prompt + output lengths reach {need} tokens, more than the model's "
                     f"{shape.max_position_embeddings} positions (max_position_embeddings of {shape.name}). "
                     "Shorten the workload's prompt/output lengths or pick a model with more positions."]
+        return []
+
+    def models(self, cfg: Any) -> list[str]:
+        """Checkpoints besides the run's model that the points need (speculative decoding's draft
+        model): presets or checkpoint directories. The harness materialises each one, as it does
+        the run's model, and a worker maps a `draft_model` override naming one to its directory
+        (RunContext.models). Default: none."""
+        return []
+
+    def check_models(self, cfg: Any, model_path: str, models: dict[str, str]) -> list[str]:
+        """Problems that need the checkpoints on disk (the run's model at `model_path`, and
+        `models`: reference -> directory), checked in the harness's process after they are
+        materialised and before anything runs (exit 2): a draft's tokenizer against the target's.
+        Default: none."""
         return []
 
     def check_engines(self, cfg: Any, engines: dict[str, type[Engine]]) -> list[str]:
