@@ -282,6 +282,8 @@ def exit_reasons(rows: list[dict[str, Any]], plan: Any) -> list[str]:
         if r.get("status") == "unverified":
             reasons.append(f"{r['engine']}: {r.get('workload') or 'parity'} unverified: "
                            f"{(r.get('error') or '').splitlines()[0]}")
+    for w in plan.workloads:  # a workload's own verdict over the run (speculative: a lossless check that compared nothing)
+        reasons += w.workload.run_problems([r for r in rows if r.get("workload") == w.workload.name])
     if plan.settings.engines != "auto":
         for r in rows:
             if r.get("status") == "unavailable" and r.get("engine") in plan.engines:

@@ -214,6 +214,21 @@ def test_unverified_rows_set_the_exit_code():
                                        "of this engine without speculation"]
 
 
+def test_a_run_whose_lossless_check_verified_nothing_fails(ctx):
+    """Every speculative point skipped (no engine of the run speculates) or unverified: the run's exit
+    code says the check compared nothing; one verified point is enough to pass."""
+    wl = Speculative()
+    skipped = [{"engine": "hf", "workload": "speculative", "status": "skipped", "point": {"method": "ngram", "k": 2},
+                "error": "the engine cannot speculate with method ngram (its methods: none)"}]
+    base = [{"engine": "hf", "workload": "speculative", "status": "ok", "point": {"method": "none"},
+             "lossless": "baseline"}]
+    (why,) = wl.run_problems(base + skipped)
+    assert "verified no speculative point" in why and "cannot speculate with method ngram" in why
+    assert wl.run_problems(base) == []  # nothing speculative planned: nothing to verify
+    passed = [{**skipped[0], "status": "ok", "lossless": "pass", "engine": "reference"}]
+    assert wl.run_problems(base + skipped + passed) == []
+
+
 def test_per_request_accepted_counts_at_batch_1_add_up(ctx):
     row = measure(FakeSpecEngine("draft", k=3), "draft", 1, CFG, ctx)
     assert set(row["accepted_per_request"]) == set(row["output_token_ids"])

@@ -276,6 +276,11 @@ class Workload(ABC):
         pruned trial; the run fails only when no trial ran). Default: none."""
         return False
 
+    def run_problems(self, rows: list[dict[str, Any]]) -> list[str]:
+        """Why the run must fail beyond its rows' statuses, from this workload's rows (the exit
+        code's reasons): a check that compared nothing over the whole run. Default: none."""
+        return []
+
     def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Complete a row before it is written, after the generic steps (confidence intervals of
         every `*_samples` field), given the rows written so far. Default: nothing."""

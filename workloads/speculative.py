@@ -394,6 +394,16 @@ class Speculative(Workload):
         row["speedup_pairs"] = len(pairs)
         row["speedup_ci"] = list(ci) if ci else None
 
+    def run_problems(self, rows: list[dict[str, Any]]) -> list[str]:
+        """Fail closed over the run: speculative points were planned but not one of them passed the
+        lossless check (every one skipped - no engine here speculates -, failed or unverified)."""
+        spec = [r for r in rows if (r.get("point") or {}).get("method") not in (None, "none")]
+        if not spec or any(r.get("lossless") == "pass" for r in spec):
+            return []
+        why = sorted({f"{r['engine']}: {(r.get('error') or r.get('status') or '').splitlines()[0]}" for r in spec})
+        return [f"speculative: the lossless check verified no speculative point ({len(spec)} planned; "
+                + "; ".join(why[:4]) + (" ..." if len(why) > 4 else "") + ")"]
+
     # ---- the terminal summary -----------------------------------------------------------
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
         mine = [r for r in rows if r.get("workload") == self.name]
