@@ -15,7 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from adapters.base import Capabilities, Engine, KVCacheInfo, LoadInfo, SpecDecodeStats, TokenEvent, as_source, now_ns
+from adapters.base import (Capabilities, Engine, KVCacheInfo, LoadInfo, RequestFailed, SpecDecodeStats, TokenEvent,
+                           as_source, now_ns)
 from harness.core.presets import load_preset
 from harness.core.specdecode import accepted_agreement, counters_delta, lossless, spec_fields
 from workloads.base import Point, RunContext
@@ -171,7 +172,7 @@ def test_an_injected_verifier_bug_fails_the_lossless_check(ctx):
     Speculative().finalize_row(row, [base])
     assert row["status"] == "failed" and row["lossless"] == "fail"
     m = row["lossless_mismatch"]
-    exp, got = base["output_token_ids"][m["request"]], row["output_token_ids"][m["request"]]
+    exp, got = base["request_output_ids"][m["request"]], row["request_output_ids"][m["request"]]
     assert exp[:m["position"]] == got[:m["position"]] and exp[m["position"]] != got[m["position"]]
     assert (m["expected"], m["got"]) == (exp[m["position"]], got[m["position"]])
     assert f"request {m['request']}" in row["error"] and f"token {m['position']}" in row["error"]
@@ -185,19 +186,39 @@ def test_fail_closed_when_the_baseline_is_missing_failed_or_without_outputs(ctx)
     cases = {
         "missing": [],
         "failed": [{**base, "status": "failed", "error": "RuntimeError: boom"}],
-        "no outputs": [{**base, "output_token_ids": None}],
+        "no outputs": [{**base, "request_output_ids": None}],
         "other prompts": [{**base, "prompts_sha256": "0" * 16}],
-        "no token ids": [{**base, "output_token_ids": {k: [-1] * len(v) for k, v in base["output_token_ids"].items()}}],
-        "fewer requests": [{**base, "output_token_ids": dict(list(base["output_token_ids"].items())[:2])}],
+        "no token ids": [{**base, "request_output_ids": {k: [-1] * len(v) for k, v in base["request_output_ids"].items()}}],
+        "fewer requests": [{**base, "request_output_ids": dict(list(base["request_output_ids"].items())[:2])}],
     }
     for what, rows in cases.items():
         r = dict(row)
         wl.finalize_row(r, rows)
         assert r["status"] == "unverified" and r["lossless"] == "unverified", (what, r.get("lossless_detail"))
         assert r["error"].startswith("lossless check could not compare"), what
-    r = {**row, "output_token_ids": {}}
+    r = {**row, "request_output_ids": {}}
     wl.finalize_row(r, [base])
     assert r["status"] == "unverified"
+
+
+def test_a_request_that_failed_is_not_compared_but_leaves_the_row_unverified(ctx):
+    """A request that failed mid-stream (a server's error) is not a lossless failure: its partial
+    output is not compared, and the row cannot pass either."""
+    base = measure(FakeSpecEngine("none"), "none", 1, CFG, ctx)
+
+    class Failing(FakeSpecEngine):
+        def serve(self, requests, start_ns):
+            for ev in super().serve(requests, start_ns):
+                if ev.request_id == "r1" and ev.index == 5:
+                    yield RequestFailed("r1", "HTTP 500", ev.time_ns)
+                    continue
+                if ev.request_id == "r1" and ev.index > 5:
+                    continue
+                yield ev
+    row = measure(Failing("draft", k=3), "draft", 1, CFG, ctx)
+    assert row["failed_requests"] == 1 and "r1" not in row["request_output_ids"]
+    Speculative().finalize_row(row, [base])
+    assert row["status"] == "unverified" and "request r1" in row["lossless_detail"]
 
 
 def test_unverified_rows_set_the_exit_code():
@@ -231,7 +252,7 @@ def test_a_run_whose_lossless_check_verified_nothing_fails(ctx):
 
 def test_per_request_accepted_counts_at_batch_1_add_up(ctx):
     row = measure(FakeSpecEngine("draft", k=3), "draft", 1, CFG, ctx)
-    assert set(row["accepted_per_request"]) == set(row["output_token_ids"])
+    assert set(row["accepted_per_request"]) == set(row["request_output_ids"])
     assert sum(row["accepted_per_request"].values()) == row["spec_accepted_tokens"]
     b4 = measure(FakeSpecEngine("draft", k=3), "draft", 4, CFG, ctx)
     assert b4["accepted_per_request"] is None  # requests overlap: the counters cannot be split by request

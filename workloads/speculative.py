@@ -288,7 +288,7 @@ class Speculative(Workload):
             content_source=self.content(p["content"], ctx).source, content_digest=self.content(p["content"], ctx).digest,
             concurrency=b, load_mode="closed", tokens_per_step=tps, measured_output_tokens=row["total_output_tokens"],
             prompts_sha256=prompts_digest(reqs),
-            output_token_ids={t.request_id: t.token_ids for t in traces if t.token_ids},
+            request_output_ids={t.request_id: t.token_ids for t in done},  # a failed request: not compared
             request_tpot_s={t.request_id: t.tpot_s for t in done if t.tpot_s is not None},
             accepted_per_request=per_request, kv_info=info.to_dict(), **mem.row_fields(),
             **kv_memory_fields(info, peak=True))
@@ -357,7 +357,7 @@ class Speculative(Workload):
             self._unverified(row, f"its prompts ({row.get('prompts_sha256')}) are not those of the run without "
                                   f"speculation ({base.get('prompts_sha256')})")
             return
-        result = lossless(base.get("output_token_ids"), row.get("output_token_ids"),
+        result = lossless(base.get("request_output_ids"), row.get("request_output_ids"),
                           f"{row['engine']} without speculation")
         row.update(result.fields())
         if result.verdict == FAIL:
