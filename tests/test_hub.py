@@ -359,3 +359,42 @@ def test_every_engine_runs_a_hub_model_from_an_empty_cache(hf_env, tmp_path, fak
     assert {r["engine"] for r in rows} == {"reference", "hf", "vllm"}
     assert all(r["status"] == "ok" and r["model_id"] == MODEL and r["model_commit"] == commit for r in rows)
     assert {r["workload"] for r in rows} == {"sweep", "parity"}
+
+
+# ---- endpoints: a launched server serves the id, an attached one is sent it ---------------------------------
+
+def test_a_launched_server_serves_the_id_and_an_attached_one_is_sent_it(tmp_path):
+    import yaml
+
+    from adapters.base import ModelSpec, Request, now_ns
+    from adapters.endpoint import check_endpoint, endpoint_engine_class
+    from adapters.endpoint.engine import EndpointError
+    from fake_servers import FakeBehaviour, fake_app
+    from harness.core.paths import REPO_ROOT
+
+    snap = str(tmp_path / "snapshots" / "0123")
+    spec = ModelSpec(snap, "org/served", "float32", "cpu", 64, model_id="org/served")
+    raw = yaml.safe_load((REPO_ROOT / "conf" / "endpoint" / "vllm-serve.yaml").read_text())
+    cfg, problems = check_endpoint("vllm-serve", raw)
+    assert not problems, problems
+    command = endpoint_engine_class("vllm-serve", cfg)().launch_plan(spec, {}, port=8000)["command"]
+    assert command[command.index("--model") + 1] == snap and command[command.index("--served-model-name") + 1] == \
+        "org/served"
+
+    behaviour = FakeBehaviour()  # a FAKE OpenAI server: it lists "fake-model"
+    with serving(fake_app(behaviour)) as url:
+        cfg, problems = check_endpoint("attached", {"kind": "vllm", "url": url + "/v1"})
+        assert not problems, problems
+        eng = endpoint_engine_class("attached", cfg)()
+        eng.load(replace(spec, name="fake-model", model_id="fake-model"), {})
+        try:
+            list(eng.serve([Request("r0", [5, 6, 7], 2)], now_ns()))
+        finally:
+            eng.close()
+        assert behaviour.seen and all(body["model"] == "fake-model" for body in behaviour.seen)
+        eng = endpoint_engine_class("attached", cfg)()
+        with pytest.raises(EndpointError) as e:
+            eng.load(spec, {})
+        eng.close()
+        assert "serves fake-model, not model.id=org/served" in str(e.value)
+        assert "endpoints.attached.served_model_name" in str(e.value)
