@@ -315,6 +315,8 @@ def _from_hub(repo_id: str, revision: str, env: HubEnv, only: tuple[str, ...] | 
         raise UserError(f"model.id={repo_id}: the repository (commit {(info.sha or revision)[:12]}) has no "
                         f"{', '.join(sorted(set(only) - set(files)))} at its top level: not a transformers checkpoint.")
     first = [n for n in files if (only is None and not fnmatch.fnmatchcase(n, WEIGHTS)) or (only and n in only)]
+    from huggingface_hub.utils import disable_progress_bars
+    disable_progress_bars()  # kilobytes: no bars while the plan is checked (the weights' download shows them)
     try:  # the small files now (the plan reads them); the weights when the run starts
         path = snapshot_download(repo_id, revision=revision, allow_patterns=first, cache_dir=env.cache_dir,
                                  token=env.hf_token(), endpoint=env.endpoint, library_name="infer-bench")
@@ -473,6 +475,8 @@ def resolve_dataset(value: str, field_: str = "workload.dataset", env: HubEnv | 
 def _dataset_from_hub(value: str, repo_id: str, revision: str, path: str | None, env: HubEnv,
                       field_: str) -> HubDataset:
     from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.utils import enable_progress_bars
+    enable_progress_bars()  # a dataset file can be large (ShareGPT: 670 MB): its bar shows
     api = HfApi(endpoint=env.endpoint, token=env.hf_token(), library_name="infer-bench")
     try:
         info = api.dataset_info(repo_id, revision=revision)
