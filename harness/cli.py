@@ -238,6 +238,11 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
                 f"model {plan.shape.name}: materialising random weights into {cache} (first use) ...")
         model_path = str(ensure_checkpoint(plan.shape, cache))
     plan.token_range = prompt_token_range(shape_from_hf_config(model_path), model_path)
+    try:  # a draft model the workload or an engine option names: materialised too, then checked on disk
+        plan.models = extra_models(plan, model_path, say)
+    except UserError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
     redact = plan.redactor()
     env = redact.obj({**environment(), **({"model": plan.hub.record()} if plan.hub else {})})
     atomic_write_text(out_dir / ENVIRONMENT_FILE, json.dumps(env, indent=2))
@@ -279,6 +284,37 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
     return EXIT_POINT_FAILED if reasons else EXIT_OK
 
 
+def model_directory(ref: str, cache: Path, say: Any = print) -> str:
+    """A model reference as a local directory: a preset materialised into the cache (trained
+    first when it is a trained preset that is not shipped), else the path as given, absolute."""
+    if ref in preset_names():
+        shape = load_preset(ref)
+        if not (cached_path(shape, cache) / "config.json").exists():
+            say(f"model {ref}: {'training' if shape.trained else 'materialising'} it into {cache} (first use) ...")
+        return str(ensure_checkpoint(shape, cache))
+    return str(Path(ref).expanduser().resolve())
+
+
+def extra_models(plan: Any, model_path: str, say: Any = print) -> dict[str, str]:
+    """The checkpoints besides the model that the workloads name (`Workload.models`: a draft) and
+    that engine options name (`engine_options.<engine>.draft_model`), each as a directory; an
+    engine option is rewritten to it, so engines always receive a directory. Then each workload's
+    `check_models` against the files on disk: UserError with every problem (nothing has run)."""
+    cache = model_cache_dir(plan.settings.model_cache_dir)
+    models: dict[str, str] = {}
+    for w in plan.workloads:
+        for ref in w.workload.models(w.cfg):
+            models.setdefault(ref, model_directory(ref, cache, say))
+    for options in plan.engine_options.values():
+        if isinstance(options.get("draft_model"), str):
+            options["draft_model"] = models.setdefault(options["draft_model"],
+                                                       model_directory(options["draft_model"], cache, say))
+    problems = [p for w in plan.workloads for p in w.workload.check_models(w.cfg, model_path, models)]
+    if problems:
+        raise UserError(problems)
+    return models
+
+
 def exit_reasons(rows: list[dict[str, Any]], plan: Any) -> list[str]:
     """Why the run exits 1 (empty: it exits 0). A verdict never passes on nothing: a failed point,
     a parity check that could not verify an engine, and an engine the user named in `engines=` that
@@ -293,7 +329,10 @@ def exit_reasons(rows: list[dict[str, Any]], plan: Any) -> list[str]:
                        "error says why")
     for r in rows:
         if r.get("status") == "unverified":
-            reasons.append(f"{r['engine']}: parity unverified: {(r.get('error') or '').splitlines()[0]}")
+            reasons.append(f"{r['engine']}: {r.get('workload') or 'parity'} unverified: "
+                           f"{(r.get('error') or '').splitlines()[0]}")
+    for w in plan.workloads:  # a workload's own verdict over the run (speculative: a lossless check that compared nothing)
+        reasons += w.workload.run_problems([r for r in rows if r.get("workload") == w.workload.name])
     if plan.settings.engines != "auto":
         for r in rows:
             if r.get("status") == "unavailable" and r.get("engine") in plan.engines:

@@ -89,6 +89,8 @@ class Plan:
     max_batch: tuple[int, int] = (1, 0)  # largest prefill batch: (sequences, prompt tokens)
     token_range: TokenRange = TokenRange()
     hub: HubModel | None = None  # model=hub / model=ORG/NAME: the model as resolved on the Hub
+    # checkpoints the workloads name besides the model (a draft), materialised: reference -> directory
+    models: dict[str, str] = field(default_factory=dict)
     _redactor: Redactor | None = field(default=None, repr=False)
 
     @property
@@ -122,7 +124,8 @@ class Plan:
         return {"shape": asdict(self.shape), "dtype": self.dtype, "device": self.device, "model_path": model_path,
                 "max_model_len": self.max_model_len, "seed": self.settings.seed,
                 "memory_sample_hz": self.settings.memory_sample_hz, "token_low": self.token_range.low,
-                "token_high": self.token_range.high, "avoid_ids": list(self.token_range.avoid)}
+                "token_high": self.token_range.high, "avoid_ids": list(self.token_range.avoid),
+                "models": dict(self.models)}
 
     def launch_prefix(self, engine: str, **placeholders: str) -> list[str]:
         """The command that starts the engine's worker, before the worker's start script."""

@@ -1,10 +1,10 @@
 """Any OpenAI-compatible server as an engine: `/v1/completions`, streamed (SSE), over httpx.
 
 The engine either attaches to a running server (`endpoints.<name>.url`) or launches one from a
-command template (`endpoints.<name>.launch`; adapters/endpoint/launch.py). Every request asks for
-exactly the tokens the workload wants: `max_tokens` plus `ignore_eos` (and `min_tokens` where the
-server knows it), greedy. Prompts go as token ids where the server accepts them, else as text
-that the model's tokenizer re-encodes to the same length (checked).
+command template (`endpoints.<name>.launch`; adapters/endpoint/launch.py). What each request
+sends is built by adapters/endpoint/bodies.py (`self.bodies`): exactly the tokens the workload
+wants (`max_tokens` plus `ignore_eos`), greedy; prompts as token ids where the server accepts
+them, else as text that the model's tokenizer re-encodes to the same length (checked).
 
 How the interface maps onto HTTP (one asyncio loop in a background thread sends the requests
 and stamps each SSE chunk's arrival with `adapters.base.now_ns()`):
@@ -55,9 +55,8 @@ from adapters.base import (
     RequestFailed, RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns,
 )
 from adapters.endpoint import telemetry
-from adapters.endpoint.config import (
-    EndpointConfig, chat_problems, chat_prompt_ids, chat_template_text, template_fields,
-)
+from adapters.endpoint.bodies import RequestBodies, max_tokens
+from adapters.endpoint.config import EndpointConfig, chat_problems, chat_template_text, template_fields
 from adapters.endpoint.launch import ServerError, ServerProcess, free_port, render
 from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
 from adapters.endpoint.flags import ServerFlag, overridden_standards
@@ -227,8 +226,8 @@ class EndpointEngine(Engine):
         self._loop: _Loop | None = None
         self._client: httpx.AsyncClient | None = None
         self.spec: ModelSpec | None = None
+        self.bodies = RequestBodies(self.name, self.cfg, lambda: self.spec.path if self.spec else None)
         self.base = self.root = ""
-        self.model_name: str | None = None
         self.server_version: str | None = None
         self.server_threads: int | None = None
         self.launch_command: str | None = None
@@ -241,7 +240,6 @@ class EndpointEngine(Engine):
         self.settings: dict[str, Any] | None = None
         self.metrics_on = False
         self.prefix_reset: str | None = None
-        self._tokenizer: Any = None
         self._batch: list[ReqState] = []
         self._batch_futs: list[Future] = []
         self._cond = threading.Condition()
@@ -522,42 +520,19 @@ class EndpointEngine(Engine):
             self.server.stop()
             self.server = None
 
-    # ---- requests ---------------------------------------------------------------------------
-    def _prompt(self, ids: list[int]) -> Any:
-        fmt = self.cfg.prompt_format
-        if fmt == "auto":
-            fmt = "ids" if KINDS[self.cfg.kind].prompt_ids else "text"
-        if fmt == "ids":
-            return list(ids)
-        tok = self._get_tokenizer()
-        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        again = tok(text, add_special_tokens=False)["input_ids"]
-        if len(again) != len(ids):
-            raise ValueError(f"a prompt of {len(ids)} token ids decodes to text that the tokenizer re-encodes to "
-                             f"{len(again)} tokens; lengths would not be what the workload asks. Use "
-                             f"endpoints.{self.name}.prompt_format=ids if the server takes token ids.")
-        return text
+    # ---- requests (their bodies: adapters/endpoint/bodies.py) -------------------------------------
+    @property
+    def model_name(self) -> str | None:
+        """The model name requests carry (the bodies' `model`)."""
+        return self.bodies.model
 
-    def _get_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer  # heavy: only for text prompts
-            path = self.cfg.tokenizer or (self.spec.path if self.spec else None)
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
-        return self._tokenizer
+    @model_name.setter
+    def model_name(self, value: str | None) -> None:
+        self.bodies.model = value
 
-    def _body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
-        """`ignore_eos` alone forces the length (no `min_tokens`: on vLLM and SGLang it costs a
-        logits penalty every step and can change greedy tokens); only fields the kind knows."""
-        kind = KINDS[self.cfg.kind]
-        body: dict[str, Any] = {"model": self.model_name, "prompt": prompt, "max_tokens": int(max_tokens),
-                                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                                "stream_options": {"include_usage": True}}
-        if kind.token_ids:
-            body["return_token_ids"] = True
-        if kind.continuous_usage:  # usage on every chunk: tokens counted even in chunks without text
-            body["stream_options"]["continuous_usage_stats"] = True
-        body.update(self.cfg.extra_body)
-        return body
+    @property
+    def chat(self) -> bool:
+        return self.bodies.chat
 
     def _failure_detail(self, st: ReqState) -> str:
         reason = self.redactor.text(st.error or "")
@@ -570,40 +545,6 @@ class EndpointEngine(Engine):
                 reason += f"; {self.server.died_text()}"
         return reason
 
-    @property
-    def chat(self) -> bool:
-        return self.cfg.api == "chat"
-
-    def _chat_body(self, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
-        """/v1/chat/completions: the messages with their roles and text, greedy, exactly max_tokens
-        (`ignore_eos`), usage in the stream; token ids where the kind sends them."""
-        kind = KINDS[self.cfg.kind]
-        body: dict[str, Any] = {"model": self.model_name, "messages": messages, "max_tokens": int(max_tokens),
-                                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                                "stream_options": {"include_usage": True}}
-        if kind.token_ids:
-            body["return_token_ids"] = True
-        body.update(self.cfg.extra_body)
-        return body
-
-    def _chat_messages(self, r_messages: list[dict[str, Any]] | None, prompt_ids: list[int]) -> list[dict[str, Any]]:
-        """A request's messages as text ({role, content}); a plain prompt is one user message."""
-        tok = self._get_tokenizer()
-        msgs = r_messages or [{"role": "user", "ids": prompt_ids}]
-        return [{"role": m["role"], "content": tok.decode(m["ids"], skip_special_tokens=False,
-                                                          clean_up_tokenization_spaces=False)} for m in msgs]
-
-    def _payload(self, prompt_ids: list[int], max_tokens: int,
-                 messages: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], int]:
-        """(request body, prompt tokens as the client counts them). api=chat: the tokenizer's
-        count of the chat-templated prompt (the template of endpoints.<name>.chat_template /
-        chat_separator, else the checkpoint's own), with the generation prompt."""
-        if not self.chat:
-            return self._body(self._prompt(prompt_ids), max_tokens), len(prompt_ids)
-        msgs = self._chat_messages(messages, prompt_ids)
-        n = len(chat_prompt_ids(self._get_tokenizer(), msgs, chat_template_text(self.cfg)))
-        return self._chat_body(msgs, max_tokens), n
-
     async def _one(self, st: ReqState, body: dict[str, Any], on_tokens: Any) -> None:
         assert self._loop is not None
         spec = self._client_spec()
@@ -612,7 +553,7 @@ class EndpointEngine(Engine):
 
     def _client_spec(self) -> ClientSpec:
         """How the load generator reaches the server (headers with the key, TLS, timeouts)."""
-        url = self.base + ("/chat/completions" if self.chat else "/completions")
+        url = self.base + self.bodies.path
         if getattr(self, "_spec_cache", None) is None or self._spec_cache.url != url:
             cfg = self.cfg
             self._spec_cache = ClientSpec(url, self._client_kwargs()["headers"],
@@ -621,14 +562,8 @@ class EndpointEngine(Engine):
         return self._spec_cache
 
     def _max_tokens(self, prompt: list[int], max_new_tokens: int | None) -> int:
-        if max_new_tokens is not None:
-            return int(max_new_tokens)
         assert self.spec is not None
-        room = self.spec.max_model_len - len(prompt)
-        if room < 1:
-            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room below max_model_len="
-                             f"{self.spec.max_model_len}")
-        return room
+        return max_tokens(prompt, max_new_tokens, self.spec.max_model_len)
 
     # ---- offline: one batch -------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], return_logits: bool = False,
@@ -640,7 +575,7 @@ class EndpointEngine(Engine):
         payloads, states = [], []
         for i, p in enumerate(prompts):
             n = self._max_tokens(p, max_new_tokens)
-            body, plen = self._payload(p, n)
+            body, plen = self.bodies.payload(p, n)
             payloads.append(body)
             states.append(ReqState(f"b{i}", plen, n))
 
@@ -742,7 +677,7 @@ class EndpointEngine(Engine):
                     if r.max_new_tokens < 1:
                         raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
                     scheduled = open_loop_start + round(r.arrival_s * 1e9) if open_loop_start is not None else now
-                    body, plen = self._payload(r.prompt_ids, r.max_new_tokens, r.messages)
+                    body, plen = self.bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages)
                     st = ReqState(r.request_id, plen, r.max_new_tokens, scheduled_ns=scheduled)
                     live[r.request_id] = st
                     states.append(st)
@@ -837,7 +772,7 @@ class EndpointEngine(Engine):
         for r in requests:
             if r.max_new_tokens < 1:
                 raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-            body, plen = self._payload(r.prompt_ids, r.max_new_tokens, r.messages)
+            body, plen = self.bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages)
             items.append(Item(r.request_id, dumps(body), plen, r.max_new_tokens, r.arrival_s))
         return items
 
@@ -921,11 +856,7 @@ class EndpointEngine(Engine):
         for seq, s0 in zip(sequences, start):
             if s0 < 1:
                 raise ValueError("score: start must be at least 1 (the first token has no context)")
-            body = {"model": self.model_name, "prompt": list(seq), "max_tokens": 1, "temperature": 0.0,
-                    "prompt_logprobs": int(top_k), "stream": False}
-            if KINDS[self.cfg.kind].token_ids:
-                body["return_token_ids"] = True
-            r = self._loop.run(self._client.post(self.base + "/completions", json=body),
+            r = self._loop.run(self._client.post(self.base + "/completions", json=self.bodies.scores(seq, top_k)),
                                timeout=self.cfg.request_timeout_s)
             if r.status_code >= 400:
                 raise RuntimeError(f"{self.name}: prompt_logprobs: "
