@@ -460,8 +460,15 @@ class EndpointEngine(Engine):
             models = [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
         except (ValueError, AttributeError):
             models = []
+        hub_id = self.spec.model_id if self.spec else None
         if cfg.served_model_name:
             self.model_name = cfg.served_model_name
+        elif not cfg.launched and hub_id:  # a model named by its Hub id: the server is asked for that id
+            if models and hub_id not in models:
+                raise EndpointError(f"endpoint {self.name} serves {', '.join(models[:4])}, not model.id={hub_id}. "
+                                    f"Attach to a server of {hub_id}, or give endpoints.{self.name}.served_model_name "
+                                    "(the name it serves the model under).")
+            self.model_name = hub_id
         elif not cfg.launched:
             if not models:
                 raise EndpointError(f"endpoint {self.name}: /v1/models lists no model; give "
