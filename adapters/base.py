@@ -217,6 +217,10 @@ class TokenEvent:
     # request (the reference engine and vLLM on the first token; a server's usage
     # prompt_tokens_details.cached_tokens on the last); None: not reported on this event
     cached_tokens: int | None = None
+    # of `cached_tokens`, those reloaded from a second KV tier (evicted from the first tier
+    # earlier, offloaded, and brought back instead of recomputed: `kv_offload`); None where the
+    # engine does not say per request (on the event that carries cached_tokens)
+    reloaded_tokens: int | None = None
 
 
 @dataclass
@@ -324,6 +328,11 @@ class Capabilities:
     # the largest batch (sequences decoding at once) it can speculate at, None = no limit
     # (transformers' assisted generation: 1); a point beyond it is an `unsupported` row
     speculative_max_batch: int | None = None
+    # KV tiers (`kv_offload`): evicted prefix-cache blocks can go to a second tier and come back
+    # on a later hit; `kv_offload_unsupported` says why not where the engine has the option but
+    # cannot use it here (None: it can, or it has no such option at all)
+    kv_offload: bool = False
+    kv_offload_unsupported: str | None = None
     options: tuple[str, ...] = ()  # option names accepted in engine_options.<name>
 
     def to_dict(self) -> dict[str, Any]:
@@ -350,6 +359,11 @@ STANDARD_OPTIONS = {
     "draft_model": "method draft: a model preset or a checkpoint directory sharing the target's tokenizer",
     "prompt_lookup_min": "method ngram: the shortest n-gram matched against the sequence's own tokens",
     "prompt_lookup_max": "method ngram: the longest n-gram matched (the longest match wins)",
+    # KV tiers (docs/metrics.md, "KV tiers"): a second tier behind the KV pool (vLLM kv_offloading_size,
+    # SGLang --enable-hierarchical-cache / --hicache-size, TensorRT-LLM kv_cache_config.host_cache_size)
+    "kv_offload": "true | false: evicted prefix-cache blocks go to a second KV tier and are reloaded on a hit",
+    "kv_offload_bytes": "the second tier's capacity in bytes (LRU within it: a full tier drops its oldest block)",
+    "kv_cache_bytes": "the first tier's (the KV pool's) size in bytes",
 }
 
 

@@ -58,6 +58,19 @@ TensorRT-LLM (tensorrt_llm main, 1.1 to the 1.3rc line)
     Draft_Target, Eagle3, MTP), each config forbidding unknown keys; metrics/collector.py: the
     spec-decode counters of draft and accepted tokens, the acceptance length a gauge.
 
+KV tiers in the fakes (kv_offload): with a second tier asked for (vLLM --kv-offloading-size, SGLang
+--enable-hierarchical-cache, trtllm kv_cache_config.host_cache_size) the fake keeps a prefix cache
+of whole blocks of prompt ids: a first tier of FAKE_DEVICE_BLOCKS blocks (LRU, default 8) whose
+evicted blocks go to a second tier (unbounded); a prompt's leading blocks are looked up in order,
+each a first-tier or a second-tier hit (a second-tier one moves back to the first), until one is
+in neither. /metrics counts them as the server does: vLLM prompt_tokens_cached_by_source{source}
+and kv_offload_store/load_bytes|time (vllm/v1/metrics/loggers.py, distributed/kv_transfer/
+kv_connector/v1/offloading/metrics.py), SGLang cached_tokens_total{cache_source},
+evicted_tokens_total, load_back_tokens_total and their duration histograms
+(observability/metrics_collector.py), trtllm prompt_cache_hit_tokens_total{cache_level,cache_tier}
+and kv_cache_offload/onboard_bytes_total (metrics/collector.py). `GET /fake/tier_truth` gives the
+fake's own totals. Bytes per token: FAKE_KV_BYTES_PER_TOKEN (default 1024).
+
 Speculation in the fakes: a request's first token comes from prefill, then each step proposes k
 tokens and accepts a deterministic number of them (`fake_accepts`), emitting accepted + 1 tokens
 in one chunk. `GET /fake/spec_truth` gives the fake's own totals (drafts, proposed, accepted, per
@@ -132,6 +145,54 @@ class _Spec:
                 "per_pos": self.per_pos}
 
 
+class _Tiers:
+    """The fake's prefix cache with a second tier (module docstring): totals in tokens and bytes."""
+
+    def __init__(self, block: int) -> None:
+        from collections import OrderedDict
+        self.block = block
+        self.capacity = int(os.environ.get("FAKE_DEVICE_BLOCKS", "8"))
+        self.bpt = int(os.environ.get("FAKE_KV_BYTES_PER_TOKEN", "1024"))
+        self.device: "OrderedDict[tuple, None]" = OrderedDict()
+        self.host: set[tuple] = set()
+        self.hit = {1: 0, 2: 0}
+        self.written = self.read = 0  # blocks moved: first tier -> second, second -> first
+        self.queries = 0
+
+    def lookup(self, prompt: list[int]) -> tuple[int, int]:
+        """(tokens from the first tier, from the second) for `prompt` (never its last token), then
+        every full block of it cached in the first tier, its LRU victims moved to the second."""
+        b, keys = self.block, []
+        for i in range((len(prompt) - 1) // b):
+            keys.append(tuple(prompt[: (i + 1) * b]))
+        got = {1: 0, 2: 0}
+        for key in keys:
+            if key in self.device:
+                got[1] += b
+            elif key in self.host:
+                got[2] += b
+                self.read += 1
+            else:
+                break
+        self.queries += len(prompt)
+        for key in keys:
+            self.device.pop(key, None)
+            self.device[key] = None
+            while len(self.device) > self.capacity:
+                old, _ = self.device.popitem(last=False)
+                if old not in self.host:
+                    self.host.add(old)
+                    self.written += 1
+        for t in (1, 2):
+            self.hit[t] += got[t]
+        return got[1], got[2]
+
+    def truth(self) -> dict[str, Any]:
+        return {"hit_tokens": {"1": self.hit[1], "2": self.hit[2]}, "tokens_written": self.written * self.block,
+                "tokens_read": self.read * self.block, "bytes_written": self.written * self.block * self.bpt,
+                "bytes_read": self.read * self.block * self.bpt}
+
+
 class _State:
     def __init__(self) -> None:
         self.running = 0
@@ -157,6 +218,9 @@ def vllm_parser() -> argparse.ArgumentParser:
     for f in ("prefix-caching", "chunked-prefill"):
         ap.add_argument(f"--enable-{f}", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--speculative-config", "-sc", type=json.loads)
+    # vllm/config/cache.py (0.32.0): kv_offloading_size (GiB, float), kv_offloading_backend
+    ap.add_argument("--kv-offloading-size", type=float)
+    ap.add_argument("--kv-offloading-backend", choices=("native", "lmcache"), default="native")
     return ap
 
 
@@ -208,10 +272,34 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
     name = args.served_model_name or args.model
     slots = asyncio.Semaphore(args.max_num_seqs or 128)  # the scheduler runs at most max_num_seqs
     spec = _Spec(args.speculative_config["num_speculative_tokens"]) if args.speculative_config else None
+    tiers = _Tiers(args.block_size or 16) if args.kv_offloading_size else None
 
     @app.get("/fake/spec_truth")
     async def spec_truth() -> Any:
         return spec.truth() if spec else {}
+
+    @app.get("/fake/tier_truth")
+    async def tier_truth() -> Any:
+        return tiers.truth() if tiers else {}
+
+    def tier_metrics() -> str:
+        """loggers.py prompt_tokens_cached_by_source{source} and external_prefix_cache_*; the offloading
+        connector's kv_offload_* counters (registered only with a connector)."""
+        if tiers is None:
+            return ""
+        lab = f'model_name="{name}",engine="0"'
+        t = tiers.truth()
+        lines = ["# TYPE vllm:prompt_tokens_cached_by_source counter"]
+        lines += [f'vllm:prompt_tokens_cached_by_source_total{{{lab},source="{src}"}} {float(v)}'
+                  for src, v in (("device", t["hit_tokens"]["1"]), ("host", t["hit_tokens"]["2"]), ("disk", 0),
+                                 ("p2p", 0), ("external_unspecified", 0))]
+        for metric, v in (("external_prefix_cache_hits", t["hit_tokens"]["2"]),
+                          ("external_prefix_cache_queries", tiers.queries),
+                          ("kv_offload_store_bytes", t["bytes_written"]), ("kv_offload_load_bytes", t["bytes_read"]),
+                          ("kv_offload_store_time", 1e-9 * t["bytes_written"]),
+                          ("kv_offload_load_time", 1e-9 * t["bytes_read"])):
+            lines += [f"# TYPE vllm:{metric} counter", f"vllm:{metric}_total{{{lab}}} {float(v)}"]
+        return "\n".join(lines) + "\n"
 
     def spec_metrics() -> str:
         """vllm/v1/spec_decode/metrics.py SpecDecodingProm: registered only when speculating."""
@@ -253,7 +341,8 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
             f'vllm:kv_cache_usage_perc{{model_name="{name}"}} {0.1 * st.running}\n'
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{args.block_size or 16}",cache_dtype="auto",'
-            f'gpu_memory_utilization="{args.gpu_memory_utilization}",num_gpu_blocks="1000"}} 1.0\n' + spec_metrics())
+            f'gpu_memory_utilization="{args.gpu_memory_utilization}",num_gpu_blocks="1000"}} 1.0\n' + spec_metrics()
+            + tier_metrics())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -265,6 +354,8 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
                              f"requested {plen + n} tokens ({plen} in the messages, {n} in the completion).")
         ids = bool(body.get("return_token_ids"))
         usage_on = bool((body.get("stream_options") or {}).get("include_usage"))
+        if tiers is not None and isinstance(body["prompt"], list):
+            tiers.lookup(list(body["prompt"]))
 
         async def gen() -> Any:
             await slots.acquire()  # waiting for a running slot: its first token is late
@@ -378,6 +469,12 @@ def sglang_parser() -> argparse.ArgumentParser:
         ap.add_argument(f, type=int)
     ap.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1)
     ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10)
+    # arg_groups/fields/memory.py (main, 00fe477): HiCache
+    ap.add_argument("--enable-hierarchical-cache", action="store_true")
+    ap.add_argument("--hicache-ratio", type=float)
+    ap.add_argument("--hicache-size", type=int, default=0)
+    ap.add_argument("--hicache-write-policy", choices=("write_back", "write_through", "write_through_selective"),
+                    default="write_through")
     return ap
 
 
@@ -422,10 +519,33 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
     k, _ = sglang_spec_k(args)
     spec = _Spec(k) if k else None
     window = {"accepted": 0, "verify": 0, "length": 0.0, "rate": 0.0}  # the reporter's window since its last log
+    tiers = _Tiers(args.page_size or 1) if args.enable_hierarchical_cache else None
 
     @app.get("/fake/spec_truth")
     async def spec_truth() -> Any:
         return spec.truth() if spec else {}
+
+    @app.get("/fake/tier_truth")
+    async def tier_truth() -> Any:
+        return tiers.truth() if tiers else {}
+
+    def cached_tokens(lab: str) -> str:
+        """observe_one_finished_request: with HiCache the counter is split by cache_source."""
+        if tiers is None:
+            return f"# TYPE sglang:cached_tokens counter\nsglang:cached_tokens_total{{{lab}}} {float(counters['cached'])}\n"
+        t = tiers.truth()
+        out = "# TYPE sglang:cached_tokens counter\n" + "".join(
+            f'sglang:cached_tokens_total{{{lab},cache_source="{src}"}} {float(v)}\n'
+            for src, v in (("device", t["hit_tokens"]["1"]), ("host", t["hit_tokens"]["2"])))
+        out += (f"# TYPE sglang:evicted_tokens counter\nsglang:evicted_tokens_total{{{lab}}} {float(t['tokens_written'])}\n"
+                f"# TYPE sglang:load_back_tokens counter\nsglang:load_back_tokens_total{{{lab}}} {float(t['tokens_read'])}\n"
+                f"# TYPE sglang:hicache_host_used_tokens gauge\nsglang:hicache_host_used_tokens{{{lab}}} "
+                f"{float(len(tiers.host) * tiers.block)}\n")
+        for metric, v in (("eviction_duration_seconds", 1e-6 * t["tokens_written"]),
+                          ("load_back_duration_seconds", 1e-6 * t["tokens_read"])):
+            out += (f"# TYPE sglang:{metric} histogram\nsglang:{metric}_bucket{{{lab},le=\"+Inf\"}} 1.0\n"
+                    f"sglang:{metric}_count{{{lab}}} 1.0\nsglang:{metric}_sum{{{lab}}} {v}\n")
+        return out
 
     def ready() -> bool:
         return not warmup_fails and time.monotonic() - st.t0 >= warmup_s
@@ -467,7 +587,7 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
         return PlainTextResponse(
             f"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{lab} {gauges['running']}\n"
             f"# TYPE sglang:token_usage gauge\nsglang:token_usage{lab} {gauges['usage']}\n"
-            f"# TYPE sglang:cached_tokens counter\nsglang:cached_tokens_total{lab} {float(counters['cached'])}\n"
+            + cached_tokens(lab[1:-1]) +
             f"# TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total{lab} {float(counters['prompt'])}\n"
             f"# TYPE sglang:generation_tokens_total counter\nsglang:generation_tokens_total{streaming} {float(counters['gen'])}\n"
             f"# TYPE sglang:num_requests_total counter\nsglang:num_requests_total{streaming} {float(counters['requests'])}\n"
@@ -491,6 +611,8 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
         cached = max((len(p) for p in seen_prefixes if prompt[:len(p)] == p), default=0)
         seen_prefixes.add(prompt)
         counters["cached"] += cached
+        if tiers is not None and isinstance(body["prompt"], list):
+            tiers.lookup(list(body["prompt"]))
         counters["prompt"] += plen
 
         async def gen() -> Any:
@@ -619,6 +741,12 @@ def trtllm_app(args: argparse.Namespace, llm_args: dict[str, Any], version: str)
     k, _ = trtllm_spec_k(llm_args.get("speculative_config"))
     spec = _Spec(k) if k else None
     iter_stats = bool(llm_args.get("enable_iter_perf_stats"))
+    kvc = llm_args.get("kv_cache_config") or {}
+    tiers = _Tiers(int(kvc.get("tokens_per_block") or 32)) if kvc.get("host_cache_size") else None
+
+    @app.get("/fake/tier_truth")
+    async def tier_truth() -> Any:
+        return tiers.truth() if tiers else {}
 
     @app.get("/health")
     async def health() -> Any:
@@ -657,6 +785,14 @@ def trtllm_app(args: argparse.Namespace, llm_args: dict[str, Any], version: str)
         text += "# TYPE trtllm_spec_decode_acceptance_length gauge\n"
         if counted:
             text += f"trtllm_spec_decode_acceptance_length{lab} {1 + spec.accepted / spec.drafts}\n"
+        if tiers is not None and iter_stats:  # log_iteration_stats: cached tokens by level, bytes moved
+            t, inner = tiers.truth(), lab[1:-1]
+            text += "# TYPE trtllm_prompt_cache_hit_tokens counter\n" + "".join(
+                f'trtllm_prompt_cache_hit_tokens_total{{{inner},cache_level="{lv}",cache_tier="{tier}"}} {float(v)}\n'
+                for lv, tier, v in (("0", "gpu", t["hit_tokens"]["1"]), ("1", "host", t["hit_tokens"]["2"])))
+            text += (f"# TYPE trtllm_kv_cache_offload_bytes counter\ntrtllm_kv_cache_offload_bytes_total{lab} "
+                     f"{float(t['bytes_written'])}\n# TYPE trtllm_kv_cache_onboard_bytes counter\n"
+                     f"trtllm_kv_cache_onboard_bytes_total{lab} {float(t['bytes_read'])}\n")
         return PlainTextResponse(text)
 
     @app.post("/v1/completions")
@@ -672,6 +808,8 @@ def trtllm_app(args: argparse.Namespace, llm_args: dict[str, Any], version: str)
             return _err(400, f"The prompt length ({plen}) exceeds max_num_tokens ({llm_args['max_num_tokens']}) "
                              "and chunked prefill is disabled.")
         opts = body.get("stream_options") or {}
+        if tiers is not None and isinstance(body["prompt"], list):
+            tiers.lookup(list(body["prompt"]))
 
         async def gen() -> Any:
             st.running += 1

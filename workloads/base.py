@@ -114,6 +114,8 @@ class Collector:
             return False
         if ev.cached_tokens is not None:
             tr.cached_tokens = ev.cached_tokens
+        if ev.reloaded_tokens is not None:
+            tr.reloaded_tokens = ev.reloaded_tokens
         if ev.index != tr.n_out:
             raise RuntimeError(f"request {ev.request_id}: token {ev.index} arrived after {tr.n_out} tokens")
         tr.token_times_ns.append(ev.time_ns)

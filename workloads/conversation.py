@@ -53,6 +53,10 @@ from harness.core.schema import spec
 from harness.core.stats import summarize
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
 from workloads.datasets import read_chats, skips_line, tokenize_chats
+from workloads.kv_tiers import (
+    compare_tiers, tier_fields, tier_modes, tier_overrides, tier_param, tier_problems, tier_split, tier_unsupported,
+    tiers_label,
+)
 from workloads.lengths import LengthDist, parse_length
 from workloads.prompts import seed_for
 
@@ -74,6 +78,10 @@ class ConversationConfig:
     session_rate: float | None = spec(None, gt=0, help="open loop: sessions started per second (Poisson); "
                                                        "null: all at once (or concurrency)")
     prefix_caching: list[bool] = spec([True, False], nonempty=True, help="modes to compare")
+    kv_tiers: list[Any] = spec(["off"], nonempty=True, help=(
+        "KV tiers, with caching on (docs/metrics.md, \"KV tiers\"): off (the engine's pool alone: what it evicts "
+        "is recomputed), full (one tier at the engine's default size, meant to hold every history: the upper "
+        "bound), or a size (a second tier of that capacity behind the pool: 256MiB, 1GiB, 5e8)"))
     separator_ids: list[int] = spec([], help="token ids put between messages when turns are concatenated "
                                              "(in-process engines, api=completions)")
     dataset: str | None = spec(None, help="ShareGPT JSON or chat-format JSONL file, or hf:ORG/NAME[/FILE] (a "
@@ -231,6 +239,7 @@ class Conversation(Workload):
         ("ttft_s", "TTFT p50 ms", "ms"), ("ttft_later_s", "TTFT turns>1 ms", "ms"),
         ("hit_rate", "hit rate", ".3f"), ("reusable_share", "reusable", ".3f"),
         ("prefix_cache_evictions", "evicted blk", "d"), ("kv_blocks_peak", "peak blocks", "d"),
+        ("kv_tiers", "tiers", "s"), ("hit_rate_tier2", "tier-2 hit", ".3f"),
     ]
 
     # ---- planning ------------------------------------------------------------------------------
@@ -248,6 +257,7 @@ class Conversation(Workload):
         if cfg.concurrency is not None and cfg.session_rate is not None:
             problems.append("workload.concurrency and workload.session_rate: give one (closed loop: sessions in "
                             "flight; open loop: sessions started per second), not both.")
+        problems += tier_problems(cfg.kv_tiers, cfg.prefix_caching)
         if cfg.dataset:
             try:
                 read_chats(cfg.dataset)
@@ -268,15 +278,23 @@ class Conversation(Workload):
         return 1, self.max_model_len(cfg)
 
     def plan(self, cfg: ConversationConfig) -> list[Point]:
-        return [Point(self.name, {"prefix_caching": c, "sessions": cfg.sessions}) for c in dict.fromkeys(cfg.prefix_caching)]
+        return [Point(self.name, {"prefix_caching": c, "sessions": cfg.sessions, **tier_param(t)})
+                for c in dict.fromkeys(cfg.prefix_caching) for t in tier_modes(cfg.kv_tiers, c)]
 
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:
         if point.params["prefix_caching"] and not caps.prefix_caching:
             return "the engine has no prefix cache"
-        return None
+        return tier_unsupported(point, caps)
 
     def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
-        return {"prefix_caching": bool(point.params["prefix_caching"])} if caps.prefix_caching else {}
+        out = {"prefix_caching": bool(point.params["prefix_caching"])} if caps.prefix_caching else {}
+        return {**out, **tier_overrides(point, caps)}
+
+    def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """A tiered point's turns beside the same engine's recompute (tiers off, caching on) and
+        full-pool (`full`) points of this run: TTFT per turn of each, and whether the tiered one lies
+        between them; and the break-even of reload against recompute (docs/metrics.md, "KV tiers")."""
+        compare_tiers(row, rows, self.name)
 
     # ---- the sessions ----------------------------------------------------------------------------
     def sessions(self, cfg: ConversationConfig, ctx: RunContext, key: str) -> list[Session]:
@@ -337,6 +355,7 @@ class Conversation(Workload):
                 wc.feed(ev)
         engine.reset_prefix_cache()
         info0 = engine.kv_cache_info()
+        tiers0 = info0.extra.get("kv_tiers")
         start = now_ns() + 5_000_000
         collector = Collector([], start)
         source = ConversationSource(sessions, start, collector, cfg.separator_ids, cfg.concurrency,
@@ -393,6 +412,7 @@ class Conversation(Workload):
             kv_info=info.to_dict(), measured_output_tokens=row["total_output_tokens"], **mem.row_fields(),
             **kv_memory_fields(info, peak=True),
         )
+        row.update(tier_fields(point, per_request, tiers0, info.extra.get("kv_tiers"), info, ctx))
         return row
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
@@ -401,13 +421,26 @@ class Conversation(Workload):
         for r in rows:
             if r.get("workload") != self.name or not r.get("turns"):
                 continue
-            lines.append(f"{r.get('engine')} caching={'on' if r.get('prefix_caching') else 'off'}: per turn")
-            lines.append("  turn  reqs  prompt  reusable  hit rate  TTFT p50 ms")
+            tiers = r.get("kv_tiers") or "off"
+            lines.append(f"{r.get('engine')} caching={'on' if r.get('prefix_caching') else 'off'}"
+                         f"{'' if tiers == 'off' else f' kv_tiers={tiers_label(tiers)}'}: per turn")
+            tiered = any(t.get("hit_rate_tier2") is not None for t in r["turns"])
+            lines.append("  turn  reqs  prompt  reusable  hit rate  TTFT p50 ms"
+                         + ("  tier-1 hit  tier-2 hit  TTFT recompute  TTFT full" if tiered else ""))
             for t in r["turns"]:
                 hr = "   -   " if t["hit_rate"] is None else f"{t['hit_rate']:7.3f}"
                 ttft = "-" if t["ttft_s"] is None else f"{t['ttft_s'] * 1e3:.1f}"
-                lines.append(f"  {t['turn']:>4}  {t['requests']:>4}  {t['prompt_tokens_mean']:>6.0f}  "
-                             f"{t['reusable_share']:>8.3f}  {hr}  {ttft:>11}")
+                line = (f"  {t['turn']:>4}  {t['requests']:>4}  {t['prompt_tokens_mean']:>6.0f}  "
+                        f"{t['reusable_share']:>8.3f}  {hr}  {ttft:>11}")
+                if tiered:
+                    def ms(v: Any) -> str:
+                        return "-" if v is None else f"{v * 1e3:.1f}"
+
+                    def share(v: Any) -> str:
+                        return "-" if v is None else f"{v:.3f}"
+                    line += (f"  {share(t.get('hit_rate_tier1')):>10}  {share(t.get('hit_rate_tier2')):>10}  "
+                             f"{ms(t.get('ttft_recompute_s')):>14}  {ms(t.get('ttft_full_s')):>9}")
+                lines.append(line)
         return "\n".join(lines)
 
 
@@ -420,7 +453,7 @@ def request_record(rec: TurnRecord, tr: RequestTrace, kv_blocks: int | None = No
     return {"session": rec.session, "turn": rec.turn, "request_id": rec.request_id, "ok": ok,
             "error": tr.error, "prompt_tokens": rec.prompt_tokens, "history_tokens": rec.history_tokens,
             "new_tokens": rec.new_tokens, "reusable_tokens": rec.reusable_tokens,
-            "cached_tokens": tr.cached_tokens, "output_tokens": tr.n_out,
+            "cached_tokens": tr.cached_tokens, "reloaded_tokens": tr.reloaded_tokens, "output_tokens": tr.n_out,
             "ttft_s": tr.ttft_s, "tpot_s": tr.tpot_s, "e2el_s": tr.e2el_s, "kv_blocks_in_use": kv_blocks}
 
 
@@ -447,7 +480,8 @@ def turn_rows(reqs: list[dict[str, Any]], num_blocks: int | None = None) -> list
         hit = _share(ok, "cached_tokens")
         reusable = _share(ok, "reusable_tokens")
         blocks = [r["kv_blocks_in_use"] for r in ok if r.get("kv_blocks_in_use") is not None]
-        out.append({
+        split = tier_split(ok)
+        out.append({**split,
             "turn": k, "requests": len(mine), "completed": len(ok),
             "kv_occupancy": sum(blocks) / len(blocks) / num_blocks if blocks and num_blocks else None,
             "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,

@@ -6,6 +6,10 @@ prefix, and with caching on leaves it in the cache — then the other R - 1 arri
 row reports TTFT of the first request, TTFT of the others (median, p90, all samples), the
 throughput of the batch, the prefix-cache hit rate the engine reports for the R - 1 requests,
 and KV blocks in use. The prefix cache is emptied before each point.
+
+`kv_tiers` (workloads/kv_tiers.py): with caching on, points with the engine's pool alone (off), at
+its default size (full) and with a second tier of each given capacity; the row gets the share of
+the R - 1 requests' prompt tokens each tier supplied and the second tier's counters.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from adapters.base import Capabilities, Engine, Request, now_ns
 from harness.core.metrics import serving_metrics
 from harness.core.schema import spec
 from workloads.base import Point, RunContext, Workload, collect, kv_memory_fields
+from workloads.kv_tiers import tier_fields, tier_modes, tier_overrides, tier_param, tier_problems, tier_unsupported
 
 
 @dataclass
@@ -27,6 +32,9 @@ class PrefixSharingConfig:
     suffix_len: int = spec(32, ge=1, help="distinct tokens after the prefix, per request")
     output_len: int = spec(16, ge=1, help="output tokens per request")
     prefix_caching: list[bool] = spec([True, False], nonempty=True, help="modes to compare")
+    kv_tiers: list[Any] = spec(["off"], nonempty=True, help=(
+        "KV tiers, with caching on: off (the pool alone), full (the engine's default pool: the bound), or a size "
+        "(a second tier of that capacity: 256MiB, 1GiB, 5e8); workloads/kv_tiers.py"))
 
 
 def _hits(engine: Engine) -> tuple[int | None, int | None]:
@@ -48,9 +56,12 @@ class PrefixSharing(Workload):
 
     def plan(self, cfg: PrefixSharingConfig) -> list[Point]:
         return [Point(self.name, {"prefix_caching": c, "prefix_len": p, "num_requests": r,
-                                  "suffix_len": cfg.suffix_len, "output_len": cfg.output_len})
-                for c in dict.fromkeys(cfg.prefix_caching) for p in sorted(set(cfg.prefix_lens))
-                for r in sorted(set(cfg.num_requests))]
+                                  "suffix_len": cfg.suffix_len, "output_len": cfg.output_len, **tier_param(t)})
+                for c in dict.fromkeys(cfg.prefix_caching) for t in tier_modes(cfg.kv_tiers, c)
+                for p in sorted(set(cfg.prefix_lens)) for r in sorted(set(cfg.num_requests))]
+
+    def check(self, cfg: PrefixSharingConfig, shape: Any) -> list[str]:
+        return tier_problems(cfg.kv_tiers, cfg.prefix_caching) or super().check(cfg, shape)
 
     def max_model_len(self, cfg: PrefixSharingConfig) -> int:
         return max(cfg.prefix_lens) + cfg.suffix_len + cfg.output_len
@@ -58,10 +69,11 @@ class PrefixSharing(Workload):
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:
         if point.params["prefix_caching"] and not caps.prefix_caching:
             return "the engine has no prefix cache"
-        return None
+        return tier_unsupported(point, caps)
 
     def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
-        return {"prefix_caching": bool(point.params["prefix_caching"])} if caps.prefix_caching else {}
+        out = {"prefix_caching": bool(point.params["prefix_caching"])} if caps.prefix_caching else {}
+        return {**out, **tier_overrides(point, caps)}
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: PrefixSharingConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -72,6 +84,7 @@ class PrefixSharing(Workload):
         for _ in engine.serve(warm, now_ns()):
             pass
         engine.reset_prefix_cache()
+        tiers0 = engine.kv_cache_info().extra.get("kv_tiers")
         prefix = ctx.prompts(1, p, f"{point.key}/prefix")[0]
         suffixes = ctx.prompts(r, s, f"{point.key}/suffixes")
         reqs = [Request(f"q{i}", prefix + suffixes[i], o, 0.0) for i in range(r)]
@@ -82,6 +95,8 @@ class PrefixSharing(Workload):
         t1 = now_ns()
         rest = collect(reqs[1:], t1, engine.serve(reqs[1:], t1))
         info = engine.kv_cache_info()
+        per_request = [{"ok": not tr.error and tr.n_out > 0, "prompt_tokens": tr.prompt_len,
+                        "cached_tokens": tr.cached_tokens, "reloaded_tokens": tr.reloaded_tokens} for tr in rest]
         mem = sampler.stop()
         row = serving_metrics(rest)
         hit_rate = None
@@ -97,4 +112,5 @@ class PrefixSharing(Workload):
             kv_info=info.to_dict(), measured_output_tokens=row["total_output_tokens"], **mem.row_fields(),
             **kv_memory_fields(info, peak=True),
         )
+        row.update(tier_fields(point, per_request, tiers0, info.extra.get("kv_tiers"), info, ctx))
         return row

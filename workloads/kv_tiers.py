@@ -1,0 +1,243 @@
+"""The `kv_tiers` dimension of the conversation and prefix_sharing workloads (docs/metrics.md, "KV
+tiers"): which tiers a point runs with, what the engine is told (by the standard options of
+adapters.base.STANDARD_OPTIONS), and what the row gets.
+
+Modes (`workload.kv_tiers`, with prefix caching on):
+  off    the engine's KV pool alone: what it evicts is recomputed when a session comes back
+  full   one tier at the engine's default size (kv_cache_bytes null), meant to hold every history:
+         the upper bound (the row says how many blocks it evicted anyway)
+  SIZE   a second tier of SIZE bytes behind the pool (kv_offload, kv_offload_bytes): evicted
+         blocks go there and are reloaded on a later hit instead of prefilled again
+A run whose kv_tiers is just `off` (the default) gives the engine no tier option at all: it runs
+as engine_options say, and its points keep their keys.
+
+Row fields: `kv_tiers` (the mode), per turn the prompt tokens each tier supplied and what was
+prefilled (`tier1_hit_tokens`, `tier2_hit_tokens`, `miss_tokens`, `hit_rate_tier1`,
+`hit_rate_tier2`: where the engine says per request, the reference engine), per point the second
+tier's counters over the point (`tier2`: hits, blocks and bytes moved, seconds, evictions,
+corrupt entries; a server's from /metrics), and, in the harness's process (`compare_tiers`), each
+tiered turn beside the same turn with tiers off (recompute) and with the full pool (the bound),
+and the break-even of reloading against recomputing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adapters.base import Capabilities, KVCacheInfo
+from harness.core.kvcalc import estimate, kv_dtype_of
+from harness.core.sizes import human_size, parse_size
+from workloads.base import Point, RunContext
+
+MODES = ("off", "full")
+
+
+def tier_mode(entry: Any) -> str | int | None:
+    """"off", "full", a capacity in bytes, or None when `entry` is none of them."""
+    if isinstance(entry, str) and entry.strip().lower() in MODES:
+        return entry.strip().lower()
+    if entry is False:
+        return "off"
+    return parse_size(entry)
+
+
+def tier_problems(entries: list[Any], prefix_caching: list[bool], field: str = "workload.kv_tiers") -> list[str]:
+    """Every entry is off, full or a size; tiers need a point with prefix caching on."""
+    out = [f"{field}: {e!r} is neither off, full nor a size. Give off, full, or a capacity in bytes "
+           "(1073741824, 5e8) or with a unit (512MiB, 1GiB, 2GB)." for e in entries if tier_mode(e) is None]
+    if not out and any(tier_mode(e) != "off" for e in entries) and True not in prefix_caching:
+        out.append(f"{field}={entries}: KV tiers need prefix caching (a second tier holds blocks evicted from the "
+                   "prefix cache; full measures reuse without eviction), and workload.prefix_caching has no true. "
+                   "Add true to workload.prefix_caching, or set workload.kv_tiers=[off].")
+    return out
+
+
+def tier_modes(entries: list[Any], caching: bool) -> list[str | int | None]:
+    """The tier modes of the points with prefix caching `caching`, in the order they run: off, full,
+    then the capacities from the smallest (a tiered point's finalize then sees the other two). None
+    stands for "as engine_options say" (a run whose kv_tiers is only off)."""
+    modes = [tier_mode(e) for e in entries]
+    if all(m == "off" for m in modes):
+        return [None]
+    if not caching:
+        return ["off"]
+    sizes = sorted({m for m in modes if isinstance(m, int)})
+    return [m for m in MODES if m in modes] + sizes
+
+
+def tier_param(mode: str | int | None) -> dict[str, Any]:
+    return {} if mode is None else {"kv_tiers": mode}
+
+
+def tiers_label(mode: Any) -> str:
+    return human_size(mode) if isinstance(mode, int) and not isinstance(mode, bool) else str(mode)
+
+
+def tier_unsupported(point: Point, caps: Capabilities) -> str | None:
+    mode = point.params.get("kv_tiers")
+    if not isinstance(mode, int) or isinstance(mode, bool):
+        return None
+    if not caps.kv_offload:
+        return "the engine has no second KV tier (kv_offload)"
+    return caps.kv_offload_unsupported
+
+
+def tier_overrides(point: Point, caps: Capabilities) -> dict[str, Any]:
+    """The standard options a point's tier mode asks of the engine."""
+    mode = point.params.get("kv_tiers")
+    if mode is None:
+        return {}
+    off = {"kv_offload": False} if caps.kv_offload else {}
+    if mode == "off":
+        return off
+    if mode == "full":  # the engine's own default pool size
+        return {**off, "kv_cache_bytes": None}
+    return {"kv_offload": True, "kv_offload_bytes": int(mode)}
+
+
+# ---- the rows ------------------------------------------------------------------------------------
+
+def tier_split(reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per turn: the prompt tokens the first tier and the second supplied and those prefilled, and
+    their shares, where every completed request says how many of its cached tokens were reloaded
+    (else nothing)."""
+    use = [r for r in reqs if r.get("cached_tokens") is not None]
+    if not use or any(r.get("reloaded_tokens") is None for r in use):
+        return {}
+    prompt = sum(r["prompt_tokens"] for r in use)
+    t2 = sum(r["reloaded_tokens"] for r in use)
+    t1 = sum(r["cached_tokens"] for r in use) - t2
+    return {"tier1_hit_tokens": t1, "tier2_hit_tokens": t2, "miss_tokens": prompt - t1 - t2,
+            "hit_rate_tier1": t1 / prompt if prompt else None, "hit_rate_tier2": t2 / prompt if prompt else None}
+
+
+_COUNTERS = ("hit_blocks", "blocks_written", "blocks_read", "bytes_written", "bytes_read", "tokens_written",
+             "tokens_read", "write_time_s", "read_time_s", "evictions", "corrupt")
+
+
+def _delta(after: Any, before: Any) -> Any:
+    if isinstance(after, dict):
+        before = before if isinstance(before, dict) else {}
+        return {k: _delta(v, before.get(k)) for k, v in after.items()}
+    if isinstance(after, (int, float)) and not isinstance(after, bool):
+        return after - (before or 0)
+    return after
+
+
+def tier_counters(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The second tier's counters over a point (after - before), the tiers' hit tokens and blocks by
+    tier, and the engine's own description of the tier (capacity, medium, policy) as it is now."""
+    if not after:
+        return None
+    out = {k: v for k, v in after.items() if k not in _COUNTERS and k != "hit_tokens"}
+    for k in _COUNTERS + ("hit_tokens",):
+        if k in after:
+            out[k] = _delta(after[k], (before or {}).get(k))
+    return out
+
+
+def bytes_per_token_by_group(ctx: RunContext, info: KVCacheInfo) -> list[dict[str, Any]]:
+    """The estimator's KV bytes per token per layer group (harness.core.kvcalc) at the engine's KV
+    dtype: what a reload of one token moves (latent attention's small latent, a window's layers
+    only inside the window)."""
+    kv = kv_dtype_of(ctx.dtype, info.kv_dtype)
+    est = estimate(ctx.shape, 1, 1, kv)
+    return [{"kind": g.kind, "layers": g.layers, "window": g.window, "bytes_per_token": g.bytes_per_token}
+            for g in est.groups if g.kind != "linear"]
+
+
+def tier_fields(point: Point, reqs: list[dict[str, Any]], tiers0: dict[str, Any] | None,
+                tiers1: dict[str, Any] | None, info: KVCacheInfo, ctx: RunContext) -> dict[str, Any]:
+    """The row's tier fields (module docstring). Nothing for a point that asked nothing of tiers
+    and whose engine runs none."""
+    mode = point.params.get("kv_tiers")
+    counters = tier_counters(tiers0, tiers1)
+    if mode is None and counters is None:
+        return {}
+    out: dict[str, Any] = {"kv_tiers": mode if mode is not None else counters.get("capacity_bytes", "on"),
+                           "tier2": counters}
+    split = tier_split([r for r in reqs if r["ok"]])
+    prompt = sum(r["prompt_tokens"] for r in reqs if r["ok"])
+    if split:
+        out.update(hit_rate_tier1=split["hit_rate_tier1"], hit_rate_tier2=split["hit_rate_tier2"],
+                   tier_source="per request (the engine's own counts)")
+    elif counters and isinstance(counters.get("hit_tokens"), dict) and prompt:
+        hits = counters["hit_tokens"]
+        out.update(hit_rate_tier1=hits.get("1", 0) / prompt, hit_rate_tier2=sum(
+            v for k, v in hits.items() if k != "1") / prompt, tier_source=f"the point's {counters.get('source')}")
+    if counters:
+        bw = _rate(counters.get("bytes_read"), counters.get("read_time_s"))
+        out.update(tier_read_bytes_s=bw, tier_write_bytes_s=_rate(counters.get("bytes_written"),
+                                                                   counters.get("write_time_s")))
+        groups = bytes_per_token_by_group(ctx, info)
+        bpt = sum(g["bytes_per_token"] for g in groups)
+        out.update(kv_bytes_per_token_groups=groups, kv_bytes_per_token_estimate=bpt,
+                   reload_s_per_token=bpt / bw if bw else None)
+        tokens = (counters.get("hit_tokens") or {}).get("2") if isinstance(counters.get("hit_tokens"), dict) else None
+        if tokens and counters.get("read_time_s") is not None:
+            out["reload_s_per_token_measured"] = counters["read_time_s"] / tokens
+    return out
+
+
+def _rate(amount: Any, seconds: Any) -> float | None:
+    return amount / seconds if isinstance(amount, (int, float)) and isinstance(seconds, (int, float)) \
+        and seconds > 0 and amount > 0 else None
+
+
+# ---- in the harness's process: the tiered point beside recompute and the bound -------------------
+
+def _same_run(row: dict[str, Any], other: dict[str, Any], workload: str) -> bool:
+    keep = ("engine", "sessions", "model")
+    return (other.get("workload") == workload and other.get("status") == "ok" and other.get("prefix_caching") is True
+            and all(other.get(k) == row.get(k) for k in keep))
+
+
+def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str) -> None:
+    """A tiered row (kv_tiers a capacity) gets, per turn, the TTFT of the same turn with tiers off
+    (`ttft_recompute_s`) and with the full pool (`ttft_full_s`), whether its own lies between them
+    (`ttft_between`: full <= tiered <= recompute), the measured prefill cost per recomputed history
+    token at that turn ((TTFT recompute - TTFT full) / the extra tokens the recompute run
+    prefilled) and the break-even against the reload cost per token; the row the count of turns in
+    between. Rows of the other two modes get nothing. Fails closed: a row with nothing to compare
+    says why (`tier_comparison`)."""
+    mode = row.get("kv_tiers")
+    if not isinstance(mode, int) or isinstance(mode, bool) or not row.get("turns"):
+        return
+    off = [r for r in rows if _same_run(row, r, workload) and r.get("kv_tiers") == "off"]
+    full = [r for r in rows if _same_run(row, r, workload) and r.get("kv_tiers") == "full"]
+    if not off or not full:
+        row["tier_comparison"] = ("nothing to compare: the run has no " + " and no ".join(
+            n for n, rs in (("kv_tiers=off point", off), ("kv_tiers=full point", full)) if not rs)
+            + " of this engine with prefix caching on (workload.kv_tiers=[off,full,SIZE])")
+        return
+    rec, bound = {t["turn"]: t for t in off[-1]["turns"]}, {t["turn"]: t for t in full[-1]["turns"]}
+    reload = row.get("reload_s_per_token_measured") or row.get("reload_s_per_token")
+    between = compared = 0
+    for t in row["turns"]:
+        r, f = rec.get(t["turn"]), bound.get(t["turn"])
+        if r is None or f is None:
+            continue
+        t["ttft_recompute_s"], t["ttft_full_s"] = r.get("ttft_s"), f.get("ttft_s")
+        t["hit_rate_full"], t["hit_rate_recompute"] = f.get("hit_rate"), r.get("hit_rate")
+        if None in (t.get("ttft_s"), t["ttft_recompute_s"], t["ttft_full_s"]):
+            continue
+        compared += 1
+        t["ttft_between"] = t["ttft_full_s"] <= t["ttft_s"] <= t["ttft_recompute_s"]
+        between += t["ttft_between"]
+        pr, pf = _mean_prefilled(r), _mean_prefilled(f)
+        extra = pr - pf if pr is not None and pf is not None else None
+        if extra and extra > 0:
+            t["prefill_s_per_token"] = (t["ttft_recompute_s"] - t["ttft_full_s"]) / extra
+            if reload:
+                t["reload_over_prefill"] = reload / t["prefill_s_per_token"] if t["prefill_s_per_token"] > 0 else None
+    row["tier_turns_compared"] = compared
+    row["tier_turns_between"] = between
+    row["tier_full_pool_evictions"] = full[-1].get("prefix_cache_evictions")
+    row["tier_comparison"] = (f"{between} of {compared} turns between the full pool and recompute"
+                              if compared else "no turn had TTFT in all three modes")
+
+
+def _mean_prefilled(turn: dict[str, Any]) -> float | None:
+    if turn.get("prefilled_tokens") is None or not turn.get("completed"):
+        return None
+    return turn["prefilled_tokens"] / turn["completed"]
