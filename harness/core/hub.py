@@ -30,6 +30,7 @@ a worker that imports harness.core never pays for it.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -241,6 +242,7 @@ class HubModel:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
         (enable_progress_bars if progress else disable_progress_bars)()
+        _quiet_http_logs()
         try:
             path = snapshot_download(self.id, revision=self.commit, allow_patterns=list(self.files),
                                      cache_dir=self.env.cache_dir, token=self.env.hf_token(),
@@ -258,6 +260,13 @@ class HubModel:
         return str(path)
 
 
+def _quiet_http_logs() -> None:
+    """huggingface_hub's HTTP client logs every request at INFO, and a Hydra job logs INFO to the
+    terminal: one line per file and redirect. The progress bars say enough."""
+    for name in ("httpx2", "httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def is_hub_model(model_cfg: dict[str, Any]) -> bool:
     """`model=hub` (conf/model/hub.yaml) or the shorthand `model=ORG/NAME`."""
     return model_cfg.get("name") == "hub"
@@ -273,6 +282,7 @@ def resolve_model(model_cfg: dict[str, Any], problems: list[str], only: tuple[st
     unreachable. Its shape comes from the snapshot's config.json (named after the id). None, with
     the problems appended, where it cannot be used."""
     env = env or HubEnv.current()
+    _quiet_http_logs()
     repo_id = model_cfg.get("id")
     bad = check_repo_id(repo_id)
     if bad:
@@ -461,6 +471,7 @@ def resolve_dataset(value: str, field_: str = "workload.dataset", env: HubEnv | 
     """A `hf:` dataset's file, downloaded into the cache (or found there offline). UserError
     naming the field where it cannot be had."""
     env = env or HubEnv.current()
+    _quiet_http_logs()
     repo_id, revision, path = parse_dataset(value, field_)
     key = (value, env)
     if key in _DATASETS and Path(_DATASETS[key].path).is_file():
