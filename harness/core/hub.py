@@ -184,6 +184,40 @@ def _human(n: int | None) -> str:
     return f"{n} B"
 
 
+# ---- model=ORG/NAME on a command line (Hydra) --------------------------------------------------------
+
+def hub_shorthands(overrides: list[str]) -> list[str]:
+    """The Hub ids that `model=` overrides name (ORG/NAME: a name with a slash, which no preset has),
+    a multirun's sweep (`model=ORG/A,ORG/B`, `model=choice(...)`) included."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    out: list[str] = []
+    for o in overrides:
+        if not o.startswith("model="):
+            continue
+        try:
+            (parsed,) = OverridesParser.create().parse_overrides([o])
+            values = list(parsed.sweep_string_iterator()) if parsed.is_sweep_override() else \
+                [parsed.get_value_element_as_str()]
+        except Exception:  # Hydra says what is wrong with it when it composes
+            continue
+        out += [v for v in values if "/" in v and check_repo_id(v) is None]
+    return list(dict.fromkeys(out))
+
+
+def register_hub_shorthands(overrides: list[str]) -> None:
+    """Make `model=ORG/NAME` mean `model=hub model.id=ORG/NAME`: Hydra reads a config-group choice
+    with a slash as the config model/ORG/NAME, so each id the command line names becomes such a
+    config in Hydra's ConfigStore (conf/model/hub.yaml's fields, packaged as `model`). The store is
+    process-wide, and the joblib launcher hands it to its workers; model.revision=REV applies as
+    for model=hub. (infer-bench and infer-bench-serve call it before composing.)"""
+    from hydra.core.config_store import ConfigStore
+    store = ConfigStore.instance()
+    for repo_id in hub_shorthands(overrides):
+        org, name = repo_id.split("/", 1)
+        store.store(group=f"model/{org}", name=name, package="model",
+                    node={"name": "hub", "id": repo_id, "revision": None, "path": None})
+
+
 # ---- models ---------------------------------------------------------------------------------------------
 
 @dataclass
