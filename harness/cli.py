@@ -19,6 +19,7 @@ from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
@@ -28,6 +29,7 @@ from harness.checkpoint import cached_path, ensure_checkpoint, shipped_checkpoin
 from harness.config import build_plan
 from harness.core.env import environment
 from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
+from harness.core.hub import check_repo_id
 from harness.core.paths import CONF_DIR, model_cache_dir
 from harness.core.presets import load_preset, preset_names, prompt_token_range, shape_from_hf_config
 from harness.core.redact import redact_text
@@ -105,7 +107,12 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
                                ("workload", workload_names(), "workload")):
         if f"'{group}/" in msg and ("Could not find" in msg or "Could not load" in msg):
             given = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")), "?")
-            extra = " (or model=local model.path=DIR for your own checkpoint)" if group == "model" else ""
+            if group == "model" and "/" in given:  # neither a preset nor a Hub id
+                return (f"model={given}: not a model preset, and not a Hugging Face Hub id "
+                        f"({check_repo_id(given) or 'ORG/NAME'}). Give model=ORG/NAME as the Hub shows it, e.g. "
+                        "model=Qwen/Qwen3-0.6B, or one of the presets.")
+            extra = (" (or model=ORG/NAME for a model on the Hugging Face Hub, or model=local model.path=DIR for "
+                     "your own checkpoint)") if group == "model" else ""
             return f"{group}={given}: unknown {what}. Choose one of {', '.join(names)}{extra}."
     if "Could not override" in msg or "not in struct" in msg:
         key = msg.split("'")[1] if "'" in msg else "?"
@@ -115,7 +122,40 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
     return redact_text(f"overrides {' '.join(overrides) or '(none)'}: {first}")
 
 
+# ---- model=ORG/NAME: a model by its Hugging Face Hub id ----------------------------------------------
+
+def hub_shorthands(overrides: list[str]) -> list[str]:
+    """The Hub ids that `model=` overrides name (ORG/NAME: a name with a slash, which no preset has),
+    a multirun's sweep (`model=ORG/A,ORG/B`, `model=choice(...)`) included."""
+    out: list[str] = []
+    for o in overrides:
+        if not o.startswith("model="):
+            continue
+        try:
+            (parsed,) = OverridesParser.create().parse_overrides([o])
+            values = list(parsed.sweep_string_iterator()) if parsed.is_sweep_override() else \
+                [parsed.get_value_element_as_str()]
+        except Exception:  # Hydra says what is wrong with it when it composes
+            continue
+        out += [v for v in values if "/" in v and check_repo_id(v) is None]
+    return list(dict.fromkeys(out))
+
+
+def register_hub_shorthands(overrides: list[str]) -> None:
+    """Make `model=ORG/NAME` mean `model=hub model.id=ORG/NAME`: Hydra reads a config-group choice
+    with a slash as the config model/ORG/NAME, so each id the command line names becomes such a
+    config in Hydra's ConfigStore (conf/model/hub.yaml's fields, packaged as `model`). The store is
+    process-wide, and the joblib launcher hands it to its workers; model.revision=REV applies as
+    for model=hub."""
+    store = ConfigStore.instance()
+    for repo_id in hub_shorthands(overrides):
+        org, name = repo_id.split("/", 1)
+        store.store(group=f"model/{org}", name=name, package="model",
+                    node={"name": "hub", "id": repo_id, "revision": None, "path": None})
+
+
 def compose_job(overrides: list[str]) -> dict[str, Any]:
+    register_hub_shorthands(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
@@ -178,7 +218,16 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     say = (lambda *a: None) if plan.settings.quiet else (lambda *a: print(*a, flush=True))
-    if plan.model_cfg.get("path"):
+    if plan.hub is not None:  # a Hub model: the snapshot (id, commit, size) before anything runs, then its weights
+        say(plan.hub.describe())
+        try:
+            model_path = plan.hub.download(progress=not plan.settings.quiet)
+        except UserError as e:
+            print(e.render(), file=sys.stderr)
+            if device_lock is not None:
+                device_lock.close()
+            return EXIT_BAD_INPUT
+    elif plan.model_cfg.get("path"):
         model_path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
     else:
         cache = model_cache_dir(plan.settings.model_cache_dir)
@@ -195,7 +244,7 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     redact = plan.redactor()
-    env = redact.obj(environment())
+    env = redact.obj({**environment(), **({"model": plan.hub.record()} if plan.hub else {})})
     atomic_write_text(out_dir / ENVIRONMENT_FILE, json.dumps(env, indent=2))
     atomic_write_text(out_dir / CONFIG_FILE, redact.text(OmegaConf.to_yaml(cfg, resolve=True)))
     say(f"infer-bench: {plan.workload.name} on {plan.shape.name} ({plan.dtype}, {plan.device}, "
@@ -339,6 +388,7 @@ def parity_model(overrides: list[str]) -> list[str]:
 
 def main() -> None:
     sys.argv[1:] = parity_model(open_mappings(sys.argv[1:]))
+    register_hub_shorthands(sys.argv[1:])  # model=ORG/NAME, also in a multirun's sweep
     problems = check_jobs(sys.argv[1:])
     if problems:
         print(UserError(problems).render(), file=sys.stderr)
