@@ -398,3 +398,11 @@ def test_a_launched_server_serves_the_id_and_an_attached_one_is_sent_it(tmp_path
         eng.close()
         assert "serves fake-model, not model.id=org/served" in str(e.value)
         assert "endpoints.attached.served_model_name" in str(e.value)
+
+
+def test_infer_bench_serve_takes_a_hub_id(hf_env, fake_hub):
+    from harness.serve import build_plan, compose
+    plan = build_plan(compose([f"model={MODEL}", "model.revision=v2", "port=0"]))
+    assert plan.hub is not None and plan.hub.commit == fake_hub.commits["v2"] and plan.shape.name == MODEL
+    assert plan.settings.served_model_name is None  # served under plan.shape.name: the id
+    assert Path(plan.hub.download(progress=False), "model.safetensors").is_file()
