@@ -169,3 +169,29 @@ def bars(df: pd.DataFrame, *, x: str, y: str, colours: dict[str, str], x_title: 
     fig.update_xaxes(title_text=esc(x_title), type="category")
     fig.update_yaxes(title_text=esc(y_title), rangemode="tozero")
     return base_layout(fig, height=380, title=title)
+
+
+def stacked_bars(df: pd.DataFrame, *, x: str, parts: Sequence[tuple[str, str, str]], facet: str,
+                 x_title: str, y_title: str, scale: float = 1.0, fmt: str = ".3~g",
+                 title: str | None = None) -> go.Figure:
+    """Bars of `parts` (column, label, colour) stacked at each x, one panel per value of `facet`
+    (e.g. one per engine and tier mode); each part's value written in its segment."""
+    facets = list(dict.fromkeys(df[facet].dropna()))
+    cols = min(FACET_COLS, max(1, len(facets)))
+    nrows = max(1, math.ceil(len(facets) / cols))
+    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[esc(f) for f in facets],
+                        horizontal_spacing=0.08, vertical_spacing=min(0.12, 0.3 / max(1, nrows)))
+    for i, fv in enumerate(facets):
+        r, c = i // cols + 1, i % cols + 1
+        d = df[df[facet] == fv].sort_values(x)
+        for col, label, colour in parts:
+            vals = [None if v is None or pd.isna(v) else v * scale for v in d[col]]
+            fig.add_trace(go.Bar(
+                x=list(d[x]), y=vals, name=esc(label), legendgroup=esc(label), showlegend=i == 0,
+                marker=dict(color=colour), text=[fmt_short(v) if v else "" for v in vals], texttemplate="%{text}",
+                textposition="inside", hovertemplate=(f"<b>{esc(fv)}</b><br>{esc(x_title)}: %{{x}}<br>{esc(label)}: "
+                                                      f"%{{y:{fmt}}}<extra></extra>")), row=r, col=c)
+        fig.update_xaxes(title_text=esc(x_title), tickvals=sorted(d[x].unique()), row=r, col=c)
+        fig.update_yaxes(title_text=esc(y_title) if c == 1 else None, rangemode="tozero", row=r, col=c)
+    fig.update_layout(barmode="stack")
+    return base_layout(fig, height=FACET_HEIGHT * nrows + 80, title=title)

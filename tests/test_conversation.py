@@ -228,3 +228,24 @@ def test_report_frame_per_turn_and_pool():
     hf = hit_frame(df)
     assert {s.split(" · ")[-1] for s in hf["series"]} == {"hit rate", "reusable share"}
     assert isinstance(hf, pd.DataFrame)
+
+
+def test_report_tier_panel_frames():
+    """The KV-tier panel's data: one line per tier mode (the eviction curve with and without the
+    second tier) beside one reusable-share line; per turn the shares of tier-1 hits, tier-2 hits
+    and misses add up to one; a run without tiers has no panel."""
+    from reports.data import frame
+    from reports.sections.conversation import conversation_frame, hit_frame, tier_frame
+    from test_report_fakes import conversation_rows, conversation_tier_rows
+    df = conversation_frame(frame(conversation_tier_rows()))
+    t = tier_frame(df)
+    assert set(t["tiers"]) == {"pool alone (recompute)", "full pool (bound)", "+ tier 2 of 64 MiB"}
+    curve = hit_frame(t)
+    assert sorted(set(curve["series"])) == [
+        "reference · + tier 2 of 64 MiB · hit rate", "reference · full pool (bound) · hit rate",
+        "reference · pool alone (recompute) · hit rate", "reference · reusable share"]
+    shares = t["hit_rate_tier1"] + t["hit_rate_tier2"] + t["miss_share"]
+    assert (abs(shares - 1) < 1e-12).all()
+    tiered = t[(t["tiers"] == "+ tier 2 of 64 MiB") & (t["turn"] == 4)].iloc[0]
+    assert tiered["hit_rate_tier2"] > 0 and abs(tiered["hit_rate"] - tiered["reusable_share"]) < 1e-12
+    assert tier_frame(conversation_frame(frame(conversation_rows()))).empty

@@ -16,7 +16,8 @@ import pytest
 
 from reports import browser, write_report
 from reports.blocks import fmt_num
-from test_report_fakes import (FAKE_ENV, capacity_rows, conversation_rows, http_serving_rows, other_workload_rows,
+from test_report_fakes import (FAKE_ENV, capacity_rows, conversation_rows, conversation_tier_rows, http_serving_rows,
+                               other_workload_rows,
                                parity_rows_teacher_forced, serving_load_rows, status_row, sweep_rows, write_results)
 
 pytestmark = pytest.mark.browser
@@ -235,3 +236,26 @@ def test_payloads_in_results_run_nothing(driver: Any, tmp_path: Path) -> None:
         assert f["drawn"] > 0, f
     assert driver.execute_script("return window.__pwned === undefined")
     save_screenshots(driver, "report-injection")
+
+
+def test_the_kv_tier_panel_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
+    """A conversation run with kv_tiers off, full and a second tier: the section draws the eviction
+    curve of each mode beside the reusable share, the hits stacked by tier (one panel per mode:
+    three segments per turn), and the values table with TTFT beside recompute and the bound."""
+    write_results(tmp_path / "cur", conversation_tier_rows())
+    report = write_report([tmp_path / "cur"], tmp_path / "tiers.html")
+    browser.open_report(driver, report)
+    assert console_errors(driver) == []
+    figs = {f["name"]: f for f in drawn_figures(driver)}
+    curve, stacked = figs["conversation-tiers"], figs["conversation-tier-hits"]
+    assert curve["traces"] == 4 and curve["drawn"] == 4  # three modes and the reusable share
+    assert stacked["traces"] == 3 * 3 and stacked["drawn"] > 0  # tier 1, tier 2, miss in each mode's panel
+    names = driver.execute_script("""
+        const el = document.querySelector('figure[data-figure="conversation-tier-hits"] .js-plotly-plot');
+        return [el.layout.barmode, el.data.filter(t => t.showlegend !== false).map(t => t.name)];""")
+    assert names == ["stack", ["tier-1 hit (the pool)", "tier-2 hit (reloaded)", "miss (prefilled)"]]
+    values = table(driver, "conversation-tier-values")
+    assert values["headers"][:3] == ["engine", "tiers", "turn"] and len(values["rows"]) == 3 * 4
+    tiered = [r for r in values["rows"] if r[1]["text"] == "+ tier 2 of 64 MiB" and r[2]["text"] == "4"][0]
+    head = values["headers"]
+    assert float(tiered[head.index("tier-2 hit %")]["value"]) > 0

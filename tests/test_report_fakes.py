@@ -157,6 +157,33 @@ def conversation_rows(engines=("hf", "reference"), pools=((5461, 16), (40, 16)))
     return rows
 
 
+def conversation_tier_rows(engine: str = "reference", capacity: int = 64 << 20) -> list[dict[str, Any]]:
+    """FAKE rows of workload=conversation with kv_tiers off, full and one capacity (caching on, a
+    pool smaller than the histories): the pool alone falls below the reusable share from turn 3;
+    the second tier supplies what the pool lost; TTFT between the full pool's and recompute's."""
+    rows = []
+    for mode in ("off", "full", capacity):
+        turns = []
+        for k in range(1, 5):
+            reusable = 0.0 if k == 1 else 1 - 1 / k
+            tier1 = reusable if mode == "full" or k < 3 else reusable * 0.4
+            tier2 = reusable - tier1 if isinstance(mode, int) else 0.0
+            hit = tier1 + tier2
+            ttft = {"off": 0.05 * k * (1 - hit), "full": 0.05 * k * (1 - reusable) + 0.01}.get(
+                mode, 0.05 * k * (1 - reusable) + 0.01 + 0.02 * tier2)
+            turn = {"turn": k, "requests": 4, "completed": 4, "prompt_tokens_mean": 72.0 * k,
+                    "reusable_share": reusable, "hit_rate": hit, "hit_minus_reusable": hit - reusable, "ttft_s": ttft}
+            if isinstance(mode, int):
+                turn.update(hit_rate_tier1=tier1, hit_rate_tier2=tier2)
+            turns.append(turn)
+        rows.append(make_row(engine=engine, workload="conversation", status="ok", model="tiny",
+                             point={"prefix_caching": True, "sessions": 4, "kv_tiers": mode},
+                             point_key=f"conv:tiers:{mode}")
+                    | {"prefix_caching": True, "kv_tiers": mode, "turns": turns, "kv_blocks_total": 40,
+                       "block_size": 16, "ttft_s": 0.1})
+    return rows
+
+
 def fake_load_point(load: float, speed: float = 1.0, saturate_above: float = 8.0) -> tuple[float, float, float]:
     """FAKE (median TPOT, per-user tok/s, device tok/s) at a load: per-user speed falls with the
     load, device throughput rises with it until `saturate_above`, then stays."""

@@ -239,7 +239,7 @@ class Conversation(Workload):
         ("ttft_s", "TTFT p50 ms", "ms"), ("ttft_later_s", "TTFT turns>1 ms", "ms"),
         ("hit_rate", "hit rate", ".3f"), ("reusable_share", "reusable", ".3f"),
         ("prefix_cache_evictions", "evicted blk", "d"), ("kv_blocks_peak", "peak blocks", "d"),
-        ("kv_tiers", "tiers", "s"), ("hit_rate_tier2", "tier-2 hit", ".3f"),
+        ("kv_tiers_label", "tiers", "s"), ("hit_rate_tier2", "tier-2 hit", ".3f"),
     ]
 
     # ---- planning ------------------------------------------------------------------------------

@@ -156,6 +156,7 @@ def tier_fields(point: Point, reqs: list[dict[str, Any]], tiers0: dict[str, Any]
         return {}
     out: dict[str, Any] = {"kv_tiers": mode if mode is not None else counters.get("capacity_bytes", "on"),
                            "tier2": counters}
+    out["kv_tiers_label"] = tiers_label(out["kv_tiers"])
     split = tier_split([r for r in reqs if r["ok"]])
     prompt = sum(r["prompt_tokens"] for r in reqs if r["ok"])
     if split:

@@ -52,6 +52,7 @@ class PrefixSharing(Workload):
         ("ttft_first_s", "TTFT 1st ms", "ms"), ("ttft_s", "TTFT rest p50 ms", "ms"),
         ("ttft_s_p90", "p90 ms", "ms"), ("prefix_hit_rate", "hit rate", ".3f"),
         ("output_tok_s", "out tok/s", ".1f"), ("kv_blocks_peak", "peak blocks", "d"),
+        ("kv_tiers_label", "tiers", "s"), ("hit_rate_tier2", "tier-2 hit", ".3f"),
     ]
 
     def plan(self, cfg: PrefixSharingConfig) -> list[Point]:

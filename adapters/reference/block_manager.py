@@ -10,6 +10,9 @@ so equal hashes mean equal prefixes (and the stored token ids guard against a co
 sequence looks its prompt up block by block and shares the blocks it finds (their reference
 count goes up); it computes only the rest. Evictable blocks are reused, least recently
 released first, only when no free block is left.
+
+With a second tier (`tier`, kv_tiers.py) an evicted block is copied there first, and a prompt's
+block that the pool lost but the second tier holds is a hit too: reloaded at admission.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
@@ -25,6 +29,21 @@ def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array("q", tokens).tobytes())
     return h.digest()
+
+
+class Hits(list):
+    """match_prefix's answer with a second tier: per leading block of the prompt, the pool block
+    holding it, or None where only the second tier holds it; `hashes` and `tokens` their chained
+    hashes and token ids (what admit() reloads by)."""
+
+    hashes: list[bytes]
+    tokens: list[tuple[int, ...]]
+
+
+@dataclass
+class Reloaded:
+    block: int
+    reloaded: bool  # reloaded from the second tier (else a first-tier hit)
 
 
 @dataclass
@@ -49,6 +68,7 @@ class BlockManager:
     block_size: int
     prefix_caching: bool
     stats: BlockStats = field(default_factory=BlockStats)
+    tier: Any = None  # kv_tiers.SecondTier: where evicted cached blocks go (None: they are dropped)
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
@@ -81,28 +101,47 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         bs, found, parent = self.block_size, [], None
+        hashes, seen = [], []  # with a second tier: each hit's identity, for admit() to reload by
         for i in range(max_tokens // bs):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             parent = chain_hash(parent, block_tokens)
             block_id = self.cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
-                break
+                if self.tier is None or not self.tier.holds(parent, block_tokens):
+                    break
+                block_id = None  # in the second tier: admit() reloads it
             found.append(block_id)
+            hashes.append(parent)
+            seen.append(block_tokens)
+        if self.tier is not None:
+            found = Hits(found)
+            found.hashes, found.tokens = hashes, seen
         return found
 
     def can_admit(self, hits: list[int], num_tokens: int) -> bool:
         """Whether a sequence sharing `hits` can get blocks for its first `num_tokens` tokens.
-        Hit blocks that sit in the evictable list stop being available to others."""
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return self.blocks_for(num_tokens) - len(hits) <= self.num_free - revived
+        Hit blocks that sit in the evictable list stop being available to others; a second-tier
+        hit (None) needs a block to be reloaded into."""
+        pooled = [b for b in hits if b is not None]
+        revived = sum(1 for b in pooled if self.blocks[b].ref_count == 0)
+        return self.blocks_for(num_tokens) - len(pooled) <= self.num_free - revived
 
     def admit(self, seq, hits: list[int], num_prompt_blocks: int) -> None:
-        """Give `seq` the shared blocks `hits`; count the lookup."""
+        """Give `seq` the shared blocks `hits`, reloading second-tier hits into blocks of their own
+        (kv_tiers.py; one that fails its check ends the hits there: the rest is recomputed); count
+        the lookup."""
         for b in hits:
+            if b is None:
+                continue
             block = self.blocks[b]
             if block.ref_count == 0:
                 del self.evictable[b]
             block.ref_count += 1
+        seq.num_reloaded = 0
+        if None in hits:
+            hits = self._reload(hits)
+            seq.num_reloaded = sum(1 for h in hits if h.reloaded) * self.block_size
+            hits = [h.block for h in hits]
         seq.block_table = list(hits)
         seq.block_hashes = [self.blocks[b].hash for b in hits]
         seq.num_computed = len(hits) * self.block_size
@@ -111,6 +150,37 @@ class BlockManager:
             self.stats.prefix_queries += num_prompt_blocks
             self.stats.prefix_hits += len(hits)
         self._note_peak()
+
+    def _reload(self, hits: Hits) -> list[Reloaded]:
+        """Second-tier hits (None in `hits`; admit() holds the first-tier ones already) read back
+        and checked, every one before any pool block is taken (a take may evict and offload
+        another block), then each put into a block of its own and registered in the prefix cache
+        again, in order. At the first that fails its check, the rest of the hits are let go: the
+        sequence recomputes from there."""
+        fetched: dict[int, Any] = {}
+        end = len(hits)
+        for i, b in enumerate(hits):
+            if b is None:
+                data = self.tier.fetch(hits.hashes[i])
+                if data is None:
+                    end = i
+                    break
+                fetched[i] = data
+        for later in hits[end:]:
+            if later is not None:
+                self._release(later)
+        out: list[Reloaded] = []
+        for i, b in enumerate(hits[:end]):
+            if b is not None:
+                out.append(Reloaded(b, False))
+                continue
+            new = self._take()
+            self.tier.place(new, fetched[i])
+            block = self.blocks[new]
+            block.hash, block.token_ids = hits.hashes[i], hits.tokens[i]
+            self.cached[block.hash] = new
+            out.append(Reloaded(new, True))
+        return out
 
     def register_full_blocks(self, seq) -> None:
         """Publish the blocks of `seq` that are full and computed, so later prompts can share them."""
@@ -133,6 +203,8 @@ class BlockManager:
         self.cached.clear()
         self.free.extend(self.evictable)
         self.evictable.clear()
+        if self.tier is not None:
+            self.tier.clear()
 
     # ---- allocation ---------------------------------------------------------------------
     def grow(self, seq, num_tokens: int) -> bool:
@@ -180,6 +252,8 @@ class BlockManager:
         else:  # no free block left: evict the least recently released cached one
             b, _ = self.evictable.popitem(last=False)
             block = self.blocks[b]
+            if self.tier is not None:  # to the second tier first, under the same identity
+                self.tier.offload(block.hash, block.token_ids, b)
             if self.cached.get(block.hash) == b:
                 del self.cached[block.hash]
             block.hash, block.token_ids = None, ()

@@ -5,10 +5,13 @@ generated from it (`python -m adapters.engine_yaml`)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, fields
 from typing import Any
 
 from harness.core.schema import spec
+from harness.core.sizes import parse_size
 
 KV_CACHE_MODES = ("on", "none")
 KV_LAYOUTS = ("paged", "contiguous")
@@ -18,6 +21,7 @@ MLA_FORMS = ("expand", "absorb")
 # speculative decoding (speculative.py): what the engine runs, and the methods of STANDARD_OPTIONS it refuses
 SPECULATIVE_METHODS = ("ngram", "draft")
 NO_HEADS = ("eagle", "mtp")
+OFFLOAD_MEDIA = ("auto", "disk", "host")  # the second KV tier's medium (kv_tiers.py)
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: the pool on CPU when kv_cache_bytes is null (at most)
 
 
@@ -66,6 +70,16 @@ class EngineConfig:
     prompt_lookup_max: int = spec(4, ge=1, help=(
         "speculative_method=ngram: the longest n-gram matched (the longest match wins; of its occurrences, the "
         "earliest, as vLLM and transformers choose)"))
+    # a second KV tier behind the pool (kv_tiers.py; docs/reference-engine.md, "KV tiers")
+    kv_offload: bool = spec(False, help=(
+        "evicted prefix-cache blocks go to a second tier (disk on CPU, pinned host memory on CUDA) and are "
+        "reloaded on a later hit instead of prefilled again; LRU, as the pool"))
+    kv_offload_bytes: int | None = spec(None, ge=1, help="the second tier's capacity in bytes; null: twice the KV pool")
+    kv_offload_medium: str = spec("auto", choices=OFFLOAD_MEDIA, help=(
+        "auto (disk on CPU, host on CUDA) | disk (an unlinked slab file in kv_offload_dir) | host (host memory, "
+        "pinned on CUDA)"))
+    kv_offload_dir: str | None = spec(None, help=(
+        "medium disk: the directory of the tier's slab file (local disk); null: the system's temp directory"))
     step_delay_frac: float = spec(0.0, ge=0, le=10, help=(
         "a deliberate handicap for calibrating regression gates: each step busy-waits this fraction of its "
         "own time (0.25: 25 % slower); 0: off"))
@@ -73,13 +87,14 @@ class EngineConfig:
     @staticmethod
     def normalize(raw: dict[str, Any]) -> dict[str, Any]:
         """What YAML and the command line read differently from what was meant: a bare `on` is
-        true, `kv_cache_bytes=2e9` a float."""
+        true, `kv_cache_bytes=2e9` a float; sizes may carry their unit (`kv_offload_bytes=1GiB`)."""
         out = dict(raw)
         if out.get("kv_cache") is True:
             out["kv_cache"] = "on"
-        v = out.get("kv_cache_bytes")
-        if isinstance(v, float) and v.is_integer():
-            out["kv_cache_bytes"] = int(v)
+        for k in ("kv_cache_bytes", "kv_offload_bytes"):  # 2e9, or a size with its unit: 512MiB, 1GiB
+            v = out.get(k)
+            if isinstance(v, (float, str)) and parse_size(v) is not None:
+                out[k] = parse_size(v)
         return out
 
     @property
@@ -109,7 +124,22 @@ def cross_field_problems(cfg: EngineConfig) -> list[str]:
     if cfg.kv_cache == "none" and cfg.kv_dtype != "auto":
         problems.append("engine_options.reference.kv_dtype: a quantised cache needs kv_cache=on "
                         "(with kv_cache=none nothing is stored). Drop kv_dtype or set kv_cache=on.")
-    return problems + speculative_problems(cfg)
+    return problems + speculative_problems(cfg) + offload_problems(cfg)
+
+
+def offload_problems(cfg: EngineConfig) -> list[str]:
+    """A second KV tier holds blocks evicted from the prefix cache: it needs the cache (paged, on)
+    and, on disk, a directory it can write."""
+    if not cfg.kv_offload:
+        return []
+    opt = "engine_options.reference"
+    if not cfg.use_prefix_cache:
+        why = ("prefix_caching=false" if cfg.use_cache and not cfg.contiguous else
+               "kv_cache=none" if not cfg.use_cache else "kv_layout=contiguous")
+        return [f"{opt}.kv_offload=true with {why}: a second KV tier holds blocks evicted from the prefix cache and "
+                f"is read only by prefix hits. Turn prefix caching on (paged layout), or set {opt}.kv_offload=false."]
+    why = directory_problem(cfg.kv_offload_dir) if cfg.kv_offload_medium != "host" else None
+    return [why] if why else []
 
 
 def speculative_problems(cfg: EngineConfig) -> list[str]:
@@ -132,3 +162,21 @@ def speculative_problems(cfg: EngineConfig) -> list[str]:
         problems.append(f"{opt}.draft_model: speculative_method=draft needs a draft checkpoint. Give "
                         f"{opt}.draft_model=DIR (a model with the target's tokenizer) or use speculative_method=ngram.")
     return problems
+
+
+def directory_problem(directory: str | None) -> str | None:
+    """Why `directory` cannot hold the disk tier's slab file (None: it can, or it is the default)."""
+    if directory is None:
+        return None
+    path = os.path.expanduser(directory)
+    if not os.path.isdir(path):
+        return (f"engine_options.reference.kv_offload_dir={directory}: not a directory. Give an existing, writable "
+                "directory on local disk (or null for the system's temp directory).")
+    try:
+        fd, probe = tempfile.mkstemp(prefix="infer-bench-kv-tier-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return (f"engine_options.reference.kv_offload_dir={directory}: cannot write there ({e.strerror}). Give a "
+                "writable directory on local disk (or null for the system's temp directory).")
+    return None

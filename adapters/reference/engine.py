@@ -70,7 +70,8 @@ class ReferenceEngine(Engine):
         return Capabilities(kv_dtypes=KV_DTYPES, prefix_caching=paged, chunked_prefill=cfg.use_cache,
                             no_cache_mode=True, contiguous_layout=True, continuous_batching=True,
                             paged=paged, logits=True, scores=True,
-                            speculative_methods=SPECULATIVE_METHODS if cfg.use_cache else (), options=OPTIONS)
+                            speculative_methods=SPECULATIVE_METHODS if cfg.use_cache else (),
+                            kv_offload=paged, options=OPTIONS)
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
@@ -91,6 +92,12 @@ class ReferenceEngine(Engine):
                 why = budget_problem(cfg, bpt, max(model.max_model_len, 1), cfg.kv_cache_bytes,
                                      f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}")
                 problems += [why] if why else []
+        if cfg.kv_offload and not problems:
+            shape = _shape_of(model)
+            if shape is not None and any(k != "full" and k != "latent" for k in shape.layer_kinds()):
+                problems.append("engine_options.reference.kv_offload: a second KV tier is not done yet for models with "
+                                f"sliding-window layer groups ({shape.name}: {', '.join(sorted(set(shape.layer_kinds())))} "
+                                "layers); use kv_offload=false for this model.")
         if cfg.speculative_method == "draft" and cfg.draft_model and not problems:
             shape = _shape_of(model)
             problems += draft_problems(cfg.draft_model, shape.vocab_size if shape else None, model.path or None)

