@@ -21,6 +21,9 @@ and stamps each SSE chunk's arrival with `adapters.base.now_ns()`):
                     RequestFailed(reason) after whatever tokens it had sent.
   score(...)        prompt log-probabilities (`prompt_logprobs`), for kind vllm and infer-bench.
   kv_cache_info()   what the server's /metrics says (usage, prefix-cache counters, preemptions).
+  spec_decode_stats() speculative decoding's cumulative counters from /metrics, by the names of the
+                    kind's record (a launched server speculates as its options asked; an attached
+                    one as endpoints.<name>.attached_options declares).
   begin/end_point() a point's server identity, token counts (server's usage vs the client's),
                     failures, TLS/auth facts and the /metrics time series.
 Not possible over HTTP: logits, a run without KV cache, a contiguous layout (capabilities say so).
@@ -52,13 +55,13 @@ import httpx
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    RequestFailed, RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns,
+    RequestFailed, RequestSource, SpecDecodeStats, StepTiming, TokenEvent, TokenScores, as_source, now_ns,
 )
 from adapters.endpoint import telemetry
 from adapters.endpoint.bodies import RequestBodies, max_tokens
 from adapters.endpoint.config import EndpointConfig, chat_problems, chat_template_text, template_fields
 from adapters.endpoint.launch import ServerError, ServerProcess, free_port, render
-from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
+from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind, Speculation, speculation
 from adapters.endpoint.flags import ServerFlag, overridden_standards
 from adapters.endpoint.options import SERVER_FLAGS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
 from adapters.endpoint.client import (
@@ -152,15 +155,18 @@ class EndpointEngine(Engine):
         if cfg.launched:
             kv_dtypes = kind.kv_dtypes
             prefix = paged = "prefix_caching" in kind.options
+            spec_methods = kind.speculative_methods
         else:  # an attached server runs with what it was started with
             declared = given(cfg.attached_options)
             kv_dtypes = ("auto",) if "kv_dtype" not in declared else ("auto", str(declared["kv_dtype"]))
             prefix = bool(declared.get("prefix_caching"))
             paged = False
+            spec_methods = (declared["speculative_method"],) if "speculative_method" in declared else ()
         return Capabilities(
             dtypes=("float32", "bfloat16", "float16"), devices=("cpu", "cuda"), kv_dtypes=kv_dtypes,
             prefix_caching=prefix, chunked_prefill=False, no_cache_mode=False, contiguous_layout=False,
             continuous_batching=True, paged=paged, logits=False, scores=kind.scores,
+            speculative_methods=spec_methods,
             options=STANDARD_ENDPOINT_OPTIONS + ((SERVER_FLAGS,) if cfg.launched and kind.flags else ()))
 
     @classmethod
@@ -187,6 +193,12 @@ class EndpointEngine(Engine):
                                    attached=None if cfg.launched else cfg.attached_options,
                                    url=None if cfg.launched else Redactor().text(cfg.url or ""),
                                    server_version=cls.declared_version())
+        sp = speculation(options) if not problems else None
+        if cfg.launched and not cfg.dry_run and sp is not None and sp.draft is not None \
+                and not os.path.isdir(os.path.expanduser(sp.draft)):
+            problems.append(f"engine_options.{cls.name}.draft_model={sp.draft}: not a checkpoint directory on this "
+                            "machine; the server the harness launches loads the draft from one (a model preset is "
+                            "materialised into one by the harness: workload.draft_model).")
         if cfg.api == "chat":
             kind = KINDS[cfg.kind]
             if not kind.chat:
@@ -247,6 +259,7 @@ class EndpointEngine(Engine):
         self._last_end = 0
         self._point: list[ReqState] = []
         self._scraper: telemetry.Scraper | None = None
+        self.spec_error: str | None = None  # why spec_decode_stats() could not read the counters
 
     def _key(self) -> str | None:
         cfg = self.cfg
@@ -334,7 +347,8 @@ class EndpointEngine(Engine):
         log_dir = Path(model.run_dir) / "logs" if model.run_dir else None
         options_file = str((log_dir.parent if log_dir else Path(_tmpdir())) / f"endpoint-{self.name}-llm-api-options.yaml")
         ctx = LaunchContext(options_file=options_file, dtype=model.dtype, device=str(model.device),
-                            kv_bytes_per_token=lambda kv: _kv_bytes_per_token(model, kv))
+                            kv_bytes_per_token=lambda kv: _kv_bytes_per_token(model, kv),
+                            metrics=cfg.metrics is not False)
         extras = launch_extras(cfg.kind, used, ctx)
         if cfg.api == "chat":  # the chat template the harness counts with is the one the server applies
             extras.args += list(kind.chat_args)
@@ -905,6 +919,38 @@ class EndpointEngine(Engine):
             prefix_cache_queries=_int(values.get(queries)) if queries else None,
             preemptions=_int(values.get(preempt)) if preempt else None, extra=extra)
 
+    def speculation(self) -> Speculation | None:
+        """The speculation the server runs with: a launched one as its options asked, an attached
+        one as endpoints.<name>.attached_options declares; None: it does not speculate."""
+        return speculation(self.options_used if self.cfg.launched else dict(self.cfg.attached_options))
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """The server's speculative-decoding counters since it started (cumulative; the workload
+        takes a point's difference), read from /metrics by the kind's record. The counters are
+        read until two reads 0.1 s apart agree (a server may add a step's counts just after its
+        tokens went out). None where the server does not speculate, or the counters cannot be
+        read (`spec_error` says why; the row gets it as `spec_decode_error`)."""
+        sp, kind = self.speculation(), KINDS[self.cfg.kind]
+        if sp is None or kind.spec_metrics is None:
+            return None
+        if not self.metrics_on or self._loop is None:
+            self.spec_error = (f"no counters: the server's {self._metrics_path()} is not read (metrics=false, or it "
+                               "did not answer Prometheus text at load)")
+            return None
+        last: SpecDecodeStats | None = None
+        for _ in range(10):
+            try:
+                now = telemetry.spec_counts(self.cfg.kind, self._metrics_text(), sp)
+            except (httpx.HTTPError, ValueError) as e:
+                self.spec_error = f"{self._metrics_path()}: {self.redactor.text(str(e)) or type(e).__name__}"
+                return None
+            if now == last:
+                break
+            last = now
+            time.sleep(0.1)
+        self.spec_error = None
+        return last
+
     def reset_prefix_cache(self) -> None:
         kind = KINDS[self.cfg.kind]
         path = kind.reset_path
@@ -949,6 +995,12 @@ class EndpointEngine(Engine):
             server_metrics=series, server_metrics_interval_s=self.cfg.metrics_interval_s if series is not None else None,
             server_metrics_errors=scrape_errors if series is not None else None,
         )
+        sp = self.speculation()
+        if sp is not None:
+            gauges = KINDS[self.cfg.kind].spec_metrics.gauges if KINDS[self.cfg.kind].spec_metrics else ()
+            last = {g: series[g][-1][1] for g in gauges if series and series.get(g)}
+            fields["spec_decode_aggregates"] = last or None  # what the server reports only in aggregate
+            fields["spec_decode_error"] = self.spec_error
         if self.cfg.ca_bundle:
             fields["ca_bundle"] = str(self.cfg.ca_bundle)
         if self.server_threads is not None:
