@@ -58,7 +58,7 @@ browser-deps:
 # parity tests run everywhere (the preset is shipped); vLLM's own tests wherever make builds
 # .venv-vllm. A skip for a missing GPU or TensorRT-LLM is not in these lists and stays a skip.
 MUST_RUN      ?= 'tests/test_train_parity.py::*'
-VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tests/test_vllm_kvdtype.py::*' 'tests/test_vllm_families.py::*'
+VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tests/test_vllm_kvdtype.py::*' 'tests/test_vllm_families.py::*' 'tests/test_vllm_speculative.py::*'
 
 # Every test: the import layers, the whole suite in the harness's environment (engine runs that
 # need vLLM go through .venv-vllm), and vLLM's in-process adapter tests under vLLM's interpreter.

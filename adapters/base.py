@@ -60,6 +60,9 @@ class ModelSpec:
     cpus: tuple[int, ...] | None = None
     # Where the run writes (logs/ under it); None outside a run.
     run_dir: str | None = None
+    # The model's Hugging Face Hub id when it came from the Hub (model=ORG/NAME): `name` is then
+    # that id, `path` its snapshot in the cache, and an attached endpoint is sent this id.
+    model_id: str | None = None
 
 
 @dataclass

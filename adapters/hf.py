@@ -9,10 +9,20 @@ Options (`engine_options.hf.<name>`): HFOptions below (conf/engine/hf.yaml is ge
 
 serve() is static batching — what plain transformers offers: it takes every request that has
 arrived, runs the batch to completion, then takes the next.
+
+Speculative decoding (`speculative_method` ngram | draft) is transformers' own assisted
+generation: decode() hands the sequence and its KV cache to `generate()` with
+`prompt_lookup_num_tokens` (ngram) or `assistant_model` (draft), and a streamer stamps every
+iteration (draft, then one verifying forward pass of the target) as one step. transformers 5.x
+runs it at batch 1 only (`_assisted_decoding` raises "assisted generate is only supported for
+batch_size = 1"): Capabilities.speculative_max_batch = 1, serve() takes one request at a time.
+How the settings are made equal to the other engines', the counters and the two patches on the
+loaded model: docs/engines/hf.md.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from collections.abc import Iterator
@@ -22,8 +32,9 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns, option_names, wait_until,
+    RequestSource, SpecDecodeStats, StepTiming, TokenEvent, TokenScores, as_source, now_ns, option_names, wait_until,
 )
+from adapters.speculative import SpecCounter, option_problems
 from harness.core.errors import UserError
 from harness.core.kvcalc import canonical_kv_dtype
 from harness.core.presets import shape_from_hf_config
@@ -41,10 +52,25 @@ class HFOptions:
     max_batch_size: int = spec(64, ge=1, tune=[4, 8, 16, 32, 64], help="serve(): static batches of at most this many requests")
     num_threads: int | None = spec(None, ge=1, help=(
         "torch CPU threads; null = the run's equal share (ModelSpec.threads), else torch's default"))
+    # speculative decoding (adapters.base.STANDARD_OPTIONS): transformers' assisted generation, batch 1 only
+    speculative_method: str = spec("none", choices=("none", "ngram", "draft"), help=(
+        "none | ngram (prompt_lookup_num_tokens) | draft (assistant_model); greedy verification, batch 1 only"))
+    num_speculative_tokens: int | None = spec(None, ge=1, help=(
+        "k, tokens proposed per step: num_assistant_tokens on a constant schedule (draft), "
+        "prompt_lookup_num_tokens (ngram)"))
+    draft_model: str | None = spec(None, help="method draft: the draft's checkpoint directory (the assistant_model)")
+    prompt_lookup_min: int | None = spec(None, ge=1, help=(
+        "method ngram: shortest n-gram matched; null = 1 (transformers' own); above 1 the adapter drops "
+        "transformers' shorter matches"))
+    prompt_lookup_max: int | None = spec(None, ge=1, help=(
+        "method ngram: longest n-gram matched (transformers' max_matching_ngram_size); null = 2 (its default)"))
 
 
 OPTIONS = option_names(HFOptions)
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+SPEC_METHODS = ("ngram", "draft")
+BATCH_ONE = ("transformers' assisted generation runs at batch 1 only (its _assisted_decoding raises \"assisted "
+             "generate is only supported for batch_size = 1\")")
 
 
 class HFEngine(Engine):
@@ -63,7 +89,19 @@ class HFEngine(Engine):
 
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
-        return Capabilities(kv_dtypes=("auto",), no_cache_mode=True, logits=True, scores=True, options=OPTIONS)
+        return Capabilities(kv_dtypes=("auto",), no_cache_mode=True, logits=True, scores=True,
+                            speculative_methods=SPEC_METHODS, speculative_max_batch=1, options=OPTIONS)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
+        opts, problems = cls.typed_options(options)
+        if problems:
+            return problems
+        problems = option_problems(cls.name, opts, SPEC_METHODS, model.path or None)
+        if opts.speculative_method != "none" and opts.kv_cache == "none":
+            problems.append("engine_options.hf.kv_cache=none: transformers' assisted generation needs a KV cache; "
+                            "use kv_cache=on with speculative_method=" + opts.speculative_method + ".")
+        return problems
 
     def __init__(self) -> None:
         self.model = None
@@ -74,6 +112,10 @@ class HFEngine(Engine):
         self._last = None  # [B, 1] last token of every live sequence
         self._ids = None  # [B, T] all tokens so far (used without a cache)
         self._pad_id = 0
+        self.spec = None  # HFOptions when speculating, else None
+        self.draft = None  # the assistant model (method draft)
+        self._seq: list[int] | None = None  # the live sequence's tokens (speculating: batch 1)
+        self._counter = SpecCounter()
 
     # ---- life cycle --------------------------------------------------------------------
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
@@ -83,6 +125,7 @@ class HFEngine(Engine):
         self.torch = torch
         self.device = torch.device(model.device)
         opts, problems = self.typed_options(options)
+        problems = problems or self.check_options(options, model)
         if problems:
             raise ValueError(" ".join(problems))
         self.use_cache = opts.kv_cache != "none"
@@ -112,13 +155,143 @@ class HFEngine(Engine):
         except UserError:
             self._layer_kinds = None
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        details: dict[str, Any] = {"attn_implementation": attn, **({"attn_note": self.attn_note} if self.attn_note else {})}
+        if opts.speculative_method != "none":
+            details["speculative"] = self._start_speculating(opts, model, attn)
         return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=weights,
                         kv_pool_bytes=None, engine_version=self.version(), compute_threads=torch.get_num_threads(),
-                        details={"attn_implementation": attn, **({"attn_note": self.attn_note} if self.attn_note else {})})
+                        details=details)
+
+    # ---- speculative decoding: transformers' assisted generation ----------------------------
+    def _start_speculating(self, opts: HFOptions, model: ModelSpec, attn: str) -> dict[str, Any]:
+        """Load the draft (method draft), make generate() plain greedy, and put our two patches on
+        the loaded model (docs/engines/hf.md): resuming from our prefilled cache, and counting
+        what its candidate generator proposed and the target accepted. Returns the settings in
+        transformers' own terms, for LoadInfo.details."""
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.spec, self._counter = opts, SpecCounter()
+        k = int(opts.num_speculative_tokens)
+        # the checkpoint's generation_config.json (sampling, EOS, penalties) would fill every unset
+        # field of generate()'s config: plain greedy without EOS instead, as the step path decodes
+        self.model.generation_config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=None,
+                                                        pad_token_id=self._pad_id)
+        settings: dict[str, Any] = {"method": opts.speculative_method, "num_speculative_tokens": k}
+        if opts.speculative_method == "draft":
+            dtype = getattr(self.torch, _DTYPES[model.dtype])
+            self.draft = AutoModelForCausalLM.from_pretrained(opts.draft_model, dtype=dtype,
+                                                              attn_implementation=attn).to(self.device).eval()
+            # read by transformers' AssistedCandidateGenerator from the assistant's own config: k tokens
+            # every step (a "heuristic" schedule changes k as it goes, a confidence threshold stops early)
+            self.draft.generation_config = GenerationConfig(
+                do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=self._pad_id,
+                num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+            settings.update(draft_model=str(opts.draft_model), assistant_model=type(self.draft).__name__,
+                            num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                            assistant_confidence_threshold=0.0,
+                            draft_weights_bytes=sum(p.numel() * p.element_size() for p in self.draft.parameters()))
+        else:
+            settings.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=self._ngram_max(),
+                            prompt_lookup_min=self._ngram_min(), prompt_lookup_max=self._ngram_max())
+        self._patch_for_speculation()
+        return settings
+
+    def _ngram_max(self) -> int:
+        return int(self.spec.prompt_lookup_max or 2)  # transformers' max_matching_ngram_size default
+
+    def _ngram_min(self) -> int:
+        return int(self.spec.prompt_lookup_min or 1)  # transformers matches down to one token
+
+    def _patch_for_speculation(self) -> None:
+        """Two instance attributes on the loaded model, nothing global:
+
+        - prepare_inputs_for_generation: transformers 5.25's `_assisted_decoding` feeds the whole
+          sequence to the target in its first iteration even when the cache passed in holds all
+          of it but the last token (since transformers PR #44130 the slicing lives in `_prefill`,
+          which assisted decoding does not call): the cache would get the prompt twice. The
+          wrapper slices the first iteration's input to what the cache lacks, as `_prefill` does.
+        - _get_candidate_generator: wraps the generator transformers picks in `_CountedCandidates`
+          (counts, times, prompt_lookup_min)."""
+        model = self.model
+        prepare = model.prepare_inputs_for_generation
+
+        @functools.wraps(prepare)
+        def resume_from_cache(input_ids, *args, next_sequence_length=None, cache=None, is_first_iteration=False,
+                              **kwargs):
+            if is_first_iteration and next_sequence_length is None and cache is not None:
+                held = int(cache.get_seq_length())
+                if 0 < held < input_ids.shape[1]:
+                    next_sequence_length = input_ids.shape[1] - held
+            return prepare(input_ids, *args, next_sequence_length=next_sequence_length, cache=cache,
+                           is_first_iteration=is_first_iteration, **kwargs)
+
+        make = model._get_candidate_generator
+
+        @functools.wraps(make)
+        def counted(*args, **kwargs):
+            min_ngram = self._ngram_min() if self.spec.speculative_method == "ngram" else 1
+            return _CountedCandidates(make(*args, **kwargs), self._counter, self._sync, min_ngram)
+
+        model.prepare_inputs_for_generation = resume_from_cache
+        model._get_candidate_generator = counted
+
+    def _generation_config(self, steps: int) -> Any:
+        from transformers import GenerationConfig
+        gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=steps, eos_token_id=None,
+                              pad_token_id=self._pad_id, use_cache=True, return_dict_in_generate=True)
+        if self.spec.speculative_method == "ngram":
+            gc.prompt_lookup_num_tokens = int(self.spec.num_speculative_tokens)
+            gc.max_matching_ngram_size = self._ngram_max()
+        return gc
+
+    def _spec_decode(self, steps: int, return_logits: bool) -> DecodeResult:
+        """One generate() call for all `steps` tokens; every iteration of transformers' assisted
+        loop (draft, verify, accept) is one step, stamped when it hands its tokens to the streamer.
+        The first step's span starts at the call (generate()'s set-up, and with a draft model the
+        assistant's prefill of the sequence so far, fall in it)."""
+        if return_logits:
+            raise NotImplementedError("hf: logits are not returned while speculating (transformers' assisted "
+                                      "generation emits several tokens per step)")
+        if steps <= 0:
+            return DecodeResult([], [], emitted=[])
+        torch = self.torch
+        ids = torch.tensor([self._seq], dtype=torch.long, device=self.device)
+        clock = _StepClock(self._sync)
+        extra = {"assistant_model": self.draft} if self.draft is not None else {}
+        self._sync()
+        start = now_ns()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=self._cache,
+                                      generation_config=self._generation_config(steps), streamer=clock, **extra)
+        new = [t for chunk in clock.chunks for t in chunk]
+        if new != out.sequences[0, ids.shape[1]:].tolist() or len(new) != steps:
+            raise RuntimeError(f"transformers' assisted generation gave {len(new)} tokens for {steps} asked "
+                               "(or its streamer and its output disagree)")
+        timings, emitted, prev = [], [], start
+        for t, chunk in zip(clock.times, clock.chunks):
+            timings.append(StepTiming(prev, t, len(chunk)))
+            emitted.append([len(chunk)])
+            prev = t
+        self._cache = out.cache
+        self._seq += new
+        # the cache holds every token but the newest, as after a plain decode step
+        held = len(self._seq) - 1
+        if int(self._cache.get_seq_length()) != held:
+            raise RuntimeError(f"after assisted generation the KV cache holds {int(self._cache.get_seq_length())} "
+                               f"tokens; {held} expected")
+        self._mask = torch.ones((1, held), dtype=torch.long, device=self.device)
+        self._last = torch.tensor([[self._seq[-1]]], dtype=torch.long, device=self.device)
+        self._next_pos = torch.tensor([[held]], dtype=torch.long, device=self.device)
+        return DecodeResult([[t] for t in new], timings, None, emitted)
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        if self.spec is None:
+            return None
+        return self._counter.stats(int(self.spec.num_speculative_tokens))
 
     def close(self) -> None:
         self.release()
-        self.model = None
+        self.model = self.draft = self.spec = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -136,6 +309,9 @@ class HFEngine(Engine):
         from transformers import DynamicCache
 
         self.release()
+        if self.spec is not None and len(prompts) > 1:
+            raise ValueError(f"hf: a batch of {len(prompts)} sequences with speculative_method="
+                             f"{self.spec.speculative_method}: {BATCH_ONE}.")
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -156,12 +332,15 @@ class HFEngine(Engine):
         self._cache, self._mask, self._last = cache, mask, nxt
         self._next_pos = pos[:, -1:] + 1
         self._ids = torch.cat([ids, nxt], dim=1) if not self.use_cache else None
+        self._seq = list(prompts[0]) + first if self.spec is not None else None
         return PrefillResult(first, start, end, logits.float().cpu() if return_logits else None)
 
     def decode(self, steps: int, return_logits: bool = False) -> DecodeResult:
         torch = self.torch
         if self._last is None:
             raise RuntimeError("decode() before prefill()")
+        if self.spec is not None:
+            return self._spec_decode(steps, return_logits)
         tokens, timings, all_logits = [], [], []
         ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)
         for _ in range(steps):
@@ -188,7 +367,7 @@ class HFEngine(Engine):
         return DecodeResult(tokens, timings, all_logits if return_logits else None)
 
     def release(self) -> None:
-        self._cache = self._mask = self._next_pos = self._last = self._ids = None
+        self._cache = self._mask = self._next_pos = self._last = self._ids = self._seq = None
 
     # ---- teacher-forced scores (parity) ------------------------------------------------------
     def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
@@ -227,11 +406,23 @@ class HFEngine(Engine):
                     return
                 wait_until(nxt)
                 continue
-            batch, waiting = waiting[: self.max_batch_size], waiting[self.max_batch_size:]
+            size = 1 if self.spec is not None else self.max_batch_size  # assisted generation: batch 1
+            batch, waiting = waiting[:size], waiting[size:]
             pre = self.prefill([r.prompt_ids for r in batch])
             for r, tok in zip(batch, pre.first_tokens):
                 yield TokenEvent(r.request_id, 0, tok, pre.end_ns, finished=r.max_new_tokens <= 1)
             longest = max(r.max_new_tokens for r in batch)
+            if self.spec is not None:  # one generate() call; a step's tokens share its stamp
+                (r,) = batch
+                res = self.decode(longest - 1)
+                index = 1
+                for step, (counts,) in zip(res.steps, res.emitted):
+                    for _ in range(counts):
+                        yield TokenEvent(r.request_id, index, res.tokens[index - 1][0], step.end_ns,
+                                         finished=index == r.max_new_tokens - 1)
+                        index += 1
+                self.release()
+                continue
             for step in range(1, longest):
                 res = self.decode(1)
                 for r, tok in zip(batch, res.tokens[0]):
@@ -262,6 +453,79 @@ class HFEngine(Engine):
         if self._layer_kinds is not None:
             info.extra["groups"] = cache_groups(self._cache, self._layer_kinds, batch)
         return info
+
+
+class _StepClock:
+    """A transformers streamer (generate(streamer=...) calls put() with the prompt first, then
+    once per iteration with the tokens it accepted) that stamps every iteration."""
+
+    def __init__(self, sync: Any) -> None:
+        self._sync = sync
+        self._prompt_seen = False
+        self.times: list[int] = []
+        self.chunks: list[list[int]] = []
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self._sync()
+        self.times.append(now_ns())
+        self.chunks.append([int(t) for t in value.reshape(-1).tolist()])
+
+    def end(self) -> None:
+        pass
+
+
+class _CountedCandidates:
+    """transformers' candidate generator (AssistedCandidateGenerator for a draft model,
+    PromptLookupCandidateGenerator for n-grams), wrapped: every attribute is the wrapped one's,
+    and the two calls `_assisted_decoding` makes per iteration are counted and timed.
+
+    - get_candidates(input_ids) returns the sequence with the proposed tokens appended: proposed
+      = its length minus the input's. Its time is the draft time.
+    - update_candidate_strategy(input_ids, scores, num_matches) follows the verifying pass:
+      num_matches is the accepted count (after transformers' crop at the length limit). The time
+      between the two calls is the verify time (the target's pass, the comparison, the cache crop).
+    - prompt_lookup_min: transformers matches n-grams from max_matching_ngram_size down to one
+      token. It takes the longest size that occurs earlier with a continuation, so its match is
+      at least `min_ngram` long exactly when the sequence's last `min_ngram` tokens occur earlier;
+      when they do not, this returns no candidates (a plain decode step, as vLLM does)."""
+
+    def __init__(self, inner: Any, counter: SpecCounter, sync: Any, min_ngram: int = 1) -> None:
+        self._inner, self._counter, self._sync, self._min_ngram = inner, counter, sync, min_ngram
+        self._proposed = 0
+        self._verify_start = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_candidates(self, input_ids: Any, **kwargs: Any) -> Any:
+        self._sync()
+        t0 = time.perf_counter()
+        if self._min_ngram > 1 and not _suffix_occurs_earlier(input_ids[0], self._min_ngram):
+            out = (input_ids, None)
+        else:
+            out = self._inner.get_candidates(input_ids, **kwargs)
+        self._sync()
+        t1 = time.perf_counter()
+        self._proposed = int(out[0].shape[-1] - input_ids.shape[-1])
+        self._counter.draft_time_s += t1 - t0
+        self._verify_start = t1
+        return out
+
+    def update_candidate_strategy(self, input_ids: Any, scores: Any, num_matches: Any) -> Any:
+        self._counter.verify_time_s += time.perf_counter() - self._verify_start
+        self._counter.observe(self._proposed, int(num_matches))
+        return self._inner.update_candidate_strategy(input_ids, scores, num_matches)
+
+
+def _suffix_occurs_earlier(ids: Any, n: int) -> bool:
+    """Whether the last n tokens of the 1-D tensor `ids` occur at an earlier start, followed by at
+    least one token (windows of ids[:-1]: the suffix itself is not among them)."""
+    if ids.shape[0] <= n:
+        return False
+    return bool((ids[:-1].unfold(0, n, 1) == ids[-n:]).all(-1).any())
 
 
 def cache_groups(cache: Any, kinds: tuple[str, ...], batch: int) -> list[dict[str, Any]]:

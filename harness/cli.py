@@ -28,6 +28,7 @@ from harness.checkpoint import cached_path, ensure_checkpoint, shipped_checkpoin
 from harness.config import build_plan
 from harness.core.env import environment
 from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
+from harness.core.hub import check_repo_id, hub_shorthands, register_hub_shorthands  # noqa: F401 (re-exported)
 from harness.core.paths import CONF_DIR, model_cache_dir
 from harness.core.presets import load_preset, preset_names, prompt_token_range, shape_from_hf_config
 from harness.core.redact import redact_text
@@ -105,7 +106,12 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
                                ("workload", workload_names(), "workload")):
         if f"'{group}/" in msg and ("Could not find" in msg or "Could not load" in msg):
             given = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")), "?")
-            extra = " (or model=local model.path=DIR for your own checkpoint)" if group == "model" else ""
+            if group == "model" and "/" in given:  # neither a preset nor a Hub id
+                return (f"model={given}: not a model preset, and not a Hugging Face Hub id "
+                        f"({check_repo_id(given) or 'ORG/NAME'}). Give model=ORG/NAME as the Hub shows it, e.g. "
+                        "model=Qwen/Qwen3-0.6B, or one of the presets.")
+            extra = (" (or model=ORG/NAME for a model on the Hugging Face Hub, or model=local model.path=DIR for "
+                     "your own checkpoint)") if group == "model" else ""
             return f"{group}={given}: unknown {what}. Choose one of {', '.join(names)}{extra}."
     if "Could not override" in msg or "not in struct" in msg:
         key = msg.split("'")[1] if "'" in msg else "?"
@@ -116,6 +122,7 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
 
 
 def compose_job(overrides: list[str]) -> dict[str, Any]:
+    register_hub_shorthands(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
@@ -178,7 +185,16 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     say = (lambda *a: None) if plan.settings.quiet else (lambda *a: print(*a, flush=True))
-    if plan.model_cfg.get("path"):
+    if plan.hub is not None:  # a Hub model: the snapshot (id, commit, size) before anything runs, then its weights
+        say(plan.hub.describe())
+        try:
+            model_path = plan.hub.download(progress=not plan.settings.quiet)
+        except UserError as e:
+            print(e.render(), file=sys.stderr)
+            if device_lock is not None:
+                device_lock.close()
+            return EXIT_BAD_INPUT
+    elif plan.model_cfg.get("path"):
         model_path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
     else:
         cache = model_cache_dir(plan.settings.model_cache_dir)
@@ -189,8 +205,13 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
                 f"model {plan.shape.name}: materialising random weights into {cache} (first use) ...")
         model_path = str(ensure_checkpoint(plan.shape, cache))
     plan.token_range = prompt_token_range(shape_from_hf_config(model_path), model_path)
+    try:  # a draft model the workload or an engine option names: materialised too, then checked on disk
+        plan.models = extra_models(plan, model_path, say)
+    except UserError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT
     redact = plan.redactor()
-    env = redact.obj(environment())
+    env = redact.obj({**environment(), **({"model": plan.hub.record()} if plan.hub else {})})
     atomic_write_text(out_dir / ENVIRONMENT_FILE, json.dumps(env, indent=2))
     atomic_write_text(out_dir / CONFIG_FILE, redact.text(OmegaConf.to_yaml(cfg, resolve=True)))
     say(f"infer-bench: {plan.workload.name} on {plan.shape.name} ({plan.dtype}, {plan.device}, "
@@ -230,6 +251,37 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
     return EXIT_POINT_FAILED if reasons else EXIT_OK
 
 
+def model_directory(ref: str, cache: Path, say: Any = print) -> str:
+    """A model reference as a local directory: a preset materialised into the cache (trained
+    first when it is a trained preset that is not shipped), else the path as given, absolute."""
+    if ref in preset_names():
+        shape = load_preset(ref)
+        if not (cached_path(shape, cache) / "config.json").exists():
+            say(f"model {ref}: {'training' if shape.trained else 'materialising'} it into {cache} (first use) ...")
+        return str(ensure_checkpoint(shape, cache))
+    return str(Path(ref).expanduser().resolve())
+
+
+def extra_models(plan: Any, model_path: str, say: Any = print) -> dict[str, str]:
+    """The checkpoints besides the model that the workloads name (`Workload.models`: a draft) and
+    that engine options name (`engine_options.<engine>.draft_model`), each as a directory; an
+    engine option is rewritten to it, so engines always receive a directory. Then each workload's
+    `check_models` against the files on disk: UserError with every problem (nothing has run)."""
+    cache = model_cache_dir(plan.settings.model_cache_dir)
+    models: dict[str, str] = {}
+    for w in plan.workloads:
+        for ref in w.workload.models(w.cfg):
+            models.setdefault(ref, model_directory(ref, cache, say))
+    for options in plan.engine_options.values():
+        if isinstance(options.get("draft_model"), str):
+            options["draft_model"] = models.setdefault(options["draft_model"],
+                                                       model_directory(options["draft_model"], cache, say))
+    problems = [p for w in plan.workloads for p in w.workload.check_models(w.cfg, model_path, models)]
+    if problems:
+        raise UserError(problems)
+    return models
+
+
 def exit_reasons(rows: list[dict[str, Any]], plan: Any) -> list[str]:
     """Why the run exits 1 (empty: it exits 0). A verdict never passes on nothing: a failed point,
     a parity check that could not verify an engine, and an engine the user named in `engines=` that
@@ -244,7 +296,10 @@ def exit_reasons(rows: list[dict[str, Any]], plan: Any) -> list[str]:
                        "error says why")
     for r in rows:
         if r.get("status") == "unverified":
-            reasons.append(f"{r['engine']}: parity unverified: {(r.get('error') or '').splitlines()[0]}")
+            reasons.append(f"{r['engine']}: {r.get('workload') or 'parity'} unverified: "
+                           f"{(r.get('error') or '').splitlines()[0]}")
+    for w in plan.workloads:  # a workload's own verdict over the run (speculative: a lossless check that compared nothing)
+        reasons += w.workload.run_problems([r for r in rows if r.get("workload") == w.workload.name])
     if plan.settings.engines != "auto":
         for r in rows:
             if r.get("status") == "unavailable" and r.get("engine") in plan.engines:
@@ -300,6 +355,7 @@ def parity_model(overrides: list[str]) -> list[str]:
 
 def main() -> None:
     sys.argv[1:] = parity_model(open_mappings(sys.argv[1:]))
+    register_hub_shorthands(sys.argv[1:])  # model=ORG/NAME, also in a multirun's sweep
     problems = check_jobs(sys.argv[1:])
     if problems:
         print(UserError(problems).render(), file=sys.stderr)

@@ -20,6 +20,7 @@ from typing import Any
 from adapters import engine_class, engine_names, unsupported_model
 from adapters.base import Engine, ModelSpec
 from harness.core.errors import UserError
+from harness.core.hub import HubModel, hub_datasets, is_hub_model, resolve_model
 from harness.core.paths import REPO_ROOT
 from harness.core.presets import ModelShape, TokenRange, preset_names, resolve_shape
 from harness.core.redact import Redactor
@@ -59,6 +60,7 @@ class PlannedWorkload:
     workload: Workload
     cfg: Any
     points: list[Point]
+    source: dict[str, Any] = field(default_factory=dict)  # its Hub dataset's origin (rows record it)
 
 
 @dataclass
@@ -86,6 +88,9 @@ class Plan:
     endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> endpoint config (raw)
     max_batch: tuple[int, int] = (1, 0)  # largest prefill batch: (sequences, prompt tokens)
     token_range: TokenRange = TokenRange()
+    hub: HubModel | None = None  # model=hub / model=ORG/NAME: the model as resolved on the Hub
+    # checkpoints the workloads name besides the model (a draft), materialised: reference -> directory
+    models: dict[str, str] = field(default_factory=dict)
     _redactor: Redactor | None = field(default=None, repr=False)
 
     @property
@@ -111,14 +116,16 @@ class Plan:
         return ModelSpec(path=path, name=self.shape.name, dtype=self.dtype, device=self.device,
                          max_model_len=self.max_model_len, seed=self.settings.seed,
                          max_batch_size=self.max_batch[0], max_batch_tokens=self.max_batch[1],
-                         threads=len(self.cpus), cpus=tuple(self.cpus), run_dir=run_dir)
+                         threads=len(self.cpus), cpus=tuple(self.cpus), run_dir=run_dir,
+                         model_id=self.hub.id if self.hub else None)
 
     def context(self, model_path: str) -> dict[str, Any]:
         """The workload context a worker builds its RunContext from (plain data)."""
         return {"shape": asdict(self.shape), "dtype": self.dtype, "device": self.device, "model_path": model_path,
                 "max_model_len": self.max_model_len, "seed": self.settings.seed,
                 "memory_sample_hz": self.settings.memory_sample_hz, "token_low": self.token_range.low,
-                "token_high": self.token_range.high, "avoid_ids": list(self.token_range.avoid)}
+                "token_high": self.token_range.high, "avoid_ids": list(self.token_range.avoid),
+                "models": dict(self.models)}
 
     def launch_prefix(self, engine: str, **placeholders: str) -> list[str]:
         """The command that starts the engine's worker, before the worker's start script."""
@@ -133,6 +140,12 @@ class Plan:
         if self._redactor is None:
             self._redactor = Redactor.from_endpoints(self.endpoints)
         return self._redactor
+
+    def source_fields(self, workload: str) -> dict[str, Any]:
+        """What every row of `workload` records about where its model and dataset came from (a Hub
+        id, the revision and its commit); empty for presets and local files."""
+        planned = next((w for w in self.workloads if w.workload.name == workload), None)
+        return {**(self.hub.row_fields() if self.hub else {}), **(planned.source if planned else {})}
 
     def resources_fields(self, engine: str) -> dict[str, Any]:
         """What every row of `engine` records about the resources the run gave it."""
@@ -309,10 +322,11 @@ def _plan_workloads(cfg: dict[str, Any], settings: Settings, shape: ModelShape |
         problems += probs
         if isinstance(wl_cfg, ParityConfig):
             wl_cfg = with_prompt_lens(wl_cfg, model_cfg, positions)
+        wl_cfg, source = hub_datasets(wl_cfg, problems)  # workload.dataset=hf:ORG/NAME: the cached file's path
         if wl_cfg is not None and shape is not None:
             problems += workload.check(wl_cfg, shape)
         if wl_cfg is not None:
-            planned.append(PlannedWorkload(workload, wl_cfg, workload.plan(wl_cfg)))
+            planned.append(PlannedWorkload(workload, wl_cfg, workload.plan(wl_cfg), source))
     if settings.parity and wl_name != "parity":
         parity = get_workload("parity")
         pcfg = with_prompt_lens(ParityConfig(tokens=settings.parity_tokens), model_cfg, positions)
@@ -410,7 +424,12 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
         settings = Settings()
     cpus = resolve_cpus(settings.cpus, problems)
     model_cfg = dict(cfg.get("model") or {})
-    shape = _check_model(model_cfg, problems)
+    hub = None
+    if is_hub_model(model_cfg):  # model=hub / model=ORG/NAME (harness/core/hub.py): the snapshot in the cache
+        hub = resolve_model(model_cfg, problems)
+        shape, model_cfg["path"] = (hub.shape, hub.path) if hub else (None, None)
+    else:
+        shape = _check_model(model_cfg, problems)
     device = resolve_device(settings.device, problems)
     dtype = resolve_dtype(settings.dtype, shape, device, problems) if shape else "float32"
     planned = _plan_workloads(cfg, settings, shape, problems)
@@ -439,5 +458,5 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     return Plan(settings=settings, engines=engines.names, unavailable=engines.unavailable, shape=shape,
                 model_cfg=model_cfg, dtype=dtype, device=device, workloads=planned, max_model_len=max_len, cpus=cpus,
                 engine_options=engines.options, engine_envs=engines.envs, endpoints=engines.endpoints,
-                max_batch=(max(b[0] for b in batch), max(b[1] for b in batch)))
+                max_batch=(max(b[0] for b in batch), max(b[1] for b in batch)), hub=hub)
 

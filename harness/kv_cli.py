@@ -4,6 +4,8 @@ formula and share), beside what the dense formula would say.
 
     infer-bench-kv model=llama-2-70b seq_len=4096 batch_size=8 kv_dtype=fp16
     infer-bench-kv model=local model.path=DIR seq_len=2048 block_size=16
+    infer-bench-kv model=Qwen/Qwen3-8B seq_len=32768    # a Hub id: its config.json only, no weights
+                                                        # (model=hub model.id=ID [model.revision=REV])
     infer-bench-kv all seq_len=2048 batch_size=1     # every preset, one line each
 """
 
@@ -13,11 +15,13 @@ import json
 import sys
 
 from harness.core.errors import EXIT_BAD_INPUT, UserError
+from harness.core.hub import resolve_model
 from harness.core.kvcalc import KVEstimate, estimate, human_bytes
 from harness.core.presets import load_preset, preset_names, shape_from_hf_config
 
 USAGE = __doc__.strip()
-_KEYS = {"model", "model.path", "seq_len", "batch_size", "kv_dtype", "block_size", "format"}
+_KEYS = {"model", "model.path", "model.id", "model.revision", "seq_len", "batch_size", "kv_dtype", "block_size",
+         "format"}
 
 
 def _int(args: dict[str, str], key: str, default: int | None) -> int | None:
@@ -110,9 +114,16 @@ def run(argv: list[str]) -> str:
         return json.dumps([r.to_dict() for r in rows], indent=2) if as_json else format_table(rows)
     model = args.get("model")
     if model is None:
-        raise UserError(f"model is missing: give model=<preset> ({', '.join(preset_names())}) "
-                        "or model=local model.path=DIR.")
-    if model == "local" or "model.path" in args:
+        raise UserError(f"model is missing: give model=<preset> ({', '.join(preset_names())}), model=ORG/NAME "
+                        "(a Hugging Face Hub id) or model=local model.path=DIR.")
+    if model == "hub" or "/" in model:  # a Hub id: config.json alone is fetched (or read from the cache)
+        problems: list[str] = []
+        hub = resolve_model({"id": args.get("model.id") if model == "hub" else model,
+                             "revision": args.get("model.revision")}, problems, only=("config.json",))
+        if hub is None or hub.shape is None:
+            raise UserError(problems)
+        shape = hub.shape
+    elif model == "local" or "model.path" in args:
         if "model.path" not in args:
             raise UserError("model.path is missing: with model=local give model.path=DIR.")
         shape = shape_from_hf_config(args["model.path"])

@@ -259,6 +259,7 @@ class Runner:
             device=self.plan.device, status=status, error=error,
         )
         row.update(self.plan.resources_fields(engine))
+        row.update(self.plan.source_fields(workload))  # a Hub model's / dataset's id, revision and commit
         if info is not None:
             row.update(info.fields())
         row.update(fields)

@@ -103,7 +103,10 @@ class Worker:
         workload, cfg = self.workloads[point.workload]
         caps = self.cls.capabilities(self.options)
         why_not = workload.unsupported(point, caps)
-        overrides = self.cls.options_for(workload.engine_overrides(point, caps)) if why_not is None else {}
+        standard = workload.engine_overrides(point, caps) if why_not is None else {}
+        if isinstance(standard.get("draft_model"), str):  # a preset the harness materialised: its directory
+            standard["draft_model"] = self.ctx.models.get(standard["draft_model"], standard["draft_model"])
+        overrides = self.cls.options_for(standard)
         options = {**self.options, **overrides}
         for k, v in overrides.items():  # a mapping-valued option (an endpoint's server_flags) merges
             if isinstance(v, dict) and isinstance(self.options.get(k), dict):

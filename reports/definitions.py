@@ -25,6 +25,19 @@ SERVING = [
     ("goodput", "requests meeting every configured SLO (TTFT, TPOT, E2EL) / same duration"),
 ]
 
+SPECULATIVE = [
+    ("acceptance rate", "accepted / proposed draft tokens over the point (the engine's spec-decode counters)"),
+    ("mean acceptance length", "1 + accepted / drafts: the tokens a drafting step emits per sequence"),
+    ("acceptance at position i", "drafts whose i-th proposed token was accepted / drafts"),
+    ("tokens per step", "decode tokens / (decode tokens − accepted tokens): output tokens a sequence gets per engine "
+                        "step after its first"),
+    ("draft time share", "time the engine says it spent proposing / the point's wall time"),
+    ("speed-up", "median TPOT without speculation / median TPOT with it over the same requests (same engine, "
+                 "point, run and cores); 95% bootstrap interval with the requests resampled in pairs"),
+    ("lossless", "every request's output tokens equal, token for token, to the same engine's output without "
+                 "speculation; a difference fails the row, a row that could not be compared is unverified"),
+]
+
 MEMORY = [
     ("peak memory", "GPU: NVML memory of this process and all its children (and the framework allocator's "
                     "peak where the engine runs in-process); CPU: resident memory of the process tree "

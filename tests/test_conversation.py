@@ -13,7 +13,7 @@ from adapters.base import Capabilities, Engine, KVCacheInfo, TokenEvent, as_sour
 from harness.core.presets import load_preset
 from workloads.base import Point, RunContext
 from workloads.conversation import Conversation, ConversationConfig, reusable_tokens, turn_rows
-from workloads.datasets import read_sharegpt_conversations
+from workloads.datasets import read_chats
 
 
 def fake_reply(prompt: list[int], n: int) -> list[int]:
@@ -178,20 +178,22 @@ def test_sharegpt_replays_every_human_turn_once_in_order(tmp_path, tiny_ckpt):
     p.write_text(json.dumps([{"id": "a", "conversations": conv},
                              {"id": "b", "conversations": [{"from": "human", "value": "w20"},
                                                            {"from": "gpt", "value": "w60 w61"}]}]))
-    assert read_sharegpt_conversations(p)[0] == [("w10 w11", "w50 w51 w52"), ("w12 w13 w14", "w53"),
-                                                 ("w15", "w54 w55")]
+    first = read_chats(p).chats[0]
+    assert first.system == "w4" and first.turns == [("w10 w11", "w50 w51 w52"), ("w12 w13 w14", "w53"),
+                                                    ("w15", "w54 w55")]
     shape = load_preset("tiny")
     c = RunContext(shape=shape, dtype="float32", device="cpu", model_path=str(tiny_ckpt), max_model_len=256,
                    memory_sample_hz=0, token_low=4, token_high=shape.vocab_size)
     cfg = ConversationConfig(sessions=8, dataset=str(p), warmup_sessions=0)
     eng = FakeReplyEngine()
     row = run(cfg, c, eng)
-    # every human turn sent once, in order, each after the engine's reply to the one before
-    r1 = fake_reply([10, 11], 3)
-    r2 = fake_reply([10, 11] + r1 + [12, 13, 14], 1)
-    assert eng.prompts["s0t1"] == [10, 11]
-    assert eng.prompts["s0t2"] == [10, 11] + r1 + [12, 13, 14]
-    assert eng.prompts["s0t3"] == [10, 11] + r1 + [12, 13, 14] + r2 + [15]
+    # every human turn sent once, in order, each after the engine's reply to the one before; the
+    # system turn heads the history
+    r1 = fake_reply([4, 10, 11], 3)
+    r2 = fake_reply([4, 10, 11] + r1 + [12, 13, 14], 1)
+    assert eng.prompts["s0t1"] == [4, 10, 11]
+    assert eng.prompts["s0t2"] == [4, 10, 11] + r1 + [12, 13, 14]
+    assert eng.prompts["s0t3"] == [4, 10, 11] + r1 + [12, 13, 14] + r2 + [15]
     assert eng.prompts["s1t1"] == [20]
     assert sorted(eng.prompts) == ["s0t1", "s0t2", "s0t3", "s1t1"]
     assert row["sessions"] == 2 and row["turns_sent"] == 4

@@ -105,7 +105,20 @@ def test_the_redactor_reads_the_secrets_the_endpoints_refer_to(tmp_path, monkeyp
     assert r.obj({"x": ["a plainkeywithoutanyshape b"]}) == {"x": ["a *** b"]}
 
 
-def test_an_unset_variable_or_missing_file_is_nothing_to_mask(tmp_path):
+def test_the_hub_token_of_the_environment_is_masked_whatever_the_endpoints(tmp_path):
+    token = "plain Hub token/without+any shape"  # not shaped like hf_...: only the literal pass catches it
+    r = Redactor.from_endpoints({}, environ={"HF_TOKEN": token})
+    text = f"downloading with {token} (url {token.replace(' ', '%20').replace('/', '%2F').replace('+', '%2B')})"
+    assert "plain Hub token" not in r.text(text) and "%20Hub%20token" not in r.text(text)
+    assert r.obj({"argv": [f"x={token}"]}) != {"argv": [f"x={token}"]}
+    legacy = Redactor.from_endpoints([], environ={"HUGGING_FACE_HUB_TOKEN": "legacy-name-token-value"})
+    assert "legacy-name-token-value" not in legacy.text("t legacy-name-token-value")
+    assert Redactor.from_endpoints({}, environ={}).text(text) == text
+
+
+def test_an_unset_variable_or_missing_file_is_nothing_to_mask(tmp_path, monkeypatch):
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
     r = Redactor.from_endpoints([{"api_key_env": "IB_SURELY_UNSET"}, {"api_key_file": str(tmp_path / "none")}])
     assert r.text("nothing here") == "nothing here" and repr(r) == "Redactor(0 secret forms)"
 

@@ -76,7 +76,7 @@ def test_chat_messages_carry_the_servers_replies(fake_vllm, tiny_ckpt):
     ev = list(eng.serve([Request("c", [5, 6, 1000, 1001, 7], 2, messages=msgs)], now_ns()))
     eng.end_point()
     assert [e.token_id for e in ev if isinstance(e, TokenEvent)] == [1000, 1001]
-    body, n = eng._payload([5, 6, 1000, 1001, 7], 2, msgs)
+    body, n = eng.bodies.payload([5, 6, 1000, 1001, 7], 2, msgs)
     assert body["messages"] == [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w1000 w1001"},
                                 {"role": "user", "content": "w7"}]
     assert n == 5 and "prompt" not in body and body["return_token_ids"] is True

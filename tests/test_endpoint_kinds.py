@@ -257,7 +257,7 @@ def test_vllm_on_cpu_launches_as_before_and_counts_multi_token_chunks(tmp_path):
         assert fields["server_settings"]["cuda_graphs"] is False
         assert fields["options_differing_from_defaults"]["gpu_memory_utilization"]["value"] == 0.3
         assert eng.server.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-        body = eng._body([1], 3)
+        body = eng.bodies.completion([1], 3)
         assert "min_tokens" not in body and body["ignore_eos"] is True
     finally:
         eng.close()

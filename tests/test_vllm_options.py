@@ -184,3 +184,53 @@ def test_importing_the_adapter_does_not_import_vllm():
     code = "import sys, adapters.vllm.engine, adapters.vllm.options; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_speculation_maps_to_vllms_speculative_config(tmp_path):
+    assert "speculative_config" not in engine_kwargs(CPU, {})
+    ngram = engine_kwargs(CPU, {"speculative_method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    # an unset size stays vLLM's to choose (it takes the other one's value)
+    assert ngram["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    draft = engine_kwargs(CPU, {"speculative_method": "draft", "num_speculative_tokens": 2, "draft_model": "/d",
+                                "prompt_lookup_min": 2})
+    assert draft["speculative_config"] == {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
+    caps = vllm_engine.VLLMEngine.capabilities({})
+    assert caps.speculative_methods == ("ngram", "draft") and caps.speculative_max_batch is None
+    # the standard names are vLLM's option names here: nothing to rename
+    assert vllm_engine.VLLMEngine.options_for({"speculative_method": "ngram", "num_speculative_tokens": 2}) == {
+        "speculative_method": "ngram", "num_speculative_tokens": 2}
+
+
+def test_speculative_options_are_checked():
+    (p,) = _problems({"speculative_method": "ngram"})
+    assert p.startswith("engine_options.vllm.num_speculative_tokens:")
+    (p,) = _problems({"speculative_method": "ngram", "num_speculative_tokens": 2, "log_stats": False})
+    assert p.startswith("engine_options.vllm.log_stats=false") and "spec-decode counters" in p
+    (p,) = _problems({"speculative_method": "draft", "num_speculative_tokens": 2, "draft_model": "/no/such/dir"})
+    assert p.startswith("engine_options.vllm.draft_model=/no/such/dir: no such checkpoint directory")
+    assert any("speculative_method" in p for p in _problems({"speculative_method": "medusa"}))
+    assert _problems({"speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
+                      "prompt_lookup_max": 4}) == []
+
+
+def test_spec_decode_counters_are_read_and_summed_over_engines():
+    """introspect.spec_decode_counters on the shapes vLLM's metrics reader gives (Counter .value,
+    the per-position Vector .values); a fake of the reader's output, not of an engine."""
+    from types import SimpleNamespace as M
+
+    class FakeLLM:
+        def __init__(self, metrics):
+            self.metrics = metrics
+
+        def get_metrics(self):
+            return self.metrics
+
+    assert introspect.spec_decode_counters(FakeLLM([M(name="vllm:num_preemptions", value=0)])) is None
+    got = introspect.spec_decode_counters(FakeLLM([
+        M(name="vllm:spec_decode_num_drafts", value=3), M(name="vllm:spec_decode_num_draft_tokens", value=9),
+        M(name="vllm:spec_decode_num_accepted_tokens", value=5),
+        M(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 2, 0]),
+        M(name="vllm:spec_decode_num_drafts", value=1),  # a second engine's series
+        M(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[1]),
+    ]))
+    assert got == {"drafts": 4, "draft_tokens": 9, "accepted_tokens": 5, "accepted_per_pos": [4, 2, 0]}

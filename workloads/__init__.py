@@ -18,6 +18,7 @@ REGISTRY: dict[str, str] = {
     "quality": "workloads.quality:Quality",
     "tune": "workloads.tune:Tune",
     "conversation": "workloads.conversation:Conversation",
+    "speculative": "workloads.speculative:Speculative",
 }
 
 

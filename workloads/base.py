@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -172,6 +172,9 @@ class RunContext:
     token_low: int = 4  # prompts draw token ids from [token_low, token_high) minus avoid_ids
     token_high: int = 4096
     avoid_ids: tuple[int, ...] = ()
+    # checkpoints besides the run's model that the workload names (Workload.models: a draft
+    # model), as the harness materialised them: reference as given -> local directory
+    models: dict[str, str] = field(default_factory=dict)
 
     def prompts(self, batch: int, length: int, key: str) -> list[list[int]]:
         return synthetic_prompts(batch, length, self.token_low, self.token_high, self.avoid_ids,
@@ -218,6 +221,20 @@ class Workload(ABC):
                     "Shorten the workload's prompt/output lengths or pick a model with more positions."]
         return []
 
+    def models(self, cfg: Any) -> list[str]:
+        """Checkpoints besides the run's model that the points need (speculative decoding's draft
+        model): presets or checkpoint directories. The harness materialises each one, as it does
+        the run's model, and a worker maps a `draft_model` override naming one to its directory
+        (RunContext.models). Default: none."""
+        return []
+
+    def check_models(self, cfg: Any, model_path: str, models: dict[str, str]) -> list[str]:
+        """Problems that need the checkpoints on disk (the run's model at `model_path`, and
+        `models`: reference -> directory), checked in the harness's process after they are
+        materialised and before anything runs (exit 2): a draft's tokenizer against the target's.
+        Default: none."""
+        return []
+
     def check_engines(self, cfg: Any, engines: dict[str, type[Engine]]) -> list[str]:
         """Problems with the config given the run's engines (tune: each engine's search space
         against its options' schema). Default: none."""
@@ -258,6 +275,11 @@ class Workload(ABC):
         """A failed row that does not fail the run (tune: a trial whose options cannot run is a
         pruned trial; the run fails only when no trial ran). Default: none."""
         return False
+
+    def run_problems(self, rows: list[dict[str, Any]]) -> list[str]:
+        """Why the run must fail beyond its rows' statuses, from this workload's rows (the exit
+        code's reasons): a check that compared nothing over the whole run. Default: none."""
+        return []
 
     def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Complete a row before it is written, after the generic steps (confidence intervals of

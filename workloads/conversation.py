@@ -29,10 +29,13 @@ of `turns`:
 The point's engine counters (prefix-cache hits over queries, evictions, preemptions, the KV
 pool's peak blocks) come from kv_cache_info() before and after.
 
-Datasets: a ShareGPT file (`dataset`) replays its conversations: one session per conversation,
-every human turn sent once and in order, each reply's cap the token count of the recorded gpt
-reply; the recorded replies themselves are not sent: the engine's own replies take their place
-in the history.
+Datasets: a ShareGPT file or a chat-format JSONL file (`dataset`; a Hub dataset `hf:ORG/NAME`
+reaches here as its cached file) replays its conversations: one session per conversation, its
+system turn at the head of every prompt, every answered user turn sent once and in order, each
+reply's cap the token count of the recorded reply; the recorded replies themselves are not sent:
+the engine's own replies take their place in the history. How real logs are read (role names,
+two messages of one role in a row, empty replies) and what is skipped, counted in the row by
+reason: workloads/datasets.py.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from harness.core.metrics import RequestTrace, serving_metrics
 from harness.core.schema import spec
 from harness.core.stats import summarize
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
-from workloads.datasets import read_sharegpt_conversations, tokenize_conversations
+from workloads.datasets import read_chats, skips_line, tokenize_chats
 from workloads.lengths import LengthDist, parse_length
 from workloads.prompts import seed_for
 
@@ -73,7 +76,8 @@ class ConversationConfig:
     prefix_caching: list[bool] = spec([True, False], nonempty=True, help="modes to compare")
     separator_ids: list[int] = spec([], help="token ids put between messages when turns are concatenated "
                                              "(in-process engines, api=completions)")
-    dataset: str | None = spec(None, help="ShareGPT JSON file: its conversations replayed turn by turn "
+    dataset: str | None = spec(None, help="ShareGPT JSON or chat-format JSONL file, or hf:ORG/NAME[/FILE] (a "
+                                          "Hugging Face Hub dataset): its conversations replayed turn by turn "
                                           "(replaces sessions' lengths; sessions caps how many)")
     max_len: int | None = spec(None, ge=2, help="dataset: a conversation is cut before the turn whose prompt + "
                                                 "reply would exceed this (default: the model's positions)")
@@ -92,6 +96,7 @@ class Session:
     caps: list[int]
     think_s: list[float]
     start_s: float = 0.0
+    system: list[int] | None = None  # a dataset conversation's system turn: the head of every prompt
 
 
 @dataclass
@@ -150,15 +155,17 @@ class ConversationSource(RequestSource):
 
     def _schedule(self, s: Session, turn: int, at_ns: int) -> None:
         """Turn `turn` (0-based) of session `s`, due at `at_ns`."""
-        history = self.history.setdefault(s.index, [])
+        history = self.history.setdefault(s.index, [{"role": "system", "ids": list(s.system)}] if s.system else [])
         hist_ids = self.prompt_of(history)
         messages = history + [{"role": "user", "ids": list(s.users[turn])}]
         prompt = self.prompt_of(messages)
         hist_len = len(hist_ids) + (len(self.separator) if history else 0)  # the separator before the new message is history too
         rid = f"s{s.index}t{turn + 1}"
         r = Request(rid, prompt, s.caps[turn], (at_ns - self.start_ns) / 1e9, messages=messages)
+        # the first turn's history (a system turn) was computed by no earlier turn of the session
+        reusable = reusable_tokens(len(hist_ids), len(prompt), self.block_size) if turn else 0
         self.records[rid] = TurnRecord(s.index, turn + 1, rid, len(prompt), hist_len, len(prompt) - hist_len,
-                                       reusable_tokens(len(hist_ids), len(prompt), self.block_size), messages)
+                                       reusable, messages)
         self.collector.add(r)
         self.ready.append((at_ns, r))
         self.ready.sort(key=lambda x: x[0])
@@ -243,7 +250,7 @@ class Conversation(Workload):
                             "flight; open loop: sessions started per second), not both.")
         if cfg.dataset:
             try:
-                read_sharegpt_conversations(cfg.dataset)
+                read_chats(cfg.dataset)
             except UserError as e:
                 problems += e.problems
         return problems or super().check(cfg, shape)
@@ -275,24 +282,28 @@ class Conversation(Workload):
     def sessions(self, cfg: ConversationConfig, ctx: RunContext, key: str) -> list[Session]:
         rng = np.random.default_rng(seed_for(ctx.seed, key))
         out: list[Session] = []
+        self.dataset_fields: dict[str, Any] = {}  # what reading the dataset skipped, for the row
         if cfg.dataset:
-            convs = tokenize_conversations(read_sharegpt_conversations(cfg.dataset), ctx.model_path,
-                                           ctx.shape.vocab_size)
+            chats = read_chats(cfg.dataset)
+            convs = tokenize_chats(chats, ctx.model_path, ctx.shape.vocab_size)
             limit = cfg.max_len or ctx.max_model_len or ctx.shape.max_position_embeddings
             sep = len(cfg.separator_ids)
             for conv in convs:
-                users, caps, total = [], [], 0
-                for user, cap in conv:
+                users, caps = [], []
+                total = len(conv.system) + sep if conv.system else 0
+                for user, cap in conv.turns:
                     total += len(user) + cap + (2 * sep if users else 0)
                     if total > limit:
+                        chats.skipped["turn: beyond workload.max_len"] += len(conv.turns) - len(users)
                         break
                     users.append(user)
                     caps.append(cap)
                 if users:
                     out.append(Session(len(out), users, caps, think_times(cfg.think_time, cfg.think_time_s,
-                                                                          len(users), rng)))
+                                                                          len(users), rng), system=conv.system))
                 if len(out) >= cfg.sessions:
                     break
+            self.dataset_fields = chats.row_fields()
             if not out:
                 raise ValueError(f"no conversation of {cfg.dataset} has a first turn that fits in {limit} tokens "
                                  "(workload.max_len)")
@@ -317,7 +328,9 @@ class Conversation(Workload):
         n_warm = len(sessions) if cfg.warmup_sessions is None else cfg.warmup_sessions
         if n_warm:  # the same shapes (and the prefix cache's path) once, on unrelated tokens
             warm = [Session(i, [ctx.prompts(1, len(u), f"{point.key}/warm{i}/{k}")[0] for k, u in enumerate(s.users)],
-                            list(s.caps), [0.0] * len(s.users)) for i, s in enumerate(sessions[:n_warm])]
+                            list(s.caps), [0.0] * len(s.users),
+                            system=ctx.prompts(1, len(s.system), f"{point.key}/warm{i}/system")[0] if s.system else None)
+                    for i, s in enumerate(sessions[:n_warm])]
             wc = Collector([], now_ns())
             wc.source = ConversationSource(warm, wc.start_ns, wc, cfg.separator_ids, None, False)
             for ev in engine.serve(wc.source, wc.start_ns):
@@ -364,7 +377,7 @@ class Conversation(Workload):
             turns_max=max(len(s.users) for s in sessions),
             think_time=cfg.think_time, think_time_s=cfg.think_time_s if cfg.think_time != "none" else None,
             load_mode="open" if cfg.session_rate is not None else "closed" if cfg.concurrency else "all",
-            concurrency=cfg.concurrency, session_rate=cfg.session_rate, dataset=cfg.dataset,
+            concurrency=cfg.concurrency, session_rate=cfg.session_rate, dataset=cfg.dataset, **self.dataset_fields,
             prompt_template=("concatenated token ids, " + (f"separator ids {cfg.separator_ids}" if cfg.separator_ids
                                                           else "no separator")),
             block_size=info0.block_size,
@@ -383,7 +396,8 @@ class Conversation(Workload):
         return row
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
-        lines = []
+        mine = [r for r in rows if r.get("workload") == self.name]
+        lines = [line for line in dict.fromkeys(skips_line(r) for r in mine) if line][:1]  # every engine read the same file
         for r in rows:
             if r.get("workload") != self.name or not r.get("turns"):
                 continue

@@ -51,7 +51,7 @@ from harness.core.errors import UserError
 from harness.core.metrics import SLO, RequestTrace, serving_metrics
 from harness.core.schema import spec
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
-from workloads.datasets import read_dataset, read_trace, tokenize_entries
+from workloads.datasets import FORMATS, read_dataset, read_trace, skips_line, tokenize_requests
 from workloads.lengths import LengthDist, parse_length
 from workloads.prompts import seed_for
 
@@ -82,8 +82,10 @@ class LoadShape:
     ramp_up_s: float = spec(0.0, ge=0, help="seconds over which the rate (open) or the slots (closed) ramp in")
     input_len: Any = spec(128, help="tokens: a number, or {dist: uniform|normal|lognormal, ...}")
     output_len: Any = spec(32, help="tokens: a number, or {dist: ..., ...}")
-    dataset: str | None = spec(None, help="JSONL (trtllm-bench format) or ShareGPT JSON file; overrides lengths")
-    dataset_format: str = spec("auto", choices=("auto", "jsonl", "sharegpt"))
+    dataset: str | None = spec(None, help="JSONL (trtllm-bench format), ShareGPT JSON or chat-format JSONL file, or "
+                                          "hf:ORG/NAME[@REV][/FILE] (a Hugging Face Hub dataset); overrides lengths")
+    dataset_format: str = spec("auto", choices=FORMATS, help="auto: by the file (a .jsonl file by its first line's "
+                                                             "keys: messages -> chat, conversations -> sharegpt)")
     warmup_requests: int = spec(2, ge=1, help="requests served before measuring each point")
     max_len: int | None = spec(None, ge=2, help="dataset requests longer than this (prompt+output) are dropped")
     stop_when_saturated: bool = spec(True, help="stop an open-loop point early once its queue grows")
@@ -222,7 +224,9 @@ class Serving(Workload):
     ]
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
-        return client_limited_note(rows)
+        mine = [r for r in rows if r.get("workload") == self.name]
+        skips = [line for line in dict.fromkeys(skips_line(r) for r in mine) if line][:1]  # one file, one line
+        return "\n".join(t for t in (client_limited_note(rows), *skips) if t)
 
     def _lengths(self, cfg: LoadShape) -> tuple[LengthDist, LengthDist]:
         i, _ = parse_length(cfg.input_len, "workload.input_len")
@@ -274,26 +278,35 @@ class Serving(Workload):
                  n: int | None = None) -> list[Request]:
         rng = np.random.default_rng(seed_for(ctx.seed, key))
         self.entry_of: dict[str, int] = {}  # request id -> dataset entry
+        self.dataset_fields: dict[str, Any] = {}  # the dataset file and what reading it skipped
         if cfg.trace:
             return self.trace_requests(cfg, ctx, key, n)
         n = cfg.num_requests if n is None else n
+        messages: list[Any] = [None] * n
         if cfg.dataset:
-            pairs = tokenize_entries(read_dataset(cfg.dataset, cfg.dataset_format), ctx.model_path,
-                                     ctx.shape.vocab_size)
+            entries = read_dataset(cfg.dataset, cfg.dataset_format)
+            pairs = tokenize_requests(entries, ctx.model_path, ctx.shape.vocab_size, entries.skipped)
             limit = cfg.max_len or ctx.max_model_len or ctx.shape.max_position_embeddings
-            pairs = [(p, o) for p, o in pairs if len(p) + o <= limit]
-            if not pairs:
+            fits = [p for p in pairs if len(p.prompt_ids) + p.output_tokens <= limit]
+            if len(fits) < len(pairs):
+                entries.skipped["request: longer than workload.max_len"] += len(pairs) - len(fits)
+            if not fits:
                 raise ValueError(f"no dataset request fits in {limit} tokens (workload.max_len)")
-            pick = dataset_picks(len(pairs), n, cfg.dataset_order, rng)
-            prompts, outs = [pairs[i][0] for i in pick], [pairs[i][1] for i in pick]
+            pick = dataset_picks(len(fits), n, cfg.dataset_order, rng)
+            prompts, outs = [fits[i].prompt_ids for i in pick], [fits[i].output_tokens for i in pick]
+            messages = [fits[i].messages for i in pick]
             self.entry_of = {f"r{i}": int(e) for i, e in enumerate(pick)}
-            self.dataset_entries = len(pairs)
+            self.dataset_entries = len(fits)
+            self.dataset_fields = {"dataset": cfg.dataset, "dataset_format": entries.format,
+                                   "dataset_conversations": entries.read if entries.format != "jsonl" else None,
+                                   "dataset_skipped": dict(sorted(entries.skipped.items())),
+                                   "dataset_merged": entries.merged}
         else:
             idist, odist = self._lengths(cfg)
             in_lens, outs = idist.sample(n, rng), odist.sample(n, rng)
             prompts = [ctx.prompts(1, s, f"{key}/prompt{i}")[0] for i, s in enumerate(in_lens)]
         times = arrival_times(n, rate, cfg.arrival, cfg.burstiness, rng, cfg.ramp_up_s)
-        return [Request(f"r{i}", prompts[i], outs[i], times[i]) for i in range(n)]
+        return [Request(f"r{i}", prompts[i], outs[i], times[i], messages=messages[i]) for i in range(n)]
 
     def trace_requests(self, cfg: LoadShape, ctx: RunContext, key: str, n: int | None = None) -> list[Request]:
         """The trace's requests (the first n: warm-up, all at once): arrivals at the recorded
@@ -352,7 +365,8 @@ class Serving(Workload):
                    offered_rate=offered_rate(reqs, rate, closed, trace))
         if self.entry_of:
             row.update(dataset_order=cfg.dataset_order, dataset_entries=self.dataset_entries,
-                       dataset_entries_sent=len({e for rid, e in self.entry_of.items() if rid in sent}))
+                       dataset_entries_sent=len({e for rid, e in self.entry_of.items() if rid in sent}),
+                       **self.dataset_fields)
         if trace:
             row.update(trace=params["trace"], trace_time_scale=cfg.trace_time_scale, trace_requests=len(reqs))
         row.update(load_mode="trace" if trace else "closed" if closed else "open",

@@ -61,6 +61,8 @@ def main(argv: list[str]) -> int:
     raw = {**(yaml.safe_load(path.read_text()) or {}), **settings}
     if raw.get("python") == "auto":
         raw.pop("python")
+    if raw.get("launch"):
+        raw["dry_run"] = True  # what would be started, on another machine: its paths need not exist here
     cfg, problems = check_endpoint(name, raw)
     cls = endpoint_engine_class(name, cfg) if cfg is not None else None
     spec = ModelSpec(a.model, Path(a.model).name, a.dtype, a.device, a.max_model_len)

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from harness.core.redact import DEFAULT as REDACT, is_sensitive_key, looks_like_credential
 from adapters.endpoint.kinds import KIND_NAMES, KINDS as KIND_RECORDS
-from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, option_problems
+from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, option_problems, speculation_problems
 from harness.core.schema import check, spec
 
 KINDS = KIND_NAMES
@@ -404,6 +404,7 @@ def _request_option_problems(p: str, cfg: EndpointConfig) -> list[str]:
         for k in getattr(cfg, field_):
             if k not in STANDARD_ENDPOINT_OPTIONS:
                 problems.append(f"{p}.{field_}.{k}: unknown option. Known: {', '.join(STANDARD_ENDPOINT_OPTIONS)}.")
+    problems += speculation_problems(f"{p}.attached_options.", cfg.attached_options)
     if (cfg.chat_template is not None or cfg.chat_separator is not None) and cfg.api != "chat":
         problems.append(f"{p}.chat_template / chat_separator apply to api=chat only; set {p}.api=chat or drop them.")
     if cfg.chat_template is not None and cfg.chat_separator is not None:

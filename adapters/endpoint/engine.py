@@ -1,10 +1,10 @@
 """Any OpenAI-compatible server as an engine: `/v1/completions`, streamed (SSE), over httpx.
 
 The engine either attaches to a running server (`endpoints.<name>.url`) or launches one from a
-command template (`endpoints.<name>.launch`; adapters/endpoint/launch.py). Every request asks for
-exactly the tokens the workload wants: `max_tokens` plus `ignore_eos` (and `min_tokens` where the
-server knows it), greedy. Prompts go as token ids where the server accepts them, else as text
-that the model's tokenizer re-encodes to the same length (checked).
+command template (`endpoints.<name>.launch`; adapters/endpoint/launch.py). What each request
+sends is built by adapters/endpoint/bodies.py (`self.bodies`): exactly the tokens the workload
+wants (`max_tokens` plus `ignore_eos`), greedy; prompts as token ids where the server accepts
+them, else as text that the model's tokenizer re-encodes to the same length (checked).
 
 How the interface maps onto HTTP (one asyncio loop in a background thread sends the requests
 and stamps each SSE chunk's arrival with `adapters.base.now_ns()`):
@@ -21,6 +21,9 @@ and stamps each SSE chunk's arrival with `adapters.base.now_ns()`):
                     RequestFailed(reason) after whatever tokens it had sent.
   score(...)        prompt log-probabilities (`prompt_logprobs`), for kind vllm and infer-bench.
   kv_cache_info()   what the server's /metrics says (usage, prefix-cache counters, preemptions).
+  spec_decode_stats() speculative decoding's cumulative counters from /metrics, by the names of the
+                    kind's record (a launched server speculates as its options asked; an attached
+                    one as endpoints.<name>.attached_options declares).
   begin/end_point() a point's server identity, token counts (server's usage vs the client's),
                     failures, TLS/auth facts and the /metrics time series.
 Not possible over HTTP: logits, a run without KV cache, a contiguous layout (capabilities say so).
@@ -52,14 +55,13 @@ import httpx
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    RequestFailed, RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns,
+    RequestFailed, RequestSource, SpecDecodeStats, StepTiming, TokenEvent, TokenScores, as_source, now_ns,
 )
 from adapters.endpoint import telemetry
-from adapters.endpoint.config import (
-    EndpointConfig, chat_problems, chat_prompt_ids, chat_template_text, template_fields,
-)
+from adapters.endpoint.bodies import RequestBodies, max_tokens
+from adapters.endpoint.config import EndpointConfig, chat_problems, chat_template_text, template_fields
 from adapters.endpoint.launch import ServerError, ServerProcess, free_port, render
-from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind
+from adapters.endpoint.kinds import KINDS, LaunchContext, ServerKind, Speculation, speculation
 from adapters.endpoint.flags import ServerFlag, overridden_standards
 from adapters.endpoint.options import SERVER_FLAGS, STANDARD_ENDPOINT_OPTIONS, given, launch_extras, option_problems
 from adapters.endpoint.client import (
@@ -153,15 +155,18 @@ class EndpointEngine(Engine):
         if cfg.launched:
             kv_dtypes = kind.kv_dtypes
             prefix = paged = "prefix_caching" in kind.options
+            spec_methods = kind.speculative_methods
         else:  # an attached server runs with what it was started with
             declared = given(cfg.attached_options)
             kv_dtypes = ("auto",) if "kv_dtype" not in declared else ("auto", str(declared["kv_dtype"]))
             prefix = bool(declared.get("prefix_caching"))
             paged = False
+            spec_methods = (declared["speculative_method"],) if "speculative_method" in declared else ()
         return Capabilities(
             dtypes=("float32", "bfloat16", "float16"), devices=("cpu", "cuda"), kv_dtypes=kv_dtypes,
             prefix_caching=prefix, chunked_prefill=False, no_cache_mode=False, contiguous_layout=False,
             continuous_batching=True, paged=paged, logits=False, scores=kind.scores,
+            speculative_methods=spec_methods,
             options=STANDARD_ENDPOINT_OPTIONS + ((SERVER_FLAGS,) if cfg.launched and kind.flags else ()))
 
     @classmethod
@@ -188,6 +193,12 @@ class EndpointEngine(Engine):
                                    attached=None if cfg.launched else cfg.attached_options,
                                    url=None if cfg.launched else Redactor().text(cfg.url or ""),
                                    server_version=cls.declared_version())
+        sp = speculation(options) if not problems else None
+        if cfg.launched and not cfg.dry_run and sp is not None and sp.draft is not None \
+                and not os.path.isdir(os.path.expanduser(sp.draft)):
+            problems.append(f"engine_options.{cls.name}.draft_model={sp.draft}: not a checkpoint directory on this "
+                            "machine; the server the harness launches loads the draft from one (a model preset is "
+                            "materialised into one by the harness: workload.draft_model).")
         if cfg.api == "chat":
             kind = KINDS[cfg.kind]
             if not kind.chat:
@@ -227,8 +238,8 @@ class EndpointEngine(Engine):
         self._loop: _Loop | None = None
         self._client: httpx.AsyncClient | None = None
         self.spec: ModelSpec | None = None
+        self.bodies = RequestBodies(self.name, self.cfg, lambda: self.spec.path if self.spec else None)
         self.base = self.root = ""
-        self.model_name: str | None = None
         self.server_version: str | None = None
         self.server_threads: int | None = None
         self.launch_command: str | None = None
@@ -241,7 +252,6 @@ class EndpointEngine(Engine):
         self.settings: dict[str, Any] | None = None
         self.metrics_on = False
         self.prefix_reset: str | None = None
-        self._tokenizer: Any = None
         self._batch: list[ReqState] = []
         self._batch_futs: list[Future] = []
         self._cond = threading.Condition()
@@ -249,6 +259,7 @@ class EndpointEngine(Engine):
         self._last_end = 0
         self._point: list[ReqState] = []
         self._scraper: telemetry.Scraper | None = None
+        self.spec_error: str | None = None  # why spec_decode_stats() could not read the counters
 
     def _key(self) -> str | None:
         cfg = self.cfg
@@ -336,7 +347,8 @@ class EndpointEngine(Engine):
         log_dir = Path(model.run_dir) / "logs" if model.run_dir else None
         options_file = str((log_dir.parent if log_dir else Path(_tmpdir())) / f"endpoint-{self.name}-llm-api-options.yaml")
         ctx = LaunchContext(options_file=options_file, dtype=model.dtype, device=str(model.device),
-                            kv_bytes_per_token=lambda kv: _kv_bytes_per_token(model, kv))
+                            kv_bytes_per_token=lambda kv: _kv_bytes_per_token(model, kv),
+                            metrics=cfg.metrics is not False)
         extras = launch_extras(cfg.kind, used, ctx)
         if cfg.api == "chat":  # the chat template the harness counts with is the one the server applies
             extras.args += list(kind.chat_args)
@@ -448,8 +460,15 @@ class EndpointEngine(Engine):
             models = [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
         except (ValueError, AttributeError):
             models = []
+        hub_id = self.spec.model_id if self.spec else None
         if cfg.served_model_name:
             self.model_name = cfg.served_model_name
+        elif not cfg.launched and hub_id:  # a model named by its Hub id: the server is asked for that id
+            if models and hub_id not in models:
+                raise EndpointError(f"endpoint {self.name} serves {', '.join(models[:4])}, not model.id={hub_id}. "
+                                    f"Attach to a server of {hub_id}, or give endpoints.{self.name}.served_model_name "
+                                    "(the name it serves the model under).")
+            self.model_name = hub_id
         elif not cfg.launched:
             if not models:
                 raise EndpointError(f"endpoint {self.name}: /v1/models lists no model; give "
@@ -515,42 +534,19 @@ class EndpointEngine(Engine):
             self.server.stop()
             self.server = None
 
-    # ---- requests ---------------------------------------------------------------------------
-    def _prompt(self, ids: list[int]) -> Any:
-        fmt = self.cfg.prompt_format
-        if fmt == "auto":
-            fmt = "ids" if KINDS[self.cfg.kind].prompt_ids else "text"
-        if fmt == "ids":
-            return list(ids)
-        tok = self._get_tokenizer()
-        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        again = tok(text, add_special_tokens=False)["input_ids"]
-        if len(again) != len(ids):
-            raise ValueError(f"a prompt of {len(ids)} token ids decodes to text that the tokenizer re-encodes to "
-                             f"{len(again)} tokens; lengths would not be what the workload asks. Use "
-                             f"endpoints.{self.name}.prompt_format=ids if the server takes token ids.")
-        return text
+    # ---- requests (their bodies: adapters/endpoint/bodies.py) -------------------------------------
+    @property
+    def model_name(self) -> str | None:
+        """The model name requests carry (the bodies' `model`)."""
+        return self.bodies.model
 
-    def _get_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer  # heavy: only for text prompts
-            path = self.cfg.tokenizer or (self.spec.path if self.spec else None)
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
-        return self._tokenizer
+    @model_name.setter
+    def model_name(self, value: str | None) -> None:
+        self.bodies.model = value
 
-    def _body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
-        """`ignore_eos` alone forces the length (no `min_tokens`: on vLLM and SGLang it costs a
-        logits penalty every step and can change greedy tokens); only fields the kind knows."""
-        kind = KINDS[self.cfg.kind]
-        body: dict[str, Any] = {"model": self.model_name, "prompt": prompt, "max_tokens": int(max_tokens),
-                                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                                "stream_options": {"include_usage": True}}
-        if kind.token_ids:
-            body["return_token_ids"] = True
-        if kind.continuous_usage:  # usage on every chunk: tokens counted even in chunks without text
-            body["stream_options"]["continuous_usage_stats"] = True
-        body.update(self.cfg.extra_body)
-        return body
+    @property
+    def chat(self) -> bool:
+        return self.bodies.chat
 
     def _failure_detail(self, st: ReqState) -> str:
         reason = self.redactor.text(st.error or "")
@@ -563,40 +559,6 @@ class EndpointEngine(Engine):
                 reason += f"; {self.server.died_text()}"
         return reason
 
-    @property
-    def chat(self) -> bool:
-        return self.cfg.api == "chat"
-
-    def _chat_body(self, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
-        """/v1/chat/completions: the messages with their roles and text, greedy, exactly max_tokens
-        (`ignore_eos`), usage in the stream; token ids where the kind sends them."""
-        kind = KINDS[self.cfg.kind]
-        body: dict[str, Any] = {"model": self.model_name, "messages": messages, "max_tokens": int(max_tokens),
-                                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                                "stream_options": {"include_usage": True}}
-        if kind.token_ids:
-            body["return_token_ids"] = True
-        body.update(self.cfg.extra_body)
-        return body
-
-    def _chat_messages(self, r_messages: list[dict[str, Any]] | None, prompt_ids: list[int]) -> list[dict[str, Any]]:
-        """A request's messages as text ({role, content}); a plain prompt is one user message."""
-        tok = self._get_tokenizer()
-        msgs = r_messages or [{"role": "user", "ids": prompt_ids}]
-        return [{"role": m["role"], "content": tok.decode(m["ids"], skip_special_tokens=False,
-                                                          clean_up_tokenization_spaces=False)} for m in msgs]
-
-    def _payload(self, prompt_ids: list[int], max_tokens: int,
-                 messages: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], int]:
-        """(request body, prompt tokens as the client counts them). api=chat: the tokenizer's
-        count of the chat-templated prompt (the template of endpoints.<name>.chat_template /
-        chat_separator, else the checkpoint's own), with the generation prompt."""
-        if not self.chat:
-            return self._body(self._prompt(prompt_ids), max_tokens), len(prompt_ids)
-        msgs = self._chat_messages(messages, prompt_ids)
-        n = len(chat_prompt_ids(self._get_tokenizer(), msgs, chat_template_text(self.cfg)))
-        return self._chat_body(msgs, max_tokens), n
-
     async def _one(self, st: ReqState, body: dict[str, Any], on_tokens: Any) -> None:
         assert self._loop is not None
         spec = self._client_spec()
@@ -605,7 +567,7 @@ class EndpointEngine(Engine):
 
     def _client_spec(self) -> ClientSpec:
         """How the load generator reaches the server (headers with the key, TLS, timeouts)."""
-        url = self.base + ("/chat/completions" if self.chat else "/completions")
+        url = self.base + self.bodies.path
         if getattr(self, "_spec_cache", None) is None or self._spec_cache.url != url:
             cfg = self.cfg
             self._spec_cache = ClientSpec(url, self._client_kwargs()["headers"],
@@ -614,14 +576,8 @@ class EndpointEngine(Engine):
         return self._spec_cache
 
     def _max_tokens(self, prompt: list[int], max_new_tokens: int | None) -> int:
-        if max_new_tokens is not None:
-            return int(max_new_tokens)
         assert self.spec is not None
-        room = self.spec.max_model_len - len(prompt)
-        if room < 1:
-            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room below max_model_len="
-                             f"{self.spec.max_model_len}")
-        return room
+        return max_tokens(prompt, max_new_tokens, self.spec.max_model_len)
 
     # ---- offline: one batch -------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], return_logits: bool = False,
@@ -633,7 +589,7 @@ class EndpointEngine(Engine):
         payloads, states = [], []
         for i, p in enumerate(prompts):
             n = self._max_tokens(p, max_new_tokens)
-            body, plen = self._payload(p, n)
+            body, plen = self.bodies.payload(p, n)
             payloads.append(body)
             states.append(ReqState(f"b{i}", plen, n))
 
@@ -735,7 +691,7 @@ class EndpointEngine(Engine):
                     if r.max_new_tokens < 1:
                         raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
                     scheduled = open_loop_start + round(r.arrival_s * 1e9) if open_loop_start is not None else now
-                    body, plen = self._payload(r.prompt_ids, r.max_new_tokens, r.messages)
+                    body, plen = self.bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages)
                     st = ReqState(r.request_id, plen, r.max_new_tokens, scheduled_ns=scheduled)
                     live[r.request_id] = st
                     states.append(st)
@@ -830,7 +786,7 @@ class EndpointEngine(Engine):
         for r in requests:
             if r.max_new_tokens < 1:
                 raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-            body, plen = self._payload(r.prompt_ids, r.max_new_tokens, r.messages)
+            body, plen = self.bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages)
             items.append(Item(r.request_id, dumps(body), plen, r.max_new_tokens, r.arrival_s))
         return items
 
@@ -914,11 +870,7 @@ class EndpointEngine(Engine):
         for seq, s0 in zip(sequences, start):
             if s0 < 1:
                 raise ValueError("score: start must be at least 1 (the first token has no context)")
-            body = {"model": self.model_name, "prompt": list(seq), "max_tokens": 1, "temperature": 0.0,
-                    "prompt_logprobs": int(top_k), "stream": False}
-            if KINDS[self.cfg.kind].token_ids:
-                body["return_token_ids"] = True
-            r = self._loop.run(self._client.post(self.base + "/completions", json=body),
+            r = self._loop.run(self._client.post(self.base + "/completions", json=self.bodies.scores(seq, top_k)),
                                timeout=self.cfg.request_timeout_s)
             if r.status_code >= 400:
                 raise RuntimeError(f"{self.name}: prompt_logprobs: "
@@ -967,6 +919,38 @@ class EndpointEngine(Engine):
             prefix_cache_queries=_int(values.get(queries)) if queries else None,
             preemptions=_int(values.get(preempt)) if preempt else None, extra=extra)
 
+    def speculation(self) -> Speculation | None:
+        """The speculation the server runs with: a launched one as its options asked, an attached
+        one as endpoints.<name>.attached_options declares; None: it does not speculate."""
+        return speculation(self.options_used if self.cfg.launched else dict(self.cfg.attached_options))
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """The server's speculative-decoding counters since it started (cumulative; the workload
+        takes a point's difference), read from /metrics by the kind's record. The counters are
+        read until two reads 0.1 s apart agree (a server may add a step's counts just after its
+        tokens went out). None where the server does not speculate, or the counters cannot be
+        read (`spec_error` says why; the row gets it as `spec_decode_error`)."""
+        sp, kind = self.speculation(), KINDS[self.cfg.kind]
+        if sp is None or kind.spec_metrics is None:
+            return None
+        if not self.metrics_on or self._loop is None:
+            self.spec_error = (f"no counters: the server's {self._metrics_path()} is not read (metrics=false, or it "
+                               "did not answer Prometheus text at load)")
+            return None
+        last: SpecDecodeStats | None = None
+        for _ in range(10):
+            try:
+                now = telemetry.spec_counts(self.cfg.kind, self._metrics_text(), sp)
+            except (httpx.HTTPError, ValueError) as e:
+                self.spec_error = f"{self._metrics_path()}: {self.redactor.text(str(e)) or type(e).__name__}"
+                return None
+            if now == last:
+                break
+            last = now
+            time.sleep(0.1)
+        self.spec_error = None
+        return last
+
     def reset_prefix_cache(self) -> None:
         kind = KINDS[self.cfg.kind]
         path = kind.reset_path
@@ -1011,6 +995,12 @@ class EndpointEngine(Engine):
             server_metrics=series, server_metrics_interval_s=self.cfg.metrics_interval_s if series is not None else None,
             server_metrics_errors=scrape_errors if series is not None else None,
         )
+        sp = self.speculation()
+        if sp is not None:
+            gauges = KINDS[self.cfg.kind].spec_metrics.gauges if KINDS[self.cfg.kind].spec_metrics else ()
+            last = {g: series[g][-1][1] for g in gauges if series and series.get(g)}
+            fields["spec_decode_aggregates"] = last or None  # what the server reports only in aggregate
+            fields["spec_decode_error"] = self.spec_error
         if self.cfg.ca_bundle:
             fields["ca_bundle"] = str(self.cfg.ca_bundle)
         if self.server_threads is not None:

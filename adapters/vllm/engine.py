@@ -29,6 +29,12 @@ How the interface maps onto the step loop
   decode(n)         n engine steps; each must give every live request exactly one new token
                     (a step that does not, e.g. because vLLM preempted a sequence for lack of KV
                     blocks, is an error naming the KV budget to raise). One StepTiming per step.
+                    With speculative decoding (speculative_method ngram | draft: vLLM's
+                    speculative_config) a step (verify the drafts in one target pass, then draft
+                    the next ones) gives each request 1 .. k + 1 tokens: steps until every
+                    request has n, DecodeResult.emitted says how many each step gave each. A
+                    request's tokens beyond n (a step overshot) are kept and handed out first by
+                    the next decode() call, in its first step.
   release()         aborts the live requests (vLLM frees their blocks at once).
   serve(requests)   continuous batching as vLLM does it: a request is added at the first step
                     boundary at or after its scheduled arrival, every step's new tokens become
@@ -61,12 +67,13 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, EngineUnavailable, KVCacheInfo, LoadInfo, ModelSpec,
-    PrefillResult, Request, RequestSource, StepTiming, TokenEvent, TokenScores, as_source, is_pos_int, now_ns,
-    wait_until,
+    PrefillResult, Request, RequestSource, SpecDecodeStats, StepTiming, TokenEvent, TokenScores, as_source,
+    is_pos_int, now_ns, wait_until,
 )
+from adapters.speculative import option_problems
 from adapters.vllm import introspect
 from adapters.vllm.options import (
-    CPU_KV_DTYPES, GPU_KV_DTYPES, INSTALL_HINT, OPTIONS, VLLMOptions, check_problems, engine_env, engine_kwargs,
+    CPU_KV_DTYPES, GPU_KV_DTYPES, INSTALL_HINT, OPTIONS, SPEC_METHODS, VLLMOptions, check_problems, engine_env, engine_kwargs,
     enforce_eager, first_node_cores, gpu_memory_problem, is_cpu, thread_plan, typed,
 )
 from harness.core.kvcalc import canonical_kv_dtype
@@ -123,7 +130,8 @@ class VLLMEngine(Engine):
             prefix_caching=o.enable_prefix_caching,
             chunked_prefill=o.enable_chunked_prefill,
             no_cache_mode=False, contiguous_layout=False, continuous_batching=True, paged=True,
-            logits=False, scores=True, options=OPTIONS,
+            logits=False, scores=True, speculative_methods=SPEC_METHODS, speculative_max_batch=None,
+            options=OPTIONS,
         )
 
     @classmethod
@@ -142,12 +150,18 @@ class VLLMEngine(Engine):
         self._thread_policy: str | None = None
         self._scheduling: dict[str, Any] = {}
         self._faults: list[str] = []  # introspect.output_faults: how this vLLM computes the model wrongly
+        self._pending: dict[str, list[int]] = {}  # speculating: tokens a step gave beyond what decode() asked
+        self._k = 0  # num_speculative_tokens (0: not speculating)
 
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
         if self.unavailable_reason():
             raise EngineUnavailable(self.unavailable_reason())
         self.options = typed(options)
         self.model_spec = model
+        problems = option_problems(self.name, self.options, SPEC_METHODS, model.path or None)
+        if problems:
+            raise ValueError(" ".join(problems))
+        self._k = int(self.options.num_speculative_tokens) if self.options.speculative_method != "none" else 0
         for k, v in engine_env(model, self.options).items():
             if v is None:
                 os.environ.pop(k, None)
@@ -173,7 +187,8 @@ class VLLMEngine(Engine):
                 raise ValueError(problem)
         t0 = time.perf_counter()
         try:
-            self._llm = LLM(**kwargs)
+            with introspect.kernel_rebind_guard():
+                self._llm = LLM(**kwargs)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             why = model_refusal(e)
             if why is None:
@@ -227,7 +242,8 @@ class VLLMEngine(Engine):
                      "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                      "enable_chunked_prefill": sched.enable_chunked_prefill,
                      "enable_prefix_caching": cache.enable_prefix_caching,
-                     "kv_cache_dtype": info.kv_dtype, "output_faults": list(self._faults)},
+                     "kv_cache_dtype": info.kv_dtype, "output_faults": list(self._faults),
+                     **({"speculative": introspect.speculative_settings(self._engine)} if self._k else {})},
         )
 
     def _plan_threads(self, model: ModelSpec) -> tuple[int, str]:
@@ -353,35 +369,68 @@ class VLLMEngine(Engine):
             raise NotImplementedError("vLLM does not hand out full logits (capabilities().logits is False)")
         if not self._live:
             raise RuntimeError("decode() before prefill()")
-        room = min(self._room[r] for r in self._live)
+        room = min(self._room[r] + len(self._pending.get(r, ())) for r in self._live)
         if steps > room:
             raise ValueError(f"decode({steps}) goes past what the live sequences may still produce ({room} more "
                              f"tokens: prefill's max_new_tokens, or max_model_len={self.max_model_len}).")
-        tokens: list[list[int]] = []
+        got: dict[str, list[int]] = {rid: [] for rid in self._live}
+        carried = {}  # tokens an earlier call's last step gave beyond what it asked: this call's first step's
+        for rid in self._live:
+            held = self._pending.pop(rid, [])
+            got[rid], rest = held[:steps], held[steps:]
+            carried[rid] = len(got[rid])
+            if rest:
+                self._pending[rid] = rest
         timings: list[StepTiming] = []
-        for _ in range(steps):
+        emitted: list[list[int]] = []
+        while any(len(got[rid]) < steps for rid in self._live):
             start, end, outs = self._step()
-            got = {o.request_id: o.outputs[0].token_ids for o in outs}
+            new = {o.request_id: list(o.outputs[0].token_ids) for o in outs}
             row = []
             for rid in self._live:
-                toks = got.get(rid)
-                if toks is None or len(toks) != 1:
-                    n = 0 if toks is None else len(toks)
+                toks = new.get(rid, [])
+                wanted = len(got[rid]) < steps
+                if (wanted and not toks) or (not self._k and len(toks) != 1) or len(toks) > self._k + 1:
                     raise RuntimeError(
-                        f"a vLLM step gave sequence {rid} {n} tokens instead of 1 (preempted for lack of KV "
-                        f"blocks?). Raise {_PREFIX}cpu_kvcache_space_gib (CPU), gpu_memory_utilization (GPU) "
-                        "or kv_cache_memory_bytes.")
-                row.append(toks[0])
-                self._room[rid] -= 1
-            tokens.append(row)
-            timings.append(StepTiming(start, end, len(row)))
-        return DecodeResult(tokens, timings)
+                        f"a vLLM step gave sequence {rid} {len(toks)} tokens instead of "
+                        f"{'1' if not self._k else f'1 to {self._k + 1}'} (preempted for lack of KV blocks?). Raise "
+                        f"{_PREFIX}cpu_kvcache_space_gib (CPU), gpu_memory_utilization (GPU) or kv_cache_memory_bytes.")
+                self._room[rid] -= len(toks)
+                take = toks[:max(steps - len(got[rid]), 0)]
+                got[rid] += take
+                if len(take) < len(toks):
+                    self._pending.setdefault(rid, []).extend(toks[len(take):])
+                row.append(len(take) + carried.pop(rid, 0))
+            timings.append(StepTiming(start, end, sum(row)))
+            emitted.append(row)
+        tokens = [[got[rid][i] for rid in self._live] for i in range(steps)]
+        if not self._k:
+            return DecodeResult(tokens, timings)
+        if carried and any(carried.values()):  # every token was carried over: no step ran
+            timings.append(StepTiming(now_ns(), now_ns(), sum(carried.values())))
+            emitted.append([carried[rid] for rid in self._live])
+        return DecodeResult(tokens, timings, None, emitted)
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """vLLM's own counters (its stat loggers, `LLM.get_metrics()`), cumulative since load.
+        vLLM counts a step's accepted tokens before it cuts the output at max_tokens, so a
+        request's last step may count accepted tokens it never emits (docs/engines/vllm.md)."""
+        if not self._k or self._llm is None:
+            return None
+        c = introspect.spec_decode_counters(self._llm)
+        if c is None:
+            raise RuntimeError("vLLM speculates but exposes no spec-decode counters (are its stat loggers off?)")
+        per_pos = list(c["accepted_per_pos"]) + [0] * max(self._k - len(c["accepted_per_pos"]), 0)
+        return SpecDecodeStats(drafts=c.get("drafts", 0), draft_tokens=c.get("draft_tokens", 0),
+                               accepted_tokens=c.get("accepted_tokens", 0), accepted_per_pos=per_pos,
+                               source="engine")
 
     def release(self) -> None:
         if self._engine is not None and self._live:
             self._engine.abort_request(list(self._live))
         self._live = []
         self._room = {}
+        self._pending = {}
 
     # ---- teacher-forced scores ---------------------------------------------------------
     def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:

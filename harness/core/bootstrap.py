@@ -4,6 +4,9 @@
 - `ratio_ci(samples, ratio)`: the interval of a ratio of medians of independent samples
   (the regression check: current / baseline, optionally normalised by a reference engine).
 - `mean_ci(values)`: the interval of a mean (the paired A/B gate: mean of per-round log-ratios).
+- `paired_ratio_ci(num, den)`: the interval of median(num) / median(den) where num[i] and den[i]
+  were measured on the same unit (speculative decoding's speed-up: one request's TPOT without
+  and with speculation), resampled in pairs.
 
 Each resamples `RESAMPLES` times with a fixed seed, so the same data give the same interval.
 Only the harness's own process imports this module (scipy need not be in an engine's
@@ -23,8 +26,8 @@ METHOD = "percentile"
 
 
 def _interval(data: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray], confidence: float,
-              seed: int) -> tuple[float, float] | None:
-    res = _scipy_stats.bootstrap(data, statistic, vectorized=True, axis=-1, paired=False,
+              seed: int, paired: bool = False) -> tuple[float, float] | None:
+    res = _scipy_stats.bootstrap(data, statistic, vectorized=True, axis=-1, paired=paired,
                                  confidence_level=confidence, n_resamples=RESAMPLES, method=METHOD,
                                  random_state=np.random.default_rng(seed))
     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
@@ -75,6 +78,21 @@ def ratio_ci(samples: Sequence[Sequence[float]], ratio: Callable[..., np.ndarray
 
     with np.errstate(divide="ignore", invalid="ignore"):
         return _interval(arrays, statistic, confidence, seed)
+
+
+def paired_ratio_ci(num: Sequence[float], den: Sequence[float], confidence: float = CONFIDENCE,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """Interval of median(num) / median(den), the pairs (num[i], den[i]) resampled together.
+    None for fewer than 2 pairs or samples of different lengths."""
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if a.size < 2 or a.size != b.size:
+        return None
+
+    def statistic(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.median(x, axis=axis) / np.median(y, axis=axis)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return _interval((a, b), statistic, confidence, seed, paired=True)
 
 
 SAMPLES_SUFFIX = "_samples"

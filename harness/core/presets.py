@@ -25,8 +25,12 @@ from harness.core.results import atomic_write_text
 from harness.core.shapes import ARCHITECTURES, SHAPE_FIELDS, ModelShape  # noqa: E402,F401
 
 
+# conf/model/ files that are not presets: your own checkpoint, and a model by its Hub id
+NOT_PRESETS = ("local", "hub")
+
+
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "local")
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem not in NOT_PRESETS)
 
 
 def shape_from_mapping(data: dict[str, Any], prefix: str = "model") -> ModelShape:
@@ -62,10 +66,11 @@ def _check_tokenizer_from(shape: ModelShape, prefix: str) -> None:
 
 def load_preset(name: str) -> ModelShape:
     path = CONF_DIR / "model" / f"{name}.yaml"
-    if name == "local" or not path.exists():
+    if name in NOT_PRESETS or not path.exists():
         raise UserError(
             f"model={name}: unknown model preset. Choose one of {', '.join(preset_names())}, "
-            "or use model=local model.path=DIR for your own checkpoint."
+            "model=ORG/NAME for a model on the Hugging Face Hub, or model=local model.path=DIR for your own "
+            "checkpoint."
         )
     with open(path) as f:
         return shape_from_mapping(yaml.safe_load(f), prefix=f"model={name} (conf/model/{name}.yaml): model")

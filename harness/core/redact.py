@@ -11,8 +11,9 @@ messages) goes through a `Redactor` before it leaves the process. It masks:
 - the password of URLs with `user:password@`;
 - strings shaped like well-known credentials (`sk-...`, `hf_...`, `ghp_...`, JWTs, ...);
 - the literal values of the run's own secrets: what the endpoints' `api_key_env`, `api_key_file`
-  and `headers_env` refer to (the Redactor reads those values itself), also URL-encoded and
-  JSON-escaped. This last pass runs after every pattern and guarantees that no given secret
+  and `headers_env` refer to, and the Hugging Face Hub token of the environment (`HF_TOKEN`,
+  `ENV_SECRETS`: models and datasets named by their Hub id are downloaded with it), read by the
+  Redactor itself, also URL-encoded and JSON-escaped. This last pass runs after every pattern and guarantees that no given secret
   survives as a substring of the output.
 
 `DEFAULT` is the pattern-only redactor; `Redactor.from_endpoints(...)` adds a run's secrets.
@@ -32,6 +33,9 @@ from typing import Any
 from urllib.parse import quote
 
 MASK = "***"
+# Environment variables whose values are a run's secrets whatever its endpoints (the Hub token
+# huggingface_hub downloads with: harness/core/hub.py reads HF_TOKEN only; the legacy name too).
+ENV_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 # A key that names a credential (normalised: lower case, '-' -> '_'); `*_per_token` is a size.
 _SENSITIVE_WORDS = r"api_?key|apikey|access_?key|secret_?key|private_?key|client_?secret|password|passwd|" \
@@ -163,10 +167,14 @@ class Redactor:
                        environ: Mapping[str, str] | None = None, extra: Iterable[str] = ()) -> "Redactor":
         """A redactor for a run: reads the secret values that the endpoint configs refer to
         (`api_key_env`, `api_key_file`, `headers_env`), from `environ` (default os.environ) and
-        the files. `endpoints` is {name: config} or a list of configs (dataclasses or dicts)."""
+        the files, and the Hub token of `environ` (`ENV_SECRETS`). `endpoints` is {name: config}
+        or a list of configs (dataclasses or dicts)."""
         environ = os.environ if environ is None else environ
         items = endpoints.values() if isinstance(endpoints, Mapping) else (endpoints or [])
         secrets = list(extra)
+        for var in ENV_SECRETS:
+            if environ.get(var):
+                secrets += [environ[var], environ[var].strip()]
         for cfg in items:
             secrets += secret_values(cfg, environ)
         return cls(secrets)

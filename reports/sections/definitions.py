@@ -35,6 +35,9 @@ def definitions(data: ReportData) -> list[Block]:
     if "serving" in workloads or "prefix_sharing" in workloads:
         blocks.append(_table(d.SERVING, "Online (serving) metrics, per request. TPOT is averaged per "
                                         "request, ITL per token; they are never relabelled.", "definitions-serving"))
+    if "speculative" in workloads:
+        blocks.append(_table(d.SPECULATIVE, "Speculative decoding (docs/metrics.md, \"Speculative decoding\").",
+                             "definitions-speculative"))
     if "capacity" in workloads or "per_user_tok_s" in data.rows.columns or "load_mode" in data.rows.columns:
         blocks.append(_table(d.CAPACITY, "Load and capacity.", "definitions-capacity"))
     if "tune" in workloads:

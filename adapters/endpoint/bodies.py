@@ -1,0 +1,136 @@
+"""What an endpoint sends: the JSON body of each request, built from the workload's token ids.
+
+One `RequestBodies` per endpoint engine (`EndpointEngine.bodies`). It knows the endpoint's config,
+its kind's record (which request extensions the server takes) and the model name requests carry;
+the engine does the HTTP. Every body asks for exactly the tokens the workload wants
+(`max_tokens` plus `ignore_eos`, greedy) and streams its usage:
+
+  completion(prompt, n)        POST /v1/completions: the prompt as token ids where the kind takes
+                               them (or prompt_format=ids), else as text that the model's tokenizer
+                               re-encodes to the same length (checked: `prompt`)
+  chat_completion(messages, n) POST /v1/chat/completions (api=chat): the messages' roles and texts
+  payload(ids, n, messages)    either, by the endpoint's `api`, with the prompt tokens as the client
+                               counts them (api=chat: the chat-templated prompt's)
+  scores(seq, top_k)           a non-streamed completion asking for `prompt_logprobs` (score())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from adapters.endpoint.config import EndpointConfig, chat_prompt_ids, chat_template_text
+from adapters.endpoint.kinds import KINDS, ServerKind
+
+
+class RequestBodies:
+    """The request bodies of endpoint `name` (config `cfg`). `model` is the model name requests
+    carry (set by the engine once it knows it); `tokenizer_dir()` gives the model's directory
+    for text prompts and chat templates when `cfg.tokenizer` names none."""
+
+    def __init__(self, name: str, cfg: EndpointConfig, tokenizer_dir: Callable[[], str | None]):
+        self.name, self.cfg = name, cfg
+        self.model: str | None = None
+        self._tokenizer_dir = tokenizer_dir
+        self._tokenizer: Any = None
+
+    @property
+    def kind(self) -> ServerKind:
+        return KINDS[self.cfg.kind]
+
+    @property
+    def chat(self) -> bool:
+        return self.cfg.api == "chat"
+
+    @property
+    def path(self) -> str:
+        """The API path the streams go to, below the base URL (…/v1)."""
+        return "/chat/completions" if self.chat else "/completions"
+
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (endpoints.<name>.tokenizer, else the model's directory); loaded
+        once, on first use: only text prompts and api=chat need it."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer  # heavy: only for text prompts
+            self._tokenizer = AutoTokenizer.from_pretrained(self.cfg.tokenizer or self._tokenizer_dir())
+        return self._tokenizer
+
+    def prompt(self, ids: list[int]) -> Any:
+        """The `prompt` field: the ids, or their text when the server takes text (the text must
+        re-encode to as many tokens, else the lengths would not be what the workload asks)."""
+        fmt = self.cfg.prompt_format
+        if fmt == "auto":
+            fmt = "ids" if self.kind.prompt_ids else "text"
+        if fmt == "ids":
+            return list(ids)
+        tok = self.tokenizer()
+        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        again = tok(text, add_special_tokens=False)["input_ids"]
+        if len(again) != len(ids):
+            raise ValueError(f"a prompt of {len(ids)} token ids decodes to text that the tokenizer re-encodes to "
+                             f"{len(again)} tokens; lengths would not be what the workload asks. Use "
+                             f"endpoints.{self.name}.prompt_format=ids if the server takes token ids.")
+        return text
+
+    def completion(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
+        """/v1/completions. `ignore_eos` alone forces the length (no `min_tokens`: on vLLM and
+        SGLang it costs a logits penalty every step and can change greedy tokens); only fields the
+        kind knows."""
+        kind = self.kind
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": int(max_tokens),
+                                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                                "stream_options": {"include_usage": True}}
+        if kind.token_ids:
+            body["return_token_ids"] = True
+        if kind.continuous_usage:  # usage on every chunk: tokens counted even in chunks without text
+            body["stream_options"]["continuous_usage_stats"] = True
+        body.update(self.cfg.extra_body)
+        return body
+
+    def chat_completion(self, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+        """/v1/chat/completions: the messages with their roles and text, greedy, exactly max_tokens
+        (`ignore_eos`), usage in the stream; token ids where the kind sends them."""
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": int(max_tokens),
+                                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                                "stream_options": {"include_usage": True}}
+        if self.kind.token_ids:
+            body["return_token_ids"] = True
+        body.update(self.cfg.extra_body)
+        return body
+
+    def chat_messages(self, messages: list[dict[str, Any]] | None, prompt_ids: list[int]) -> list[dict[str, Any]]:
+        """A request's messages as text ({role, content}); a plain prompt is one user message."""
+        tok = self.tokenizer()
+        msgs = messages or [{"role": "user", "ids": prompt_ids}]
+        return [{"role": m["role"], "content": tok.decode(m["ids"], skip_special_tokens=False,
+                                                          clean_up_tokenization_spaces=False)} for m in msgs]
+
+    def payload(self, prompt_ids: list[int], max_tokens: int,
+                messages: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], int]:
+        """(request body, prompt tokens as the client counts them). api=chat: the tokenizer's
+        count of the chat-templated prompt (the template of endpoints.<name>.chat_template /
+        chat_separator, else the checkpoint's own), with the generation prompt."""
+        if not self.chat:
+            return self.completion(self.prompt(prompt_ids), max_tokens), len(prompt_ids)
+        msgs = self.chat_messages(messages, prompt_ids)
+        n = len(chat_prompt_ids(self.tokenizer(), msgs, chat_template_text(self.cfg)))
+        return self.chat_completion(msgs, max_tokens), n
+
+    def scores(self, seq: list[int], top_k: int) -> dict[str, Any]:
+        """One sequence's teacher-forced log-probabilities: vLLM's `prompt_logprobs` extension
+        (kinds with `scores`), one output token, not streamed."""
+        body: dict[str, Any] = {"model": self.model, "prompt": list(seq), "max_tokens": 1, "temperature": 0.0,
+                                "prompt_logprobs": int(top_k), "stream": False}
+        if self.kind.token_ids:
+            body["return_token_ids"] = True
+        return body
+
+
+def max_tokens(prompt: list[int], max_new_tokens: int | None, max_model_len: int) -> int:
+    """The tokens a request asks for: the workload's count, else what still fits in max_model_len."""
+    if max_new_tokens is not None:
+        return int(max_new_tokens)
+    room = max_model_len - len(prompt)
+    if room < 1:
+        raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room below max_model_len={max_model_len}")
+    return room
