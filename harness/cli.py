@@ -19,7 +19,6 @@ from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
@@ -29,7 +28,7 @@ from harness.checkpoint import cached_path, ensure_checkpoint, shipped_checkpoin
 from harness.config import build_plan
 from harness.core.env import environment
 from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
-from harness.core.hub import check_repo_id
+from harness.core.hub import check_repo_id, hub_shorthands, register_hub_shorthands  # noqa: F401 (re-exported)
 from harness.core.paths import CONF_DIR, model_cache_dir
 from harness.core.presets import load_preset, preset_names, prompt_token_range, shape_from_hf_config
 from harness.core.redact import redact_text
@@ -122,38 +121,6 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
     return redact_text(f"overrides {' '.join(overrides) or '(none)'}: {first}")
 
 
-# ---- model=ORG/NAME: a model by its Hugging Face Hub id ----------------------------------------------
-
-def hub_shorthands(overrides: list[str]) -> list[str]:
-    """The Hub ids that `model=` overrides name (ORG/NAME: a name with a slash, which no preset has),
-    a multirun's sweep (`model=ORG/A,ORG/B`, `model=choice(...)`) included."""
-    out: list[str] = []
-    for o in overrides:
-        if not o.startswith("model="):
-            continue
-        try:
-            (parsed,) = OverridesParser.create().parse_overrides([o])
-            values = list(parsed.sweep_string_iterator()) if parsed.is_sweep_override() else \
-                [parsed.get_value_element_as_str()]
-        except Exception:  # Hydra says what is wrong with it when it composes
-            continue
-        out += [v for v in values if "/" in v and check_repo_id(v) is None]
-    return list(dict.fromkeys(out))
-
-
-def register_hub_shorthands(overrides: list[str]) -> None:
-    """Make `model=ORG/NAME` mean `model=hub model.id=ORG/NAME`: Hydra reads a config-group choice
-    with a slash as the config model/ORG/NAME, so each id the command line names becomes such a
-    config in Hydra's ConfigStore (conf/model/hub.yaml's fields, packaged as `model`). The store is
-    process-wide, and the joblib launcher hands it to its workers; model.revision=REV applies as
-    for model=hub."""
-    store = ConfigStore.instance()
-    for repo_id in hub_shorthands(overrides):
-        org, name = repo_id.split("/", 1)
-        store.store(group=f"model/{org}", name=name, package="model",
-                    node={"name": "hub", "id": repo_id, "revision": None, "path": None})
-
-
 def compose_job(overrides: list[str]) -> dict[str, Any]:
     register_hub_shorthands(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -242,6 +209,8 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
         plan.models = extra_models(plan, model_path, say)
     except UserError as e:
         print(e.render(), file=sys.stderr)
+        if device_lock is not None:
+            device_lock.close()
         return EXIT_BAD_INPUT
     redact = plan.redactor()
     env = redact.obj({**environment(), **({"model": plan.hub.record()} if plan.hub else {})})

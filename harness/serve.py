@@ -50,12 +50,15 @@ from adapters.base import Request as EngineRequest
 from adapters.endpoint.config import chat_prompt_ids
 from harness import __version__
 from harness.core.errors import EXIT_BAD_INPUT, UserError
+from harness.core.hub import is_hub_model, register_hub_shorthands, resolve_model
 from harness.core.paths import CONF_DIR
 from harness.core.schema import check, spec
 
 USAGE = """usage: infer-bench-serve [key=value ...]   (Hydra overrides of conf/serve.yaml)
 
   model=tiny | small | ... | local model.path=DIR   the model (a preset is materialised locally)
+  model=ORG/NAME [model.revision=REV]             a model on the Hugging Face Hub, by its id (its
+                                                  snapshot in your HF cache; served under the id)
   host=127.0.0.1 port=18123 (port=0: any free port)  where to listen
   dtype=auto|float32|bfloat16|float16 device=auto|cpu|cuda|cuda:N
   served_model_name=NAME  max_model_len=N  api_key_env=VAR  engine_options.<option>=VALUE
@@ -643,6 +646,7 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
+    register_hub_shorthands(overrides)  # model=ORG/NAME: a model by its Hugging Face Hub id
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name="serve", overrides=overrides)
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
@@ -658,6 +662,7 @@ class ServePlan:
     engine_options: dict[str, Any]
     max_model_len: int
     api_key: str | None
+    hub: Any = None  # model=ORG/NAME: the model as resolved on the Hub (harness/core/hub.py)
 
 
 def build_plan(cfg: dict[str, Any]) -> ServePlan:
@@ -673,13 +678,17 @@ def build_plan(cfg: dict[str, Any]) -> ServePlan:
     problems += [p.removeprefix("serve.") for p in probs]
     settings = settings or ServeSettings()
     model_cfg = dict(cfg.get("model") or {})
-    shape = None
-    try:
-        shape = resolve_shape(model_cfg)
-        if model_cfg.get("path") not in (None, "???"):
-            check_checkpoint(model_cfg["path"], problems)
-    except UserError as e:
-        problems += e.problems
+    shape = hub = None
+    if is_hub_model(model_cfg):  # the snapshot in the Hugging Face cache; its weights come at start
+        hub = resolve_model(model_cfg, problems)
+        shape, model_cfg["path"] = (hub.shape, hub.path) if hub else (None, None)
+    else:
+        try:
+            shape = resolve_shape(model_cfg)
+            if model_cfg.get("path") not in (None, "???"):
+                check_checkpoint(model_cfg["path"], problems)
+        except UserError as e:
+            problems += e.problems
     device = resolve_device(settings.device, problems)
     dtype = resolve_dtype(settings.dtype, shape, device, problems) if shape is not None else settings.dtype
     max_len = settings.max_model_len or (shape.max_position_embeddings if shape else 2048)
@@ -702,7 +711,7 @@ def build_plan(cfg: dict[str, Any]) -> ServePlan:
                         "(or leave it null for the checkpoint's own).")
     if problems:
         raise UserError(list(dict.fromkeys(problems)))
-    return ServePlan(settings, shape, model_cfg, dtype, device, options, max_len, api_key)
+    return ServePlan(settings, shape, model_cfg, dtype, device, options, max_len, api_key, hub)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -734,7 +743,14 @@ def serve(plan: ServePlan, sock: socket.socket) -> int:
     from harness.core.paths import model_cache_dir
 
     s = plan.settings
-    if plan.model_cfg.get("path"):
+    if plan.hub is not None:
+        print(plan.hub.describe(), flush=True)
+        try:
+            path = plan.hub.download()
+        except UserError as e:
+            print(e.render().replace("infer-bench:", "infer-bench-serve:", 1), file=sys.stderr)
+            return EXIT_BAD_INPUT
+    elif plan.model_cfg.get("path"):
         path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
     else:
         path = str(ensure_checkpoint(plan.shape, model_cache_dir(s.model_cache_dir), s.seed))
@@ -806,7 +822,7 @@ def main(argv: list[str] | None = None) -> None:
             if "'model/" in str(e):
                 from harness.core.presets import preset_names
                 first = (f"unknown model preset. Choose one of {', '.join(preset_names())} "
-                         "(or model=local model.path=DIR).")
+                         "(or model=ORG/NAME for a model on the Hugging Face Hub, or model=local model.path=DIR).")
             raise UserError(f"overrides: {first}") from None
         plan = build_plan(cfg)
         sock = bind(plan.settings.host, plan.settings.port)

@@ -225,6 +225,9 @@ def test_the_shorthand_and_the_explicit_form_compose_alike(hf_env):
                         "cannot read it (HF_TOKEN is not set). Check the id (it is ORG/NAME, as on "
                         f"{os.environ['HF_ENDPOINT']}/org/nothing), or set HF_TOKEN to a token that can read it."]
     assert any("not a Hugging Face Hub id" in p for p in check_jobs(["model=a/b/c", "engines=[reference]"]))
+    assert check_jobs(["model=hub", "engines=[reference]"]) == [
+        "model.id is missing: give the model's Hugging Face Hub id, e.g. model=hub model.id=Qwen/Qwen3-0.6B (or the "
+        "shorthand model=Qwen/Qwen3-0.6B)."]
 
 
 # ---- in-process: the plan, the KV estimate, the cache when the Hub is away ---------------------------------
@@ -398,3 +401,11 @@ def test_a_launched_server_serves_the_id_and_an_attached_one_is_sent_it(tmp_path
         eng.close()
         assert "serves fake-model, not model.id=org/served" in str(e.value)
         assert "endpoints.attached.served_model_name" in str(e.value)
+
+
+def test_infer_bench_serve_takes_a_hub_id(hf_env, fake_hub):
+    from harness.serve import build_plan, compose
+    plan = build_plan(compose([f"model={MODEL}", "model.revision=v2", "port=0"]))
+    assert plan.hub is not None and plan.hub.commit == fake_hub.commits["v2"] and plan.shape.name == MODEL
+    assert plan.settings.served_model_name is None  # served under plan.shape.name: the id
+    assert Path(plan.hub.download(progress=False), "model.safetensors").is_file()

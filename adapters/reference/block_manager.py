@@ -146,6 +146,15 @@ class BlockManager:
         self._note_peak()
         return True
 
+    def shrink(self, seq, num_tokens: int) -> None:
+        """Give back the blocks of `seq`'s table past its first `num_tokens` slots: after a
+        speculative step, the slots of rejected draft tokens (and of room not drafted into). A
+        block past the computed tokens is never registered in the prefix cache, so it goes
+        straight back to the free list."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def free_sequence(self, seq) -> None:
         """Drop `seq`'s references. Its last blocks are released first, so that they are also
         evicted first: a prefix's head is shared more often than its tail."""

@@ -15,6 +15,9 @@ KV_LAYOUTS = ("paged", "contiguous")
 KV_DTYPES = ("auto", "int8", "fp8")
 KERNELS = ("auto", "plain")
 MLA_FORMS = ("expand", "absorb")
+# speculative decoding (speculative.py): what the engine runs, and the methods of STANDARD_OPTIONS it refuses
+SPECULATIVE_METHODS = ("ngram", "draft")
+NO_HEADS = ("eagle", "mtp")
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: the pool on CPU when kv_cache_bytes is null (at most)
 
 
@@ -51,6 +54,18 @@ class EngineConfig:
         "latent-attention (MLA) models' decode: expand (up-project every cached latent through kv_b each step) | "
         "absorb (kv_b folded into the query and the output: attention reads the latents as stored; 1.6-6x faster "
         "decode on tiny-deepseek-v3, docs/reference-engine.md)"))
+    speculative_method: str = spec("none", choices=("none",) + SPECULATIVE_METHODS + NO_HEADS, help=(
+        "speculative decoding, greedy verification of k drafted tokens in one target pass: none | ngram (prompt "
+        "lookup over the sequence's own tokens) | draft (a smaller model, draft_model); eagle and mtp are refused "
+        "(no such heads here)"))
+    num_speculative_tokens: int = spec(4, ge=1, le=64, help="k: tokens proposed per sequence per speculative step")
+    draft_model: str | None = spec(None, help=(
+        "speculative_method=draft: the draft's checkpoint directory (same tokenizer and vocabulary as the target; "
+        "the harness resolves a preset name to its directory)"))
+    prompt_lookup_min: int = spec(2, ge=1, help="speculative_method=ngram: the shortest n-gram matched")
+    prompt_lookup_max: int = spec(4, ge=1, help=(
+        "speculative_method=ngram: the longest n-gram matched (the longest match wins; of its occurrences, the "
+        "earliest, as vLLM and transformers choose)"))
     step_delay_frac: float = spec(0.0, ge=0, le=10, help=(
         "a deliberate handicap for calibrating regression gates: each step busy-waits this fraction of its "
         "own time (0.25: 25 % slower); 0: off"))
@@ -76,6 +91,10 @@ class EngineConfig:
         return self.kv_layout == "contiguous"
 
     @property
+    def speculative(self) -> bool:
+        return self.speculative_method != "none"
+
+    @property
     def use_prefix_cache(self) -> bool:
         """Prefix sharing needs a paged cache: contiguous regions and no cache have nothing to share."""
         return self.prefix_caching and self.use_cache and not self.contiguous
@@ -86,7 +105,30 @@ OPTIONS = tuple(f.name for f in fields(EngineConfig))
 
 def cross_field_problems(cfg: EngineConfig) -> list[str]:
     """What no single field's spec can say: combinations that contradict each other."""
+    problems = []
     if cfg.kv_cache == "none" and cfg.kv_dtype != "auto":
-        return ["engine_options.reference.kv_dtype: a quantised cache needs kv_cache=on "
-                "(with kv_cache=none nothing is stored). Drop kv_dtype or set kv_cache=on."]
-    return []
+        problems.append("engine_options.reference.kv_dtype: a quantised cache needs kv_cache=on "
+                        "(with kv_cache=none nothing is stored). Drop kv_dtype or set kv_cache=on.")
+    return problems + speculative_problems(cfg)
+
+
+def speculative_problems(cfg: EngineConfig) -> list[str]:
+    """Speculative decoding's options among themselves (the draft's files: speculative.check_draft)."""
+    opt = "engine_options.reference"
+    method = cfg.speculative_method
+    if method in NO_HEADS:
+        return [f"{opt}.speculative_method={method}: the reference engine has no {method.upper()} heads. "
+                "Use speculative_method=ngram or draft (or an engine that has them, e.g. vllm)."]
+    if method == "none":
+        return []
+    problems = []
+    if not cfg.use_cache:  # nothing to verify against, nothing to roll back
+        problems.append(f"{opt}.speculative_method={method}: speculation verifies drafts against the KV cache; "
+                        "with kv_cache=none there is none. Set kv_cache=on or speculative_method=none.")
+    if method == "ngram" and cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+        problems.append(f"{opt}.prompt_lookup_min={cfg.prompt_lookup_min} exceeds prompt_lookup_max="
+                        f"{cfg.prompt_lookup_max}. Give prompt_lookup_min <= prompt_lookup_max.")
+    if method == "draft" and not cfg.draft_model:
+        problems.append(f"{opt}.draft_model: speculative_method=draft needs a draft checkpoint. Give "
+                        f"{opt}.draft_model=DIR (a model with the target's tokenizer) or use speculative_method=ngram.")
+    return problems

@@ -26,15 +26,16 @@ import torch
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, KVCacheInfo, LoadInfo, ModelSpec, PrefillResult, Request,
-    RequestSource, StepTiming, TokenEvent, TokenScores, as_source, now_ns, wait_until,
+    RequestSource, SpecDecodeStats, StepTiming, TokenEvent, TokenScores, as_source, now_ns, wait_until,
 )
-from adapters.reference.config import KV_DTYPES, OPTIONS, EngineConfig, cross_field_problems
+from adapters.reference.config import KV_DTYPES, OPTIONS, SPECULATIVE_METHODS, EngineConfig, cross_field_problems
 from adapters.reference.kv_cache import bytes_per_token, check_kv_dtype
 from adapters.reference.llm_engine import DTYPES, LLMEngine, budget_problem
 from adapters.reference.mla import latent_bytes_per_token
 from adapters.reference.model import ModelConfig
 from adapters.reference.llm_engine import version as core_version
 from adapters.reference.scheduler import Sequence
+from adapters.reference.speculative import draft_problems
 from harness.core.presets import load_preset, shape_from_hf_config
 
 
@@ -68,7 +69,8 @@ class ReferenceEngine(Engine):
         paged = cfg.use_cache and not cfg.contiguous  # block size and prefix sharing apply
         return Capabilities(kv_dtypes=KV_DTYPES, prefix_caching=paged, chunked_prefill=cfg.use_cache,
                             no_cache_mode=True, contiguous_layout=True, continuous_batching=True,
-                            paged=paged, logits=True, scores=True, options=OPTIONS)
+                            paged=paged, logits=True, scores=True,
+                            speculative_methods=SPECULATIVE_METHODS if cfg.use_cache else (), options=OPTIONS)
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
@@ -89,6 +91,9 @@ class ReferenceEngine(Engine):
                 why = budget_problem(cfg, bpt, max(model.max_model_len, 1), cfg.kv_cache_bytes,
                                      f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}")
                 problems += [why] if why else []
+        if cfg.speculative_method == "draft" and cfg.draft_model and not problems:
+            shape = _shape_of(model)
+            problems += draft_problems(cfg.draft_model, shape.vocab_size if shape else None, model.path or None)
         return problems
 
     def __init__(self) -> None:
@@ -141,6 +146,8 @@ class ReferenceEngine(Engine):
     def decode(self, steps: int, return_logits: bool = False) -> DecodeResult:
         if not self._live:
             raise RuntimeError("decode() before prefill()")
+        if self.core.speculator is not None:
+            return self._decode_speculative(steps, return_logits)
         rope_len = self.core.model.rope_len
         tokens, timings, all_logits = [], [], []
         for _ in range(steps):
@@ -154,6 +161,32 @@ class ReferenceEngine(Engine):
             if return_logits:
                 all_logits.append(torch.stack([s.logits for s in self._live]))
         return DecodeResult(tokens, timings, all_logits if return_logits else None)
+
+    def _decode_speculative(self, steps: int, return_logits: bool) -> DecodeResult:
+        """decode() with speculative decoding: every sequence's stop length goes `steps` tokens
+        ahead and engine steps run until each has them; a step may give a sequence 1 .. k + 1
+        tokens (`emitted`), never more than it still needs (the scheduler's draft room)."""
+        if return_logits:
+            raise ValueError("decode(return_logits=True) with speculative decoding: a step emits several tokens "
+                             "per sequence; set engine_options.reference.speculative_method=none for logits.")
+        core, live = self.core, self._live
+        base = [s.num_tokens for s in live]
+        for seq in live:
+            seq.stop_len = seq.num_tokens + steps
+            if seq.stop_len > core.model.rope_len:
+                raise ValueError(f"decode past the model's {core.model.rope_len} positions.")
+        timings, emitted = [], []
+        core.sync()
+        while core.scheduler.has_work():
+            before = [s.num_tokens for s in live]
+            start = now_ns()
+            core.run_step()
+            core.sync()
+            got = [s.num_tokens - b for s, b in zip(live, before)]
+            timings.append(StepTiming(start, now_ns(), sum(got)))
+            emitted.append(got)
+        tokens = [[s.tokens[b + i] for s, b in zip(live, base)] for i in range(steps)]
+        return DecodeResult(tokens, timings, None, emitted)
 
     def release(self) -> None:
         """Drop the fixed batch, then every online request."""
@@ -207,6 +240,9 @@ class ReferenceEngine(Engine):
 
     def kv_cache_info(self) -> KVCacheInfo:
         return self.core.kv_cache_info() if self.core is not None else KVCacheInfo()
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        return self.core.spec_decode_stats() if self.core is not None else None
 
     def reset_prefix_cache(self) -> None:
         if self.core is not None:

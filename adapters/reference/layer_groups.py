@@ -313,6 +313,16 @@ class GroupedBlockManager:
         self._note_peak()
         return True
 
+    def shrink(self, seq, num_tokens: int) -> None:
+        """BlockManager.shrink in every group: the blocks past the first `num_tokens` slots go back."""
+        keep = self.blocks_for(num_tokens)
+        for gi, m in enumerate(self.managers):
+            table = seq.group_tables[gi]
+            while len(table) > keep:
+                b = table.pop()
+                if b != self.null[gi]:
+                    m._release(b)
+
     def free_sequence(self, seq) -> None:
         for gi, m in enumerate(self.managers):
             for b in reversed(getattr(seq, "group_tables", [[]] * len(self.groups))[gi]):

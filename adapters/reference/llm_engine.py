@@ -16,6 +16,10 @@ online API that a server drives. It knows nothing of the harness's `Engine` inte
     abort(request_id)      drop a request now and free its blocks (unknown ids are ignored)
     score(...)             teacher-forced log-probabilities, through the same paged path
     kv_cache_info()        pool, blocks, fragmentation, prefix-cache and preemption counters
+    spec_decode_stats()    speculative decoding's counters since load (speculative.py), or None
+
+With speculative decoding a step may give a sequence several tokens (one event each, the same
+timestamp); never more than its request's max_new_tokens.
 
 An in-process driver with its own sequences (the adapter's fixed batch) uses the pieces the
 online API is built on: new_sequence(), scheduler.add(), run_step(), sync().
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from adapters.base import KVCacheInfo, ModelSpec, Request, TokenEvent, TokenScores, now_ns
+from adapters.base import KVCacheInfo, ModelSpec, Request, SpecDecodeStats, TokenEvent, TokenScores, now_ns
 from adapters.reference import kernels
 from adapters.reference.attention import SCORE_BUDGET, StepAttention
 from adapters.reference.block_manager import BlockManager
@@ -45,6 +49,9 @@ from adapters.reference.gemma import GemmaModel
 from adapters.reference.model import Model, ModelConfig
 from adapters.reference.runner import ModelRunner, StepOutput
 from adapters.reference.scheduler import Scheduler, Sequence
+from adapters.reference.speculative import (
+    DraftModelProposer, NgramProposer, Speculator, draft_bytes_per_token, draft_problems, load_draft,
+)
 from harness import __version__
 from harness.core.kvcalc import canonical_kv_dtype
 
@@ -166,13 +173,21 @@ class LLMEngine:
                   and mcfg.mla is None)
         if self.groups:
             self.details["kv_groups"] = [{"kind": g.kind, "layers": list(g.layers)} for g in self.groups]
+        # speculative decoding: the draft model's weights load before the KV pools are sized
+        self.draft: Model | None = None
+        if cfg.speculative_method == "draft":
+            self.draft = self._load_draft(mcfg, dtype, max_len)
         self.pool: KVPool | None = None
         self.blocks: BlockManager | None = None
+        self.draft_blocks = 0  # blocks of the draft's pool (as many as the target's, its share of the budget)
         if cfg.use_cache:
             self._make_pool(mcfg, dtype, max_len, scratch=1 if graphs else 0)
+        self.speculator = self._speculator() if cfg.speculative else None
         # a fixed batch (the adapter's prefill()) is admitted whole: at least the run's largest batch may run
         max_seqs = max(cfg.max_num_seqs, model.max_batch_size)
-        self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens,
+                                   lookahead=cfg.num_speculative_tokens if self.speculator else 0,
+                                   on_release=self.speculator.release if self.speculator else None)
         self.graphs = self._capture_graphs(max_seqs, max_len) if graphs else None
         attention = self.kernels.attention
         sinks = [layer.sinks for layer in self.model.layers] if mcfg.attention_sinks else None
@@ -195,13 +210,40 @@ class LLMEngine:
         self.compute_threads = torch.get_num_threads()
         self.load_time_s = time.perf_counter() - t0
 
+    def _load_draft(self, mcfg: ModelConfig, dtype: torch.dtype, max_len: int) -> Model:
+        """The draft model (speculative_method=draft), checked against the target (speculative.py)."""
+        path = self.cfg.draft_model
+        dcfg = load_draft(path, mcfg)
+        problems = draft_problems(path, mcfg.vocab_size, self.spec.path)  # the tokenizers, now both on disk
+        if problems:
+            raise ValueError(problems[0])
+        draft = model_class(dcfg)(dcfg, path, dtype, self.device, max_len=max_len,
+                                  make_linear=self.kernels.make_linear, rows=self.kernels.rows)
+        self.details["draft_model"] = {"path": path, "architecture": dcfg.architecture, "layers": dcfg.num_layers,
+                                       "hidden_size": dcfg.hidden_size, "weights_bytes": draft.num_bytes()}
+        return draft
+
+    def _speculator(self) -> Speculator:
+        cfg = self.cfg
+        if self.draft is None:
+            proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        else:
+            proposer = DraftModelProposer(self.draft, self.draft_blocks, self.block_size, cfg.kv_dtype,
+                                          self.kernels.attention)
+        self.details["speculative"] = {"method": cfg.speculative_method, "k": cfg.num_speculative_tokens,
+                                       "draft_pool_blocks": self.draft_blocks if self.draft is not None else None}
+        return Speculator(proposer, cfg.num_speculative_tokens, self.sync)
+
     def _make_pool(self, mcfg: ModelConfig, dtype: torch.dtype, max_len: int, scratch: int) -> None:
         """The KV pool and its block manager, sized from kv_cache_bytes, or the device's memory
-        budget. `scratch`: blocks beyond the budget's (the padded rows of graphed decode steps)."""
+        budget. `scratch`: blocks beyond the budget's (the padded rows of graphed decode steps).
+        With a draft model, the budget holds both pools, the draft's with as many blocks as
+        the target's (a full-attention target's; a windowed one's full group, at least)."""
         cfg = self.cfg
         bpt = bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
         if mcfg.mla is not None:
             bpt = latent_bytes_per_token(mcfg.num_layers, mcfg.mla, dtype, cfg.kv_dtype)
+        draft_bpt = 0 if self.draft is None else draft_bytes_per_token(self.draft.cfg, cfg.kv_dtype, dtype)
         budget, source = cfg.kv_cache_bytes, f"engine_options.reference.kv_cache_bytes={cfg.kv_cache_bytes}"
         if budget is None and self.device.type == "cuda":
             budget, source, self.details["gpu_memory"] = _cuda_kv_budget(self.device, cfg, mcfg, dtype)
@@ -209,9 +251,12 @@ class LLMEngine:
         elif budget is None:  # CPU: 1 GiB, but no more than max_num_seqs sequences could use
             one_sequence = _one_sequence_bytes(cfg, bpt, max_len)
             budget = max(one_sequence, min(CPU_DEFAULT_KV_BYTES, cfg.max_num_seqs * one_sequence))
-        why = budget_problem(cfg, bpt, max_len, budget, source)
+        why = budget_problem(cfg, bpt + draft_bpt, max_len, budget, source)
         if why:
             raise ValueError(why)
+        if draft_bpt:
+            self.draft_blocks = budget // ((bpt + draft_bpt) * self.block_size)
+            budget -= self.draft_blocks * draft_bpt * self.block_size
         if self.groups:
             bpts = bytes_per_token_of(self.groups, mcfg.num_kv_heads, mcfg.head_dim, cfg.kv_dtype, dtype)
             counts = group_blocks(self.groups, budget, bpts, self.block_size,
@@ -246,7 +291,7 @@ class LLMEngine:
         """Drop every sequence and the device tensors (the runner holds the pool and the graphs)."""
         if self.model is not None:
             self.release()
-        self.model = self.pool = self.blocks = self.graphs = self.runner = None  # frees device memory
+        self.model = self.pool = self.blocks = self.graphs = self.runner = self.draft = self.speculator = None  # frees device memory
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -263,23 +308,42 @@ class LLMEngine:
         return Sequence(self._next_id, list(prompt), stop_len, request_id=request_id)
 
     def run_step(self, keep_logits: bool = False) -> StepOutput:
-        """Schedule and run one step; record what it computed and sampled."""
+        """Schedule and run one step; record what it computed and sampled. With speculative
+        decoding (speculative.py) the proposer first fills the drafts of the decoding sequences,
+        the one pass verifies them, and each sequence keeps the tokens the target accepts: the
+        K/V of the rejected ones count as not computed and their blocks go back."""
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
+        verifying = self.speculator is not None and self.speculator.propose(chunks)
+        t1 = time.perf_counter() if verifying else t0
         out = self.runner.run(chunks, keep_logits)
         if self.model.cfg.moe is not None:  # per sparse layer, the experts this step read
             self.experts_touched = self.model.experts_touched()
+        if verifying:
+            self.sync()
+            self.speculator.counters.verify_time_s += time.perf_counter() - t1
         if self.cfg.step_delay_frac:  # the calibration handicap (config.py): a real, proportional slowdown
             self.sync()
             _spin(self.cfg.step_delay_frac * (time.perf_counter() - t0))
         for c in chunks:
             c.seq.num_computed = c.end if self.pool is not None else 0
         for s in out.sampled:
-            s.chunk.seq.tokens.append(s.token)
-            s.chunk.seq.logits = s.logits
+            seq = s.chunk.seq
+            if seq.draft:  # keep what the target accepts: the rejected positions' K/V are void
+                s.emitted = self.speculator.accept(s)
+                seq.num_computed -= len(seq.draft) + 1 - len(s.emitted)
+                seq.draft = []
+            else:
+                s.emitted = [s.token]
+            seq.tokens.extend(s.emitted)
+            seq.logits = s.logits
         if self.blocks is not None:
             for c in chunks:
+                if c.draft_room:  # the slots past the accepted tokens go back
+                    self.blocks.shrink(c.seq, c.seq.num_computed)
                 self.blocks.register_full_blocks(c.seq)
+        if self.speculator is not None:
+            self.speculator.after_step(chunks)
         return out
 
     # ---- the online API: what a server drives ------------------------------------------
@@ -312,9 +376,11 @@ class LLMEngine:
             if done and self._requests.get(seq.request_id) is seq:
                 self.scheduler.finish(seq)
                 del self._requests[seq.request_id]
-            index = seq.num_outputs - 1
-            events.append(TokenEvent(seq.request_id, index, s.token, t, finished=done,
-                                     cached_tokens=seq.num_cached if index == 0 else None))
+            first = seq.num_outputs - len(s.emitted)  # a speculative step may give several tokens
+            for j, token in enumerate(s.emitted):
+                index = first + j
+                events.append(TokenEvent(seq.request_id, index, token, t, finished=done and j == len(s.emitted) - 1,
+                                         cached_tokens=seq.num_cached if index == 0 else None))
         return events
 
     def abort(self, request_id: str) -> None:
@@ -400,6 +466,10 @@ class LLMEngine:
         return rows
 
     # ---- statistics ------------------------------------------------------------------------
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters since load (speculative.SpecCounters); None without it."""
+        return self.speculator.counters.stats() if self.speculator is not None else None
+
     def kv_cache_info(self) -> KVCacheInfo:
         if self.model is None:  # closed
             return KVCacheInfo()

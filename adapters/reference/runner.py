@@ -1,5 +1,7 @@
 """One engine step: the scheduled chunks in, one greedy token per finished chunk out (and, for
-sequences being scored, the logits of every scored position).
+sequences being scored, the logits of every scored position). A verify chunk (speculative
+decoding: the newest token, then the draft tokens) gives the greedy token at each of its
+1 + len(draft) last positions, from the same one pass.
 
 A step of decode chunks only goes to the CUDA graphs when there are some (cuda_graphs.py);
 everything else runs eagerly through the model with the attention the kernels chose."""
@@ -20,8 +22,14 @@ from adapters.reference.scheduler import Chunk
 @dataclass
 class Sampled:
     chunk: Chunk
-    token: int
+    token: int  # the greedy token after the chunk's last position
     logits: Any = None  # [vocab] float32 on the CPU, when asked for
+    # a verify chunk: the greedy token after its newest token and after each draft token
+    # (`token` is the last); speculative.accept_length compares the draft with them
+    greedy: list[int] | None = None
+    # what the sequence got from this step (llm_engine.run_step): [token], or the accepted draft
+    # tokens and the target's own next one
+    emitted: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -57,7 +65,7 @@ class ModelRunner:
         kept: list[tuple[Chunk, range, int]] = []  # chunk, its kept positions, their first logits row
         for c in chunks:
             base = len(ids) - c.start
-            ids.extend(c.seq.tokens[c.start:c.end])
+            ids.extend(c.token_ids)
             positions.extend(range(c.start, c.end))
             keep = c.logit_positions
             if keep:
@@ -72,13 +80,23 @@ class ModelRunner:
             logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
                                         torch.tensor(positions, dtype=torch.long, device=dev),
                                         attend, torch.tensor(rows, dtype=torch.long, device=dev))
-            sample_rows = [first + len(keep) - 1 for c, keep, first in kept if c.samples]
+            # each sampling chunk's last row; a verify chunk's last 1 + len(draft) rows
+            sampling = [(c, first + len(keep) - 1 - len(c.seq.draft)) for c, keep, first in kept if c.samples]
+            sample_rows = [r for c, r0 in sampling for r in range(r0, r0 + 1 + len(c.seq.draft))]
             sample_logits = logits[sample_rows]
             tokens = sample_logits.argmax(dim=-1).tolist()  # a host copy: the step has finished
         out = StepOutput([])
-        sampling = [c for c, _, _ in kept if c.samples]
-        cpu_rows = sample_logits.cpu() if keep_logits else [None] * len(tokens)
-        out.sampled = [Sampled(c, tok, row) for c, tok, row in zip(sampling, tokens, cpu_rows)]
+        if len(tokens) == len(sampling):  # no drafts: one token per chunk
+            cpu_rows = sample_logits.cpu() if keep_logits else [None] * len(tokens)
+            out.sampled = [Sampled(c, tok, row) for (c, _), tok, row in zip(sampling, tokens, cpu_rows)]
+        else:
+            assert not keep_logits, "a verify chunk's logits are not kept"
+            i = 0
+            for c, _ in sampling:
+                n = 1 + len(c.seq.draft)
+                greedy = tokens[i:i + n]
+                out.sampled.append(Sampled(c, greedy[-1], None, greedy if c.seq.draft else None))
+                i += n
         out.scored = [Scored(c, keep, logits[first:first + len(keep)]) for c, keep, first in kept
                       if c.seq.score_from is not None]
         return out

@@ -16,11 +16,19 @@ Each step (`schedule`):
      cache has supplied what it can).
 A sequence stops being scheduled when it reaches `stop_len` tokens. `serve()` then finishes it
 (its blocks are freed at once); `prefill()`/`decode()` raise `stop_len` by one per step.
+
+Speculative decoding (speculative.py; `lookahead` = k): a running sequence that is decoding
+(only its newest token lacks K/V) is budgeted 1 + k tokens, fewer when it needs fewer more
+tokens, and its blocks grow to cover them. Its chunk is the one decode token with
+`draft_room` slots after it; the proposer then fills `seq.draft` (at most `draft_room`
+tokens) and the chunk grows by as many: a *verify* chunk, computed like a prefill chunk after a
+cached context. What the target rejects gives its slots back after the step (llm_engine).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +47,11 @@ class Sequence:
     request_id: str | None = None
     num_cached: int = 0  # prompt tokens the prefix cache supplied at its (last) admission
     logits: Any = None  # logits of its last sampled token, when asked for
+    # speculative decoding: the proposed tokens this step verifies (after `tokens`; never part of
+    # them: the accepted ones are appended after the target's pass), and the proposer's own state
+    # of this sequence (an n-gram index, the draft model's sequence)
+    draft: list[int] = field(default_factory=list)
+    spec: Any = None
     # score(): the logits of every position from this one on are kept (teacher-forced scores);
     # the prefix cache may supply only the blocks before it. None: only sampled rows.
     score_from: int | None = None
@@ -66,16 +79,26 @@ class Chunk:
     seq: Sequence
     start: int
     end: int
+    draft_room: int = 0  # slots budgeted after `end` for draft tokens (speculative decoding)
 
     @property
     def samples(self) -> bool:
-        return self.end == self.seq.num_tokens
+        return self.end == self.seq.num_tokens + len(self.seq.draft)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens: the sequence's, then its draft tokens (a verify chunk)."""
+        tokens, n = self.seq.tokens, self.seq.num_tokens
+        if self.end <= n:
+            return tokens[self.start:self.end]
+        return tokens[self.start:] + self.seq.draft[:self.end - n]
 
     @property
     def logit_positions(self) -> range:
-        """Positions whose logits the step keeps: the sampled last one, and for a scored
-        sequence every position from `score_from` on."""
-        first = self.end - 1 if self.samples else self.end
+        """Positions whose logits the step keeps: the sampled last one (a verify chunk: its
+        last 1 + len(draft), one prediction per draft token and one after them), and for a
+        scored sequence every position from `score_from` on."""
+        first = self.end - 1 - len(self.seq.draft) if self.samples else self.end
         if self.seq.score_from is not None:
             first = min(first, max(self.start, self.seq.score_from))
         return range(first, self.end)
@@ -86,10 +109,14 @@ class PoolTooSmall(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager | None, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager | None, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead: int = 0, on_release: Callable[[Sequence], None] | None = None):
+        """`lookahead`: draft tokens budgeted per decoding sequence (speculative decoding's k);
+        `on_release(seq)`: called when a sequence's blocks go (finished, released or preempted)."""
         self.blocks = blocks  # None: no KV cache (every step recomputes every sequence whole)
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
+        self.lookahead, self.on_release = lookahead, on_release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -108,11 +135,15 @@ class Scheduler:
             self.waiting.remove(seq)
         if self.blocks:
             self.blocks.free_sequence(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         if self.blocks:
             self.blocks.free_sequence(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.num_computed = 0
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -126,12 +157,14 @@ class Scheduler:
                 break
             if seq not in self.running or not seq.wants_step:
                 continue  # preempted just now, or done for this step
-            n = self._chunk_len(seq, seq.num_computed, budget, first=not chunks)
+            room = self._draft_room(seq)
+            n = self._chunk_len(seq, seq.num_computed, budget, first=not chunks, extra=room)
             if n == 0:
                 break
             if not self._make_room(seq, seq.num_computed + n, chunks):
                 continue  # it preempted itself
-            chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + n))
+            room = min(room, n - 1)  # the budget may leave less room for drafts
+            chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + n - room, room))
             budget -= n
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
@@ -167,10 +200,19 @@ class Scheduler:
                                f"{len(self.waiting)} waiting, max_num_seqs={self.max_num_seqs}).")
         return chunks
 
-    def _chunk_len(self, seq: Sequence, start: int, budget: int, first: bool) -> int:
-        """How many of `seq`'s remaining tokens fit in `budget`. Without a cache a sequence
-        cannot be split (nothing would keep the first part): it goes whole, or alone."""
-        remaining = seq.num_tokens - start
+    def _draft_room(self, seq: Sequence) -> int:
+        """Draft tokens a running sequence may verify this step: up to `lookahead` while it is
+        decoding (only its newest token lacks K/V; never while scored), and no more than it needs
+        beyond the step's own token (a step then emits at most what `stop_len` allows)."""
+        if not self.lookahead or seq.num_computed != seq.num_tokens - 1 or seq.score_from is not None:
+            return 0
+        return max(0, min(self.lookahead, seq.stop_len - seq.num_tokens - 1))
+
+    def _chunk_len(self, seq: Sequence, start: int, budget: int, first: bool, extra: int = 0) -> int:
+        """How many of `seq`'s remaining tokens (plus `extra` draft slots) fit in `budget`.
+        Without a cache a sequence cannot be split (nothing would keep the first part): it goes
+        whole, or alone."""
+        remaining = seq.num_tokens - start + extra
         if self.blocks is None:
             return remaining if remaining <= budget or first else 0
         return min(remaining, budget)

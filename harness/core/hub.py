@@ -30,6 +30,7 @@ a worker that imports harness.core never pays for it.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -183,6 +184,40 @@ def _human(n: int | None) -> str:
     return f"{n} B"
 
 
+# ---- model=ORG/NAME on a command line (Hydra) --------------------------------------------------------
+
+def hub_shorthands(overrides: list[str]) -> list[str]:
+    """The Hub ids that `model=` overrides name (ORG/NAME: a name with a slash, which no preset has),
+    a multirun's sweep (`model=ORG/A,ORG/B`, `model=choice(...)`) included."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    out: list[str] = []
+    for o in overrides:
+        if not o.startswith("model="):
+            continue
+        try:
+            (parsed,) = OverridesParser.create().parse_overrides([o])
+            values = list(parsed.sweep_string_iterator()) if parsed.is_sweep_override() else \
+                [parsed.get_value_element_as_str()]
+        except Exception:  # Hydra says what is wrong with it when it composes
+            continue
+        out += [v for v in values if "/" in v and check_repo_id(v) is None]
+    return list(dict.fromkeys(out))
+
+
+def register_hub_shorthands(overrides: list[str]) -> None:
+    """Make `model=ORG/NAME` mean `model=hub model.id=ORG/NAME`: Hydra reads a config-group choice
+    with a slash as the config model/ORG/NAME, so each id the command line names becomes such a
+    config in Hydra's ConfigStore (conf/model/hub.yaml's fields, packaged as `model`). The store is
+    process-wide, and the joblib launcher hands it to its workers; model.revision=REV applies as
+    for model=hub. (infer-bench and infer-bench-serve call it before composing.)"""
+    from hydra.core.config_store import ConfigStore
+    store = ConfigStore.instance()
+    for repo_id in hub_shorthands(overrides):
+        org, name = repo_id.split("/", 1)
+        store.store(group=f"model/{org}", name=name, package="model",
+                    node={"name": "hub", "id": repo_id, "revision": None, "path": None})
+
+
 # ---- models ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -241,6 +276,7 @@ class HubModel:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
         (enable_progress_bars if progress else disable_progress_bars)()
+        _quiet_http_logs()
         try:
             path = snapshot_download(self.id, revision=self.commit, allow_patterns=list(self.files),
                                      cache_dir=self.env.cache_dir, token=self.env.hf_token(),
@@ -258,6 +294,13 @@ class HubModel:
         return str(path)
 
 
+def _quiet_http_logs() -> None:
+    """huggingface_hub's HTTP client logs every request at INFO, and a Hydra job logs INFO to the
+    terminal: one line per file and redirect. The progress bars say enough."""
+    for name in ("httpx2", "httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def is_hub_model(model_cfg: dict[str, Any]) -> bool:
     """`model=hub` (conf/model/hub.yaml) or the shorthand `model=ORG/NAME`."""
     return model_cfg.get("name") == "hub"
@@ -273,6 +316,7 @@ def resolve_model(model_cfg: dict[str, Any], problems: list[str], only: tuple[st
     unreachable. Its shape comes from the snapshot's config.json (named after the id). None, with
     the problems appended, where it cannot be used."""
     env = env or HubEnv.current()
+    _quiet_http_logs()
     repo_id = model_cfg.get("id")
     bad = check_repo_id(repo_id)
     if bad:
@@ -461,6 +505,7 @@ def resolve_dataset(value: str, field_: str = "workload.dataset", env: HubEnv | 
     """A `hf:` dataset's file, downloaded into the cache (or found there offline). UserError
     naming the field where it cannot be had."""
     env = env or HubEnv.current()
+    _quiet_http_logs()
     repo_id, revision, path = parse_dataset(value, field_)
     key = (value, env)
     if key in _DATASETS and Path(_DATASETS[key].path).is_file():
