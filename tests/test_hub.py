@@ -225,6 +225,9 @@ def test_the_shorthand_and_the_explicit_form_compose_alike(hf_env):
                         "cannot read it (HF_TOKEN is not set). Check the id (it is ORG/NAME, as on "
                         f"{os.environ['HF_ENDPOINT']}/org/nothing), or set HF_TOKEN to a token that can read it."]
     assert any("not a Hugging Face Hub id" in p for p in check_jobs(["model=a/b/c", "engines=[reference]"]))
+    assert check_jobs(["model=hub", "engines=[reference]"]) == [
+        "model.id is missing: give the model's Hugging Face Hub id, e.g. model=hub model.id=Qwen/Qwen3-0.6B (or the "
+        "shorthand model=Qwen/Qwen3-0.6B)."]
 
 
 # ---- in-process: the plan, the KV estimate, the cache when the Hub is away ---------------------------------

@@ -89,10 +89,10 @@ class Chunk:
     @property
     def token_ids(self) -> list[int]:
         """The chunk's input tokens: the sequence's, then its draft tokens (a verify chunk)."""
-        seq = self.seq
-        if not seq.draft:
-            return seq.tokens[self.start:self.end]
-        return (seq.tokens + seq.draft)[self.start:self.end]
+        tokens, n = self.seq.tokens, self.seq.num_tokens
+        if self.end <= n:
+            return tokens[self.start:self.end]
+        return tokens[self.start:] + self.seq.draft[:self.end - n]
 
     @property
     def logit_positions(self) -> range:
