@@ -14,7 +14,10 @@ file), so every machine scores the same weights and nothing trains on first use.
 shipped checkpoint while it matches the preset (shape, training settings, seed and
 harness.core.train.TRAIN_FORMAT, `shipped_checkpoint`); a preset changed since (or a training
 code change that bumped TRAIN_FORMAT) is trained into the cache instead, under the name
-`trained_name` gives it.
+`trained_name` gives it. A trained preset that reuses another's tokenizer (`train.tokenizer_from`:
+a speculative-decoding target and its draft) takes its shipped checkpoint only while that
+preset's shipped checkpoint is taken too and the tokenizer files are the same bytes; trained into
+the cache, its name covers which tokenizer it reused.
 """
 
 from __future__ import annotations
@@ -136,8 +139,19 @@ def cached_path(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path:
         shipped = shipped_checkpoint(shape, seed)
         if shipped is not None:
             return shipped
-        return cache_dir / trained_name(shape, TrainConfig.from_mapping(shape.train), seed)
+        src, tokenizer = tokenizer_source(shape, cache_dir, seed), None
+        if src is not None:  # which tokenizer: the shipped one's bytes, or the cached preset's (hashed) name
+            tokenizer = f"shipped:{_sha256(src / 'tokenizer.json')}" if src.parent == SHIPPED_DIR else src.name
+        return cache_dir / trained_name(shape, TrainConfig.from_mapping(shape.train), seed, tokenizer=tokenizer)
     return cache_dir / f"{shape.name}-{shape_key(shape, seed)}"
+
+
+def tokenizer_source(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path | None:
+    """Where a run finds the checkpoint whose tokenizer trained preset `shape` reuses
+    (`train.tokenizer_from`); None where it trains its own."""
+    from harness.core.presets import load_preset
+    name = (shape.train or {}).get("tokenizer_from")
+    return None if name is None else cached_path(load_preset(name), cache_dir, seed)
 
 
 # ---- shipped checkpoints ------------------------------------------------------------------
@@ -181,6 +195,16 @@ def shipped_mismatch(shape: ModelShape, seed: int = 0, root: Path | None = None)
         return f"{d} was trained with seed {record.get('seed')}, not {seed}"
     if record.get("format") != TRAIN_FORMAT:
         return f"{d} was trained by TRAIN_FORMAT {record.get('format')}, the training code is at {TRAIN_FORMAT}"
+    src_name = (shape.train or {}).get("tokenizer_from")
+    if src_name is not None:  # a target reuses its draft's tokenizer: the shipped draft's, byte for byte
+        from harness.core.presets import load_preset
+        from harness.core.train import TOKENIZER_FILES
+        why = shipped_mismatch(load_preset(src_name), seed, root)
+        if why is not None:
+            return f"{d} reuses {src_name}'s tokenizer, whose shipped checkpoint runs do not take ({why})"
+        src = (root or SHIPPED_DIR) / src_name
+        if any(not (d / n).is_file() or (d / n).read_bytes() != (src / n).read_bytes() for n in TOKENIZER_FILES):
+            return f"{d}'s tokenizer files are not those of {src}, whose tokenizer the preset reuses"
     return None
 
 
@@ -239,13 +263,33 @@ def random_baseline(shape: ModelShape, seed: int = 0) -> Any:
     return score
 
 
-def write_trained(shape: ModelShape, out: Path, seed: int = 0, progress: bool = True) -> Path:
-    """Train a trained preset into `out` (harness.core.train), beside its random-weight twin."""
+def checkpoint_baseline(path: Path) -> Any:
+    """Scores, on given windows, of the checkpoint in `path` (transformers, float32)."""
+    def score(windows: Any) -> dict[str, float]:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from harness.core.train import model_scores
+        return model_scores(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), windows)
+    return score
+
+
+def write_trained(shape: ModelShape, out: Path, seed: int = 0, progress: bool = True,
+                  cache_dir: Path | None = None) -> Path:
+    """Train a trained preset into `out` (harness.core.train), beside its random-weight twin and,
+    for a preset that reuses another's tokenizer, that preset (materialised first where it is
+    neither shipped nor in `cache_dir`, the model cache by default)."""
+    from harness.core.paths import model_cache_dir
+    from harness.core.presets import load_preset
     from harness.core.train import TrainConfig, train_checkpoint
     cfg = TrainConfig.from_mapping(shape.train)
     twin = ModelShape(**{**shape.to_dict(), "train": None})
-    train_checkpoint(shape, out, cfg, seed, progress=progress,
-                     baselines={"random_preset": random_baseline(twin, seed)})
+    baselines = {"random_preset": random_baseline(twin, seed)}
+    src = None
+    if cfg.tokenizer_from is not None:
+        src = ensure_checkpoint(load_preset(cfg.tokenizer_from), cache_dir or model_cache_dir(None), seed)
+        baselines[cfg.tokenizer_from] = checkpoint_baseline(src)
+    train_checkpoint(shape, out, cfg, seed, progress=progress, baselines=baselines, tokenizer_dir=src)
     (out / PRESET_FILE).write_text(json.dumps({"preset": shape.to_dict(), "seed": seed}, indent=2))
     write_checksums(out)
     return out
@@ -264,7 +308,10 @@ def ensure_checkpoint(shape: ModelShape, cache_dir: Path, seed: int = 0) -> Path
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
         try:
-            (write_trained if shape.trained else write_checkpoint)(shape, tmp, seed)
+            if shape.trained:
+                write_trained(shape, tmp, seed, cache_dir=cache_dir)
+            else:
+                write_checkpoint(shape, tmp, seed)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -209,6 +209,8 @@ def _run_locked(cfg: DictConfig, data: dict[str, Any], plan: Any, out_dir: Path)
         plan.models = extra_models(plan, model_path, say)
     except UserError as e:
         print(e.render(), file=sys.stderr)
+        if device_lock is not None:
+            device_lock.close()
         return EXIT_BAD_INPUT
     redact = plan.redactor()
     env = redact.obj({**environment(), **({"model": plan.hub.record()} if plan.hub else {})})

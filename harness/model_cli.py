@@ -91,7 +91,7 @@ def _train(shape, out: Path | None, args: argparse.Namespace) -> int:
         out = ensure_checkpoint(shape, cache, args.seed)
     else:
         print(f"{shape.name}: training into {out} ...", flush=True)
-        write_trained(shape, out, args.seed)
+        write_trained(shape, out, args.seed, cache_dir=model_cache_dir(args.model_cache_dir))
     record = json.loads((out / TRAINING_FILE).read_text())
     for line in summary_lines(record):
         print(line)

@@ -162,8 +162,12 @@ def test_lossless_passes_when_speculation_changes_nothing(ctx):
     assert 0 < row["acceptance_rate"] < 1 and 1 < row["mean_acceptance_length"] <= 4
     assert row["spec_drafts"] > 0 and len(row["acceptance_per_pos"]) == 3
     assert row["acceptance_per_pos"][0] >= row["acceptance_per_pos"][1] >= row["acceptance_per_pos"][2]
-    assert row["tokens_per_step"] == pytest.approx(4 * 23 / (4 * 23 - row["spec_accepted_tokens"]))
+    given = sum(row["accepted_per_request"].values())  # accepted tokens the requests were given
+    assert row["tokens_per_step_source"] == "token times"
+    assert row["tokens_per_step"] == pytest.approx(4 * 23 / (4 * 23 - given))
     assert 1 < row["tokens_per_step"] <= 4
+    # the FAKE counts tokens accepted past a request's last one (as vLLM does); never more than k each
+    assert 0 <= row["spec_accepted_tokens"] - given <= 3 * 4
 
 
 def test_an_injected_verifier_bug_fails_the_lossless_check(ctx):
@@ -250,12 +254,29 @@ def test_a_run_whose_lossless_check_verified_nothing_fails(ctx):
     assert wl.run_problems(base + skipped + passed) == []
 
 
-def test_per_request_accepted_counts_at_batch_1_add_up(ctx):
+def test_per_request_accepted_counts(ctx):
+    """From the token times: decode tokens - steps, for every request at every batch size; from the
+    engine's counters read as each request ends: at batch 1 only, adding up to the point's count."""
     row = measure(FakeSpecEngine("draft", k=3), "draft", 1, CFG, ctx)
-    assert set(row["accepted_per_request"]) == set(row["request_output_ids"])
-    assert sum(row["accepted_per_request"].values()) == row["spec_accepted_tokens"]
+    assert set(row["accepted_per_request"]) == set(row["request_output_ids"]) == set(row["accepted_per_request_counters"])
+    assert sum(row["accepted_per_request_counters"].values()) == row["spec_accepted_tokens"]
+    for rid, n in row["accepted_per_request"].items():
+        assert 0 <= row["accepted_per_request_counters"][rid] - n <= 3
     b4 = measure(FakeSpecEngine("draft", k=3), "draft", 4, CFG, ctx)
-    assert b4["accepted_per_request"] is None  # requests overlap: the counters cannot be split by request
+    assert b4["accepted_per_request_counters"] is None  # requests overlap: the counters cannot be split by request
+    assert len(b4["accepted_per_request"]) == 4
+
+
+def test_token_times_that_do_not_group_by_step_fall_back_to_the_counters(ctx):
+    class StampsEachToken(FakeSpecEngine):
+        def serve(self, requests, start_ns):
+            for i, ev in enumerate(super().serve(requests, start_ns)):
+                ev.time_ns += i  # every token a time of its own: the times say nothing about steps
+                yield ev
+    row = measure(StampsEachToken("draft", k=3), "draft", 1, CFG, ctx)
+    assert row["accepted_per_request"] is None and row["tokens_per_step_source"] == "counters"
+    assert row["tokens_per_step"] == pytest.approx(4 * 23 / (4 * 23 - row["spec_accepted_tokens"]))
+    assert "token times" in row["spec_note"]
 
 
 def test_speedup_is_paired_by_request():

@@ -5,6 +5,7 @@ never trained here (minutes): it is shipped (harness/shipped/, tests/test_shippe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from harness.checkpoint import checksum_problems
 from harness.core.parity import thresholds
@@ -223,3 +225,75 @@ def test_parity_runs_on_the_trained_preset_where_it_is_cached(tmp_path: Path, mo
     assert parity_model(args) == args + [f"model={PARITY_MODEL}"]
     assert parity_model(args + ["model=tiny"]) == args + ["model=tiny"]
     assert parity_model(["workload=sweep", f"model_cache_dir={tmp_path}"]) == ["workload=sweep", f"model_cache_dir={tmp_path}"]
+
+
+def test_a_preset_reusing_a_tokenizer_copies_it_and_stores_bfloat16(smoke_ckpt: Path, tmp_path: Path) -> None:
+    """A second smoke model with the first one's tokenizer (tokenizer_from, as a speculative
+    target beside its draft) and its weights stored in bfloat16: the tokenizer files are the
+    same bytes, the held-out stream the same ids, the stored weights bfloat16 that transformers
+    computes in float32, and the figures recorded are those of the stored weights."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from harness.core.train import TOKENIZER_FILES, eval_windows, model_scores
+    cfg = dataclasses.replace(SMOKE, tokenizer_from="smoke-trained", save_dtype="bfloat16", steps=4)
+    out = tmp_path / "target"
+    record = train_checkpoint(SMOKE_SHAPE, out, cfg, progress=False, tokenizer_dir=smoke_ckpt).record
+    assert all((out / n).read_bytes() == (smoke_ckpt / n).read_bytes() for n in TOKENIZER_FILES)
+    assert np.array_equal(np.load(out / HELDOUT_FILE), np.load(smoke_ckpt / HELDOUT_FILE))
+    assert record["tokenizer"]["from"] == "smoke-trained"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.float32
+    windows = eval_windows(np.load(out / HELDOUT_FILE), SMOKE.seq_len, SMOKE.eval_windows)
+    assert model_scores(model, windows)["perplexity"] == pytest.approx(record["heldout"]["perplexity"], rel=1e-5)
+    assert record["heldout_float32"]["perplexity"] != record["heldout"]["perplexity"]  # rounding moved it
+
+
+def test_a_tokenizer_of_another_split_or_size_is_refused(smoke_ckpt: Path, tmp_path: Path) -> None:
+    other_split = dataclasses.replace(SMOKE, tokenizer_from="smoke-trained", heldout_frac=0.1)
+    with pytest.raises(ValueError, match="another split of the corpus"):
+        train_checkpoint(SMOKE_SHAPE, tmp_path / "a", other_split, progress=False, tokenizer_dir=smoke_ckpt)
+    wider = dataclasses.replace(SMOKE_SHAPE, vocab_size=1024)
+    with pytest.raises(ValueError, match="has 512 tokens.*set vocab_size to 512"):
+        train_checkpoint(wider, tmp_path / "b", dataclasses.replace(SMOKE, tokenizer_from="smoke-trained"),
+                         progress=False, tokenizer_dir=smoke_ckpt)
+    with pytest.raises(ValueError, match="tokenizer_from=None needs"):  # a directory but no setting
+        train_checkpoint(SMOKE_SHAPE, tmp_path / "c", SMOKE, progress=False, tokenizer_dir=smoke_ckpt)
+
+
+def test_cache_name_covers_the_reused_tokenizer_and_the_new_settings(tmp_path: Path) -> None:
+    shape = load_preset("tiny-trained")
+    cfg = TrainConfig.from_mapping(shape.train)
+    root = fake_stdlib(tmp_path, {"a.py": "x = 1\n", "b.py": "y = 2\n"})
+    name = trained_name(shape, cfg, 0, root)
+    assert trained_name(shape, cfg, 0, root, tokenizer="shipped:aa") != trained_name(shape, cfg, 0, root,
+                                                                                     tokenizer="shipped:bb")
+    assert trained_name(shape, dataclasses.replace(cfg, save_dtype="bfloat16"), 0, root) != name
+    assert trained_name(shape, dataclasses.replace(cfg, tokenizer_from="x"), 0, root) != name
+
+
+def test_bad_tokenizer_from_or_save_dtype_is_named() -> None:
+    """A preset's train.tokenizer_from is checked when the preset is read: one clear message naming
+    the field and the fix (exit 2 on the command line), nothing trained."""
+    from harness.core.errors import UserError
+    from harness.core.presets import shape_from_mapping
+    with open(REPO / "conf" / "model" / "tiny-trained-target.yaml") as f:
+        target = yaml.safe_load(f)
+    assert shape_from_mapping(target).train["tokenizer_from"] == "tiny-trained"
+    cases = [({"vocab_size": 8192}, "tiny-trained's tokenizer has 4096 tokens.*Set vocab_size: 4096"),
+             ({"train": {**target["train"], "tokenizer_from": "nope"}}, "no such preset.*tiny-trained"),
+             ({"train": {**target["train"], "tokenizer_from": "tiny"}}, "tiny is not a trained preset"),
+             ({"train": {**target["train"], "tokenizer_from": "tiny-trained-target"}}, "cannot reuse its own"),
+             ({"train": {**target["train"], "heldout_frac": 0.1}}, "heldout_frac=0.05.*heldout_frac=0.1")]
+    for change, says in cases:
+        with pytest.raises(UserError, match=f"model.train.tokenizer_from=.*{says}"):  # the field, then the fix
+            shape_from_mapping({**target, **change})
+    with pytest.raises(ValueError, match="save_dtype=float16: choose one of float32, bfloat16"):
+        TrainConfig.from_mapping({"save_dtype": "float16"})
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "model=tiny-trained-target", "model.vocab_size=8192",
+                        "engines=[reference]"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "Set vocab_size: 4096" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -139,6 +139,36 @@ def prompts_digest(reqs: list[Request]) -> str:
     return h.hexdigest()[:16]
 
 
+def decode_steps(traces: list[RequestTrace]) -> dict[str, int]:
+    """Per request, the engine steps that gave it its tokens after the first: the distinct times
+    its decode tokens were stamped with (an in-process engine stamps the tokens one step gave a
+    sequence with that step's time)."""
+    return {t.request_id: len(set(t.token_times_ns[1:])) for t in traces}
+
+
+def emitted_figures(done: list[RequestTrace], steps: dict[str, int] | None, method: str, k: int | None,
+                    counted: int | None) -> tuple[dict[str, int] | None, float | None, str | None]:
+    """(accepted tokens each request was given - decode tokens - decode steps -, tokens per step,
+    where that came from). From the token times where they group tokens by step: a step gives a
+    sequence 1 .. k + 1 tokens, and the engine's counters (`counted`) may exceed what was given
+    only by the tokens accepted past a request's last one (at most k per request: an engine may
+    count them, and drops them as a server drops tokens past max_tokens). Else tokens per step
+    from the counters: decode tokens / (decode tokens - accepted)."""
+    decode = sum(t.n_out - 1 for t in done)
+    if method == "none":
+        return None, 1.0, "no speculation"
+    if steps is not None and k and done:
+        got = {t.request_id: (t.n_out - 1) - steps[t.request_id] for t in done}
+        per_step_ok = all(steps[t.request_id] * (k + 1) >= t.n_out - 1 for t in done)
+        total = sum(got.values())
+        if per_step_ok and (counted is None or 0 <= counted - total <= k * len(done)):
+            n_steps = sum(steps[t.request_id] for t in done)
+            return got, decode / n_steps if n_steps else None, "token times"
+    if counted is not None and decode > counted:
+        return None, decode / (decode - counted), "counters"
+    return None, None, None
+
+
 def _stats(engine: Engine) -> dict[str, Any] | None:
     s = engine.spec_decode_stats()
     return None if s is None else s.to_dict()
@@ -272,25 +302,22 @@ class Speculative(Workload):
         done = [t for t in traces if not t.error and t.n_out == expected[t.request_id]]
         delta = counters_delta(before, after)
         row.update(spec_fields(delta, row["duration_s"]))
-        decode_tokens = sum(t.n_out - 1 for t in done)
-        accepted = row.get("spec_accepted_tokens")
-        # each step emits accepted + 1 tokens of a sequence when it drafted, 1 when it did not:
-        # decode tokens = accepted + sequence-steps
-        if p["method"] == "none":
-            tps = 1.0
-        elif accepted is not None and not endpoint and decode_tokens > accepted:
-            tps = decode_tokens / (decode_tokens - accepted)
-        else:
-            tps = None
+        steps = None if endpoint else decode_steps(done)
+        emitted, tps, source = emitted_figures(done, steps, p["method"], p.get("k"), row.get("spec_accepted_tokens"))
+        if emitted is None and p["method"] != "none" and not endpoint:
+            row["spec_note"] = ("the token times do not group a request's tokens by engine step (or disagree with "
+                                "the engine's counters): tokens per step from the counters, no per-request counts")
         info = engine.kv_cache_info()
         row.update(
             method=p["method"], k=p.get("k"), draft=p.get("draft"), content=p["content"],
             content_source=self.content(p["content"], ctx).source, content_digest=self.content(p["content"], ctx).digest,
-            concurrency=b, load_mode="closed", tokens_per_step=tps, measured_output_tokens=row["total_output_tokens"],
+            concurrency=b, load_mode="closed", tokens_per_step=tps, tokens_per_step_source=source,
+            measured_output_tokens=row["total_output_tokens"],
             prompts_sha256=prompts_digest(reqs),
             request_output_ids={t.request_id: t.token_ids for t in done},  # a failed request: not compared
             request_tpot_s={t.request_id: t.tpot_s for t in done if t.tpot_s is not None},
-            accepted_per_request=per_request, kv_info=info.to_dict(), **mem.row_fields(),
+            accepted_per_request=emitted, accepted_per_request_counters=per_request, kv_info=info.to_dict(),
+            **mem.row_fields(),
             **kv_memory_fields(info, peak=True))
         if p["method"] != "none" and delta is None:
             row["spec_note"] = "the engine reported no speculative-decoding counters for this point"

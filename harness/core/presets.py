@@ -36,7 +36,32 @@ def preset_names() -> list[str]:
 def shape_from_mapping(data: dict[str, Any], prefix: str = "model") -> ModelShape:
     """Build a ModelShape from a preset mapping (extra keys such as `path` are ignored); a layer
     list that does not fit the shape is a UserError naming the field."""
-    return ModelShape(**{k: v for k, v in data.items() if k in SHAPE_FIELDS}).check(prefix)
+    shape = ModelShape(**{k: v for k, v in data.items() if k in SHAPE_FIELDS}).check(prefix)
+    _check_tokenizer_from(shape, prefix)
+    return shape
+
+
+def _check_tokenizer_from(shape: ModelShape, prefix: str) -> None:
+    """A trained preset that reuses another's tokenizer (`train.tokenizer_from`) names a trained
+    preset that can lend it (harness.core.train.tokenizer_source_problems); UserError if not."""
+    name = (shape.train or {}).get("tokenizer_from")
+    if name is None:
+        return
+    from harness.core.train import tokenizer_source_problems
+    field = f"{prefix}.train.tokenizer_from={name}"
+    def mapping(n: str) -> dict[str, Any]:
+        with open(CONF_DIR / "model" / f"{n}.yaml") as f:
+            return yaml.safe_load(f) or {}
+
+    if name == shape.name or name not in preset_names():
+        trained = [n for n in preset_names() if n != shape.name and mapping(n).get("train") is not None]
+        raise UserError(f"{field}: {'a preset cannot reuse its own tokenizer' if name == shape.name else 'no such preset'}. "
+                        f"Name a trained preset whose tokenizer to reuse: {', '.join(trained)}.")
+    # the source read as its shape only (not checked for a tokenizer_from of its own: no recursion)
+    source = ModelShape(**{k: v for k, v in mapping(name).items() if k in SHAPE_FIELDS})
+    problems = tokenizer_source_problems(shape, source, field)
+    if problems:
+        raise UserError(problems)
 
 
 def load_preset(name: str) -> ModelShape:

@@ -142,13 +142,14 @@ def agreement_key(row: dict[str, Any]) -> tuple | None:
 
 
 def accepted_counts(row: dict[str, Any]) -> tuple[dict[str, int] | None, str | None]:
-    """(accepted tokens per request, where they come from): the engine's counters read at each
-    request's end where it reported them, else derived from the token times (decode tokens -
-    decode steps), else None."""
+    """(accepted tokens per request, where they come from): the accepted tokens each request was
+    given (decode tokens - decode steps, from the token times: the same on every engine however it
+    counts tokens accepted past a request's last one), else the engine's counters read as each
+    request ended (batch 1), else None."""
     if isinstance(row.get("accepted_per_request"), dict) and row["accepted_per_request"]:
-        return {k: int(v) for k, v in row["accepted_per_request"].items()}, "engine counters"
-    if isinstance(row.get("accepted_per_request_from_times"), dict) and row["accepted_per_request_from_times"]:
-        return {k: int(v) for k, v in row["accepted_per_request_from_times"].items()}, "token times"
+        return {k: int(v) for k, v in row["accepted_per_request"].items()}, "token times"
+    if isinstance(row.get("accepted_per_request_counters"), dict) and row["accepted_per_request_counters"]:
+        return {k: int(v) for k, v in row["accepted_per_request_counters"].items()}, "engine counters"
     return None, None
 
 

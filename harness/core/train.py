@@ -10,6 +10,15 @@ stays the same for every file that two Python versions share. A BPE tokenizer (t
 library, byte-level) is trained on the training files; the model then takes `steps` AdamW steps
 on random windows of the training token stream, drawn with the seed.
 
+A preset may reuse another trained preset's tokenizer instead (`tokenizer_from`: the target of
+speculative decoding whose draft is that preset, so token ids mean the same in both): its
+tokenizer files are copied byte for byte, and it must have been trained on the same split (its
+training.json's held-out files are this run's) and have this preset's vocabulary size.
+
+The weights train in float32; `save_dtype: bfloat16` rounds them to bfloat16 for storage (half
+the size on disk; config.json keeps float32, the dtype they are computed in), and the held-out
+figures recorded are then those of the rounded weights, beside the float32 ones before rounding.
+
 The checkpoint directory is a standard Hugging Face checkpoint (config.json, model.safetensors,
 tokenizer files) plus:
   - `heldout.npy`: the held-out files' token ids, one stream (files joined by </s>): the
@@ -45,7 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from harness.core.presets import ModelShape
+from harness.core.shapes import ModelShape
 
 TRAIN_FORMAT = 1  # bump when what a trained preset is changes (corpus rule, tokenizer, loop)
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, as the random presets
@@ -72,6 +81,8 @@ class TrainConfig:
     max_files: int | None = None  # the first N files of the sorted list only (smoke tests)
     eval_windows: int = 16  # held-out windows of seq_len tokens evaluated at the end
     log_every: int = 5
+    tokenizer_from: str | None = None  # a trained preset whose tokenizer this one reuses (None: train one)
+    save_dtype: str = "float32"  # the dtype the weights are stored in: float32 or bfloat16 (rounded once trained)
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any] | None) -> "TrainConfig":
@@ -80,7 +91,23 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown training setting(s) {', '.join(unknown)}; known: "
                              f"{', '.join(cls.__dataclass_fields__)}")
+        if data.get("save_dtype", "float32") not in SAVE_DTYPES:
+            raise ValueError(f"train.save_dtype={data['save_dtype']}: choose one of {', '.join(SAVE_DTYPES)}")
         return cls(**data)
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that name a trained checkpoint: every field, except the ones added since
+        the first trained preset while they keep their defaults, so that the cache names of
+        checkpoints trained before those fields existed stay the same."""
+        d = asdict(self)
+        for name, default in LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
+        return d
+
+
+SAVE_DTYPES = ("float32", "bfloat16")
+LATER_FIELDS = {"tokenizer_from": None, "save_dtype": "float32"}  # TrainConfig fields added since TRAIN_FORMAT 1
 
 
 # ---- the corpus ---------------------------------------------------------------------------
@@ -127,14 +154,19 @@ def corpus_digest(root: Path, files: list[str]) -> str:
     return h.hexdigest()
 
 
-def trained_name(shape: ModelShape, cfg: TrainConfig, seed: int, root: Path | None = None) -> str:
+def trained_name(shape: ModelShape, cfg: TrainConfig, seed: int, root: Path | None = None,
+                 tokenizer: str | None = None) -> str:
     """`<preset>-py<version>-<hash>`: the cache directory of a trained preset. The hash covers the
-    corpus's digest, the shape, the training settings, the seed and TRAIN_FORMAT."""
+    corpus's digest, the shape, the training settings, the seed and TRAIN_FORMAT, and `tokenizer`
+    (what identifies a reused tokenizer, for a preset with `tokenizer_from`)."""
     root = root or stdlib_dir()
     files = corpus_files(root, cfg.max_files)
     shape_fields = {k: v for k, v in shape.to_dict().items() if k != "train"}
-    blob = json.dumps({"corpus": corpus_digest(root, files), "shape": shape_fields, "train": asdict(cfg),
-                       "seed": seed, "format": TRAIN_FORMAT}, sort_keys=True)
+    ident: dict[str, Any] = {"corpus": corpus_digest(root, files), "shape": shape_fields, "train": cfg.identity(),
+                             "seed": seed, "format": TRAIN_FORMAT}
+    if tokenizer is not None:
+        ident["tokenizer"] = tokenizer
+    blob = json.dumps(ident, sort_keys=True)
     return f"{shape.name}-{python_tag()}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -155,6 +187,55 @@ def train_tokenizer(texts: list[str], vocab_size: int, out: Path) -> Any:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(out)
+    return tok
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what transformers' save_pretrained writes here
+
+
+def tokenizer_source_problems(shape: ModelShape, source: ModelShape, field: str) -> list[str]:
+    """Why the preset `source` cannot lend its tokenizer to the trained preset `shape`
+    (`train.tokenizer_from`; `field` names the setting in the messages): it is not trained, has
+    another vocabulary size, or another split of the corpus."""
+    if not source.trained:
+        return [f"{field}: {source.name} is not a trained preset (it has no train: settings), so it has no "
+                "tokenizer of its own to lend. Name a trained preset, e.g. tiny-trained."]
+    problems = []
+    if source.vocab_size != shape.vocab_size:
+        problems.append(f"{field}: {source.name}'s tokenizer has {source.vocab_size} tokens, this preset's "
+                        f"vocab_size is {shape.vocab_size}. Set vocab_size: {source.vocab_size}.")
+    mine, theirs = TrainConfig.from_mapping(shape.train), TrainConfig.from_mapping(source.train)
+    if (mine.heldout_frac, mine.max_files) != (theirs.heldout_frac, theirs.max_files):
+        problems.append(f"{field}: {source.name} splits the corpus with heldout_frac={theirs.heldout_frac}, "
+                        f"max_files={theirs.max_files}; this preset with heldout_frac={mine.heldout_frac}, "
+                        f"max_files={mine.max_files}. Use {source.name}'s, so both hold out the same files.")
+    return problems
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def reuse_tokenizer(src: Path, vocab_size: int, held_files: list[str], out: Path) -> Any:
+    """Copy the tokenizer of the trained checkpoint in `src` into `out`, byte for byte, and return
+    it as a `tokenizers.Tokenizer`. ValueError where it cannot be this preset's: another vocabulary
+    size, or trained on another split of the corpus (its held-out files are not `held_files`)."""
+    from tokenizers import Tokenizer
+
+    missing = [n for n in (*TOKENIZER_FILES, TRAINING_FILE) if not (src / n).is_file()]
+    if missing:
+        raise ValueError(f"{src} is not a trained checkpoint whose tokenizer can be reused: it lacks "
+                         f"{', '.join(missing)}")
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"the tokenizer in {src} has {tok.get_vocab_size()} tokens, the preset's vocab_size is "
+                         f"{vocab_size}: set vocab_size to {tok.get_vocab_size()}")
+    theirs = json.loads((src / TRAINING_FILE).read_text())["corpus"]["heldout_files"]
+    if theirs != held_files:
+        raise ValueError(f"the tokenizer in {src} was trained on another split of the corpus ({len(theirs)} "
+                         f"held-out files, {len(held_files)} here): give this preset its seed and heldout_frac")
+    for name in TOKENIZER_FILES:
+        (out / name).write_bytes((src / name).read_bytes())
     return tok
 
 
@@ -222,10 +303,12 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int = 0,
                      root: Path | None = None, progress: bool = True,
-                     baselines: dict[str, Callable[[np.ndarray], dict[str, float]]] | None = None) -> TrainResult:
+                     baselines: dict[str, Callable[[np.ndarray], dict[str, float]]] | None = None,
+                     tokenizer_dir: Path | None = None) -> TrainResult:
     """Train `shape` on the stdlib corpus and write the checkpoint into `out` (see the module doc).
     `baselines`: extra models to score on the same held-out windows, by name (e.g. the random
-    preset of the same vocabulary), recorded beside the trained model's figures."""
+    preset of the same vocabulary), recorded beside the trained model's figures.
+    `tokenizer_dir`: the checkpoint of `cfg.tokenizer_from`, whose tokenizer is reused."""
     import torch
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -240,8 +323,14 @@ def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int =
     train_texts = [read_text(root, f) for f in train_files]
     held_texts = [read_text(root, f) for f in held_files]
 
+    if (cfg.tokenizer_from is None) != (tokenizer_dir is None):
+        raise ValueError(f"train.tokenizer_from={cfg.tokenizer_from} needs the directory of that preset's "
+                         "checkpoint (tokenizer_dir), and only then")
     t0 = time.perf_counter()
-    tok = train_tokenizer(train_texts, shape.vocab_size, out)
+    if tokenizer_dir is not None:
+        tok = reuse_tokenizer(tokenizer_dir, shape.vocab_size, held_files, out)
+    else:
+        tok = train_tokenizer(train_texts, shape.vocab_size, out)
     train_ids = encode_stream(tok, train_texts)
     held_ids = encode_stream(tok, held_texts)
     tokenizer_s = time.perf_counter() - t0
@@ -287,8 +376,20 @@ def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int =
     bar.close()
     train_s = time.perf_counter() - t0
 
-    final = model_scores(model, windows)
-    model.save_pretrained(out, safe_serialization=True)
+    final = before_rounding = model_scores(model, windows)
+    if cfg.save_dtype != "float32":
+        # the weights as stored (rounded once), computed in float32: the figures recorded are theirs
+        stored = getattr(torch, cfg.save_dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(stored).float())
+        final = model_scores(model, windows)
+        model.to(stored).save_pretrained(out, safe_serialization=True)
+        written = json.loads((out / "config.json").read_text())
+        written["dtype"] = "float32"  # the dtype the model computes in; its stored weights are exact in it
+        (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    else:
+        model.save_pretrained(out, safe_serialization=True)
     extra = {name: fn(windows) for name, fn in (baselines or {}).items()}
     unigram = unigram_perplexity(train_ids, windows[:, 1:].reshape(-1), shape.vocab_size)
     record = {
@@ -303,6 +404,10 @@ def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int =
         "tokens_seen": cfg.steps * cfg.batch_size * seq,
         "loss_curve": curve,
         "heldout": {"windows": int(len(windows)), "window_len": int(windows.shape[1]), **final},
+        **({"heldout_float32": before_rounding} if cfg.save_dtype != "float32" else {}),
+        **({"tokenizer": {"from": cfg.tokenizer_from,
+                          **{name: file_sha256(out / name) for name in TOKENIZER_FILES}}}
+           if cfg.tokenizer_from else {}),
         "unigram_perplexity": unigram,
         "initial_model": initial,  # this architecture with its initial random weights
         "baselines": extra,
@@ -324,6 +429,12 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
              f"{record['initial_model']['perplexity']:.1f}",
              f"median top-1/top-2 log-prob margin {h['median_margin']:.3f} (initial random weights "
              f"{record['initial_model']['median_margin']:.4f})"]
+    if "heldout_float32" in record:
+        lines.append(f"weights stored in {record['train']['save_dtype']} (the figures above are theirs, computed in "
+                     f"float32); before rounding: perplexity {record['heldout_float32']['perplexity']:.2f}, median "
+                     f"margin {record['heldout_float32']['median_margin']:.3f}")
+    if record.get("tokenizer"):
+        lines.append(f"tokenizer: {record['tokenizer']['from']}'s, reused (token ids mean the same in both)")
     for name, b in (record.get("baselines") or {}).items():
         lines.append(f"  {name}: perplexity {b['perplexity']:.1f}, median margin {b['median_margin']:.4f} "
                      f"(trained/{name} margin ratio {h['median_margin'] / b['median_margin']:.1f}x)")
