@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from adapters.base import ModelSpec, Request, now_ns
+from tests_support import noisy_draft
 
 pytestmark = [
     pytest.mark.vllm,
@@ -90,7 +91,14 @@ def draft(trained, prompts, plain):
                                    "draft_model": str(trained)})
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft"])
+@pytest.fixture(scope="module")
+def noisy(trained, prompts, draft, tmp_path_factory):
+    """A draft the target overrules now and then (the lossless check with rejections)."""
+    path = noisy_draft(trained, tmp_path_factory.mktemp("draft") / "noisy")
+    return _run(trained, prompts, {"speculative_method": "draft", "num_speculative_tokens": K, "draft_model": str(path)})
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft", "noisy"])
 def speculating(request):
     out = request.getfixturevalue(request.param)
     out["method"] = request.param
@@ -135,7 +143,9 @@ def test_steps_emit_up_to_k_plus_one_tokens_and_the_counters_agree(speculating):
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
     settings = speculating["load"].details["speculative"]
     assert settings["num_speculative_tokens"] == K
-    assert settings["method"] == {"ngram": "ngram", "draft": "draft_model"}[speculating["method"]]
+    assert settings["method"] == {"ngram": "ngram", "draft": "draft_model", "noisy": "draft_model"}[speculating["method"]]
+    if speculating["method"] != "draft":
+        assert 0 < accepted < s1.draft_tokens - s0.draft_tokens  # some drafts accepted, some overruled
 
 
 def test_a_draft_that_is_the_target_has_every_token_accepted(draft):

@@ -54,13 +54,32 @@ class ModelRunner:
         self.model, self.pool, self.attention, self.graphs = model, pool, attention, graphs
         self.device = model.device
 
+    def _attention_chunks(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The chunks as attention sees them. A verify chunk (the newest token and the draft
+        tokens, positions T - 1 .. T - 1 + m) is m + 1 decode queries on the sequence's block
+        table, the one at position p attending to the keys 0 .. p: all the step's K/V are written
+        before any query attends, so the queries after the first see the draft tokens' K/V. They
+        run with the decode queries of the step, through the decode kernels (on a CPU the fused
+        paged kernel), in one batch."""
+        if self.pool is None or not any(c.seq.draft for c in chunks):
+            return chunks
+        out = []
+        for c in chunks:
+            if c.seq.draft:
+                out.extend(Chunk(c.seq, p, p + 1) for p in range(c.start, c.end))
+            else:
+                out.append(c)
+        return out
+
     def run(self, chunks: list[Chunk], keep_logits: bool = False) -> StepOutput:
         if self.graphs is not None and self.graphs.fits(chunks):
             tokens, logits = self.graphs.run(chunks)
             rows = logits.cpu() if keep_logits else [None] * len(tokens)
             return StepOutput([Sampled(c, tok, row) for c, tok, row in zip(chunks, tokens, rows)])
-        # decode chunks first: attention takes them as one batch at the front
-        chunks = sorted(chunks, key=lambda c: not (self.pool is not None and is_decode(c.start, c.end)))
+        # decode chunks first: attention takes them as one batch at the front; a verify chunk's
+        # positions go there too, as one decode query each (below)
+        chunks = sorted(chunks, key=lambda c: not (self.pool is not None and (is_decode(c.start, c.end)
+                                                                             or bool(c.seq.draft))))
         ids, positions, rows = [], [], []  # rows: flat indices whose logits the step keeps
         kept: list[tuple[Chunk, range, int]] = []  # chunk, its kept positions, their first logits row
         for c in chunks:
@@ -75,7 +94,7 @@ class ModelRunner:
             raise ValueError(f"a sequence reached position {max(positions)}, past the model's "
                              f"{self.model.rope_len} positions (max_position_embeddings).")
         dev = self.device
-        attend = self.attention(self.pool, chunks, self.model.cfg.num_heads, dev)
+        attend = self.attention(self.pool, self._attention_chunks(chunks), self.model.cfg.num_heads, dev)
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
                                         torch.tensor(positions, dtype=torch.long, device=dev),
