@@ -4,6 +4,14 @@ statistics - the way to gate CI on machines that change from one run to the next
     infer-bench-ab --baseline-ref REF [--candidate-ref REF] [--rounds 6] [--threshold 10%]
                    [--metric M ...] [--baseline-override K=V ...] [--candidate-override K=V ...]
                    [--out DIR] [--json FILE] -- [infer-bench overrides ...]
+    infer-bench-ab --method blocks --baseline-ref REF [--pairs 120] [--threshold 2.5%] [--cpu N] ...
+
+`--method blocks` (the CI gate's, harness.ab_blocks) keeps both sides' engine workers alive at
+once on one core and alternates blocks of one sweep iteration (a prefill and a few tens of decode
+steps), `--pairs` times per point; a pair's log-ratio of the block's median decode step is the
+unit, the estimate their 20 %-trimmed mean with a Yuen interval; the decode step alone decides
+(block CPU time and prefill are shown). It needs one engine and the sweep workload. The rest of
+this text describes the default, `--method runs`.
 
 The baseline is the commit REF, checked out into a temporary git worktree; the candidate is the
 working tree (or `--candidate-ref`). Both run in this Python environment, on this machine, in one
@@ -460,7 +468,9 @@ def run(argv: list[str]) -> int:
             dirty = bool(_git("status", "--porcelain", "--untracked-files=no").stdout.strip())
             cand = Side("candidate", REPO_ROOT, None if dirty else head, args.candidate_override)
         print(f"infer-bench-ab: baseline {base_commit[:12]} vs candidate "
-              f"{(cand_commit or 'working tree')[:12]}, {args.rounds} rounds -> {out}", flush=True)
+              f"{(cand_commit or 'working tree')[:12]}, "
+              + (f"{args.pairs} block pairs" if args.method == "blocks" else f"{args.rounds} rounds") + f" -> {out}",
+              flush=True)
         if args.method == "blocks":
             results, failure = blocks_job(args, base, cand, overrides, out, threshold)
             candidate_exits = []

@@ -131,8 +131,12 @@ class BlockWorker:
                     + (f": {msg.message}" if isinstance(msg, Incompatible) else ""))
         if msg is None and self.proc.proc.poll() is None:
             return f"the {self.name}'s worker did not answer in time while {doing}"
+        try:  # its output ended: the exit status follows
+            code = self.proc.proc.wait(5)
+        except Exception:
+            code = None
         tail = _tail(self.log_path)
-        return (f"the {self.name}'s worker ended while {doing} (exit {self.proc.proc.poll()})"
+        return (f"the {self.name}'s worker ended while {doing} (exit {code})"
                 + (f"; last lines of {self.log_path}:\n{tail}" if tail else ""))
 
     def block(self, point: dict[str, Any], timeout_s: float) -> dict[str, Any] | str:
@@ -279,6 +283,9 @@ def plan_side(overrides: list[str]) -> tuple[Any, str]:
     if len(plan.engines) != 1:
         raise UserError(f"--method blocks compares one engine (got engines={plan.engines}): name one, e.g. "
                         "engines=[reference], or use --method runs.")
+    if plan.engine_envs or plan.endpoints:
+        raise UserError("--method blocks runs both workers under this interpreter (--python), on this machine: "
+                        "engine_options.<engine>.python / launch and endpoints need --method runs.")
     model_path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
     plan.token_range = prompt_token_range(shape_from_hf_config(model_path), model_path)
     return plan, model_path
