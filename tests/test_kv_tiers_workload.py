@@ -35,6 +35,23 @@ def test_the_points_off_full_then_capacities_and_caching_off_alone():
                                                                               (False, "off")]
 
 
+def test_the_full_point_gets_the_pool_asked_for():
+    """kv_tiers_full_bytes: the full point asks for that pool (kv_cache_bytes) instead of the
+    engine's default, which need not hold every history; its key says so; the other points are
+    unchanged. Unset: kv_cache_bytes null, as before."""
+    c = Conversation()
+    caps = Capabilities(prefix_caching=True, kv_offload=True)
+    points = c.plan(ConversationConfig(kv_tiers=["off", "full", "128MiB"], prefix_caching=[True],
+                                       kv_tiers_full_bytes="512MiB"))
+    assert [p.params.get("kv_full_bytes") for p in points] == [None, 512 << 20, None]
+    assert c.engine_overrides(points[1], caps) == {"prefix_caching": True, "kv_offload": False,
+                                                   "kv_cache_bytes": 512 << 20}
+    assert c.engine_overrides(points[0], caps) == {"prefix_caching": True, "kv_offload": False}
+    ps = PrefixSharing().plan(PrefixSharingConfig(prefix_lens=[64], kv_tiers=["full"], prefix_caching=[True],
+                                                  kv_tiers_full_bytes=2**30))
+    assert ps[0].params["kv_full_bytes"] == GIB
+
+
 def test_what_each_mode_asks_of_an_engine():
     c = Conversation()
     tiered = Capabilities(prefix_caching=True, kv_offload=True)
@@ -135,6 +152,8 @@ def test_a_full_point_that_lost_cached_blocks_is_no_bound_and_no_turn_gets_a_ver
     (["workload=conversation", "workload.kv_tiers=[1GiB]", "workload.prefix_caching=[false]"],
      "workload.kv_tiers=['1GiB']: KV tiers need prefix caching"),
     (["workload=prefix_sharing", "workload.kv_tiers=[-5]"], "workload.kv_tiers: -5"),
+    (["workload=conversation", "workload.kv_tiers=[off,full,1GiB]", "workload.kv_tiers_full_bytes=lots"],
+     "workload.kv_tiers_full_bytes: 'lots' is not a size"),
     (["engine_options.reference.kv_offload=true", "engine_options.reference.kv_offload_bytes=lots"],
      "engine_options.reference.kv_offload_bytes"),
     (["engine_options.reference.kv_offload=true", "engine_options.reference.prefix_caching=false"],
