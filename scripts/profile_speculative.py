@@ -11,7 +11,9 @@ held-out windows (the model directory's heldout.npy, as the speculative workload
 content) one batch at a time, interleaved (off, on, off, on ...) for --rounds rounds. It prints
 TPOT (decode time / tokens after the first, per batch) of each, the ratio of the medians and the
 geometric mean of the paired per-batch ratios with a bootstrap 95 % interval, the acceptance
-counters, and checks that the tokens are the same. --profile then runs the speculative decodes
+counters, the median latency of an engine step by kind (without speculation; a speculative step
+that gave a sequence several tokens; one that gave one token each), and checks that the tokens
+are the same. --profile then runs the speculative decodes
 under cProfile and prints the top functions by own time and by cumulative time, with the
 counters' split of the step into proposing and verifying. Wrap it in `/work/tools/cpu bench` (or
 run it alone) before quoting a figure, and name the commit and the CPU (lscpu) beside it. The
@@ -76,13 +78,21 @@ def windows(model: str, n: int, length: int, seed: int) -> list[list[int]]:
     return [ids[(s := rng.randrange(0, len(ids) - length)):s + length].tolist() for _ in range(n)]
 
 
-def decode_batch(engine: ReferenceEngine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
-    """(TPOT of the batch: decode time / steps, the tokens)."""
+def decode_batch(engine: ReferenceEngine, prompts: list[list[int]], steps: int,
+                 step_times: dict[str, list[float]] | None = None) -> tuple[float, list[list[int]]]:
+    """(TPOT of the batch: decode time / steps, the tokens). With `step_times`, each engine step's
+    latency is added to its kind's list: `plain` (no speculation), `several` (a speculative step
+    that gave some sequence more than one token: a draft accepted in part at least) or `one`
+    (a speculative step that gave one token each: no draft, or every draft token rejected)."""
     pre = engine.prefill(prompts)
     t = time.perf_counter()
     dec = engine.decode(steps)
     dt = time.perf_counter() - t
     engine.release()
+    if step_times is not None:
+        for j, s in enumerate(dec.steps):
+            kind = "plain" if dec.emitted is None else "several" if max(dec.emitted[j]) > 1 else "one"
+            step_times.setdefault(kind, []).append(s.latency_s)
     return dt / steps, [[f] + [dec.tokens[i][b] for i in range(steps)] for b, f in enumerate(pre.first_tokens)]
 
 
@@ -117,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     s0 = on.spec_decode_stats()
     tpot_off: dict[int, list[float]] = {i: [] for i in range(len(batches))}
     tpot_on: dict[int, list[float]] = {i: [] for i in range(len(batches))}
+    step_times: dict[str, list[float]] = {}
     for r in range(args.rounds):
         for i, b in enumerate(batches):
             order = (off, on) if (r + i) % 2 == 0 else (on, off)
             outs = {}
             for engine in order:
-                tpot, toks = decode_batch(engine, b, steps)
+                tpot, toks = decode_batch(engine, b, steps, step_times)
                 (tpot_off if engine is off else tpot_on)[i].append(tpot)
                 outs[engine is on] = toks
             if outs[True] != outs[False]:
@@ -144,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{1 + acc / max(drafts, 1):.2f}; per position "
           f"{[a - b for a, b in zip(s1.accepted_per_pos, s0.accepted_per_pos)]}; draft time "
           f"{s1.draft_time_s - s0.draft_time_s:.3f} s, verify time {s1.verify_time_s - s0.verify_time_s:.3f} s")
+    what = {"plain": "decode step without speculation", "several": "speculative step that gave a sequence 2+ tokens",
+            "one": "speculative step that gave 1 token each"}
+    print("step latency, median: " + "; ".join(f"{what[k]} {statistics.median(v) * 1e3:.3f} ms ({len(v)} steps)"
+                                               for k, v in step_times.items() if v))
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

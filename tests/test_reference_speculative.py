@@ -11,7 +11,8 @@ same tokenizer that agrees with the target only part of the time).
   arrivals, unequal lengths), fp32, on both kernel sets; every family on n-gram; in bf16 equal
   up to a near tie (the verify pass rounds differently from one-token decode steps);
 - the counters agree with the tokens emitted;
-- an injected verifier bug changes output tokens; rejected slots are given back (blocks in use
+- an injected verifier bug changes output tokens, and measured as workload=speculative measures it
+  (serve(), finalize_row) makes the row `failed` naming the request and position; rejected slots are given back (blocks in use
   equal those without speculation), nothing leaks after release(), and the prefix cache never
   serves a rejected token's K/V;
 - bad options: one problem each, naming the field and the fix.
@@ -309,6 +310,57 @@ def test_injected_verifier_bug_changes_the_output(monkeypatch):
     monkeypatch.setattr(speculative, "accept_length", accept_one_more)
     got, *_ = run_batch(spec_options("ngram", 4), prompts)
     assert got != want
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_injected_verifier_bug_fails_the_workloads_lossless_check(bug, monkeypatch):
+    """The same injected bug (a draft token the target did not pick, accepted) in the real engine,
+    measured as workload=speculative measures it - serve() in a closed loop, the row completed
+    against the run without speculation (finalize_row) -: the row is `failed`, naming the request,
+    the first differing position and both tokens; without the bug the same points pass."""
+    from harness.core.presets import load_preset
+    from workloads.base import Point, RunContext
+    from workloads.speculative import Speculative, SpeculativeConfig
+
+    cfg = SpeculativeConfig(methods=["ngram"], num_speculative_tokens=[4], batch_sizes=[2], contents=["code"],
+                            prompt_len=96, output_len=24, min_requests=4, rounds=1)
+    ctx = RunContext(shape=load_preset("tiny-trained"), dtype="float32", device="cpu", model_path=str(TRAINED),
+                     max_model_len=wl_len(cfg), memory_sample_hz=0)
+    wl = Speculative()
+    rows = []
+    for point in wl.plan(cfg):
+        if bug and point.params["method"] != "none":
+            good = speculative.accept_length
+            monkeypatch.setattr(speculative, "accept_length", lambda d, g: min(good(d, g) + 1, len(d)))
+        engine = ReferenceEngine()
+        engine.load(ModelSpec(path=str(TRAINED), name="tiny-trained", dtype="float32", max_model_len=ctx.max_model_len,
+                              max_batch_size=2), wl.engine_overrides(point, engine.capabilities()))
+        try:
+            fields = wl.run_point(engine, point, ctx, cfg)
+        finally:
+            engine.close()
+        rows.append({"engine": "reference", "workload": "speculative", "status": "ok", "error": None,
+                     "point": point.params, "point_key": Point("speculative", point.params).key, **fields})
+        wl.finalize_row(rows[-1], rows[:-1])
+    base, row = rows
+    assert base["lossless"] == "baseline" and row["spec_drafts"] > 0 and row["spec_accepted_tokens"] > 0
+    if not bug:
+        assert row["status"] == "ok" and row["lossless"] == "pass", row.get("lossless_detail")
+        assert row["lossless_requests"] == 4 and row["lossless_tokens"] == 4 * 24
+        return
+    assert row["status"] == "failed" and row["lossless"] == "fail"
+    m = row["lossless_mismatch"]
+    exp, got = base["request_output_ids"][m["request"]], row["request_output_ids"][m["request"]]
+    assert exp[:m["position"]] == got[:m["position"]] and (m["expected"], m["got"]) == (exp[m["position"]],
+                                                                                      got[m["position"]])
+    assert m["expected"] != m["got"]
+    assert row["error"].startswith("lossless check failed") and f"request {m['request']}" in row["error"]
+    assert f"token {m['position']}" in row["error"]
+
+
+def wl_len(cfg) -> int:
+    from workloads.speculative import Speculative
+    return Speculative().max_model_len(cfg)
 
 
 def test_rejected_slots_are_given_back(half_draft):
