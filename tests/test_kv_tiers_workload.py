@@ -104,6 +104,32 @@ def test_a_tiered_turn_beside_recompute_and_the_bound():
     assert "no kv_tiers=full point" in lonely["tier_comparison"] and "ttft_full_s" not in lonely["turns"][0]
 
 
+def test_a_full_point_that_lost_cached_blocks_is_no_bound_and_no_turn_gets_a_verdict():
+    """The `full` point is the engine's default pool, which need not hold every history (the
+    reference engine's CPU default shrinks with max_num_seqs: with max_num_seqs=2 a run's full
+    point evicted 295 blocks and hit 0.02 of a 0.58 reusable share). Against it a tiered turn
+    would read "between" where the bound itself recomputed: no verdict, and the row says why.
+    Where the engine counts no evictions (a server), the full point's hit rate must be the
+    reusable share at every turn."""
+    off = _row("off", [0.1, 0.9, 1.5], [256, 576, 896])
+    leaky = _row("full", [0.1, 1.0, 1.6], [256, 576, 896], evictions=295)
+    tiered = _row(GIB, [0.1, 0.95, 1.0], [256, 320, 400])
+    compare_tiers(tiered, [off, leaky], "conversation")
+    assert tiered["tier_comparison"].startswith("no bound: the kv_tiers=full point evicted 295 cached blocks")
+    assert tiered["tier_full_pool_evictions"] == 295 and "tier_turns_between" not in tiered
+    assert all("ttft_between" not in t and "ttft_full_s" not in t for t in tiered["turns"])
+    # no eviction count: judged by the hit rate against the reusable share
+    uncounted = _row("full", [0.1, 0.3, 0.4], [256, 320, 384], evictions=None)
+    for t, (hit, share) in zip(uncounted["turns"], [(0.0, 0.0), (0.47, 0.47), (0.2, 0.61)]):
+        t.update(hit_rate=hit, reusable_share=share)
+    again = _row(GIB, [0.1, 0.35, 1.0], [256, 320, 400])
+    compare_tiers(again, [off, uncounted], "conversation")
+    assert "hit rate is not the reusable share at turn(s) 3" in again["tier_comparison"]
+    uncounted["turns"][2]["hit_rate"] = 0.61
+    compare_tiers(again, [off, uncounted], "conversation")
+    assert again["tier_turns_compared"] == 3 and again["turns"][1]["ttft_between"] is True
+
+
 @pytest.mark.parametrize("overrides, field", [
     (["workload=conversation", "workload.kv_tiers=[lots]"], "workload.kv_tiers: 'lots'"),
     (["workload=conversation", "workload.kv_tiers=[1GiB]", "workload.prefix_caching=[false]"],

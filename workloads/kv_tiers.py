@@ -200,7 +200,8 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     token at that turn ((TTFT recompute - TTFT full) / the extra tokens the recompute run
     prefilled) and the break-even against the reload cost per token; the row the count of turns in
     between. Rows of the other two modes get nothing. Fails closed: a row with nothing to compare
-    says why (`tier_comparison`)."""
+    says why (`tier_comparison`), and so does one whose `full` point evicted cached blocks (or
+    does not say): that point is no bound, and no turn gets a verdict against it."""
     mode = row.get("kv_tiers")
     if not isinstance(mode, int) or isinstance(mode, bool) or not row.get("turns"):
         return
@@ -210,6 +211,16 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
         row["tier_comparison"] = ("nothing to compare: the run has no " + " and no ".join(
             n for n, rs in (("kv_tiers=off point", off), ("kv_tiers=full point", full)) if not rs)
             + " of this engine with prefix caching on (workload.kv_tiers=[off,full,SIZE])")
+        return
+    lost = full[-1].get("prefix_cache_evictions")
+    row["tier_full_pool_evictions"] = lost
+    why = _not_a_bound(full[-1], lost)
+    if why:  # the bound must hold every history: fail closed
+        row["tier_comparison"] = (
+            f"no bound: the kv_tiers=full point {why} (its pool is the engine's default size; the reference "
+            "engine's CPU default is min(1 GiB, max_num_seqs x max_model_len tokens)); no TTFT verdict. Give the "
+            "engine a default pool that holds every session's history (a larger max_num_seqs, fewer or shorter "
+            "sessions)")
         return
     rec, bound = {t["turn"]: t for t in off[-1]["turns"]}, {t["turn"]: t for t in full[-1]["turns"]}
     reload = row.get("reload_s_per_token_measured") or row.get("reload_s_per_token")
@@ -233,9 +244,23 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
                 t["reload_over_prefill"] = reload / t["prefill_s_per_token"] if t["prefill_s_per_token"] > 0 else None
     row["tier_turns_compared"] = compared
     row["tier_turns_between"] = between
-    row["tier_full_pool_evictions"] = full[-1].get("prefix_cache_evictions")
     row["tier_comparison"] = (f"{between} of {compared} turns between the full pool and recompute"
                               if compared else "no turn had TTFT in all three modes")
+
+
+def _not_a_bound(full: dict[str, Any], evictions: int | None) -> str | None:
+    """Why a `full` point does not bound the others (it lost cached blocks), or None: it evicted
+    none, or, where the engine does not count evictions, its hit rate was the reusable share (to
+    half a point) at every turn."""
+    if evictions is not None:
+        return f"evicted {evictions} cached blocks" if evictions > 0 else None
+    short = [t["turn"] for t in full.get("turns") or []
+             if t.get("hit_rate") is None or t.get("reusable_share") is None
+             or t["hit_rate"] < t["reusable_share"] - 0.005]
+    if short or not full.get("turns"):
+        return (f"does not count evictions, and its hit rate is not the reusable share at turn(s) "
+                f"{', '.join(map(str, short))}" if short else "has no turns")
+    return None
 
 
 def _mean_prefilled(turn: dict[str, Any]) -> float | None:
