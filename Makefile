@@ -58,7 +58,7 @@ browser-deps:
 # parity tests run everywhere (the preset is shipped); vLLM's own tests wherever make builds
 # .venv-vllm. A skip for a missing GPU or TensorRT-LLM is not in these lists and stays a skip.
 MUST_RUN      ?= 'tests/test_train_parity.py::*'
-VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tests/test_vllm_kvdtype.py::*' 'tests/test_vllm_families.py::*' 'tests/test_vllm_speculative.py::*'
+VLLM_MUST_RUN ?= 'tests/test_vllm.py::*' 'tests/test_vllm_introspect.py::*' 'tests/test_vllm_kvdtype.py::*' 'tests/test_vllm_families.py::*' 'tests/test_vllm_speculative.py::*' 'tests/test_kv_tiers_vllm.py::*'
 
 # Every test: the import layers, the whole suite in the harness's environment (engine runs that
 # need vLLM go through .venv-vllm), and vLLM's in-process adapter tests under vLLM's interpreter.
@@ -89,7 +89,7 @@ test-vllm: $(VLLM_VENV)/.installed
 	@mkdir -p runs
 	@echo "vLLM's own tests (.venv-vllm), beside the set-up and the main suite: runs/test-vllm.log"
 	@INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_VENV)/bin/python -m pytest -m "not heavy" -q -p no:cacheprovider $(foreach g,$(VLLM_MUST_RUN),--must-run $(g)) \
-	    tests/test_vllm*.py tests/test_trtllm*.py > runs/test-vllm.log 2>&1; code=$$?; \
+	    tests/test_vllm*.py tests/test_trtllm*.py tests/test_kv_tiers_vllm.py > runs/test-vllm.log 2>&1; code=$$?; \
 	  echo "---- vLLM's own tests (.venv-vllm), exit $$code:"; cat runs/test-vllm.log; exit $$code
 
 test-fast: venv

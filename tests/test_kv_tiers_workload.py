@@ -35,6 +35,23 @@ def test_the_points_off_full_then_capacities_and_caching_off_alone():
                                                                               (False, "off")]
 
 
+def test_the_full_point_gets_the_pool_asked_for():
+    """kv_tiers_full_bytes: the full point asks for that pool (kv_cache_bytes) instead of the
+    engine's default, which need not hold every history; its key says so; the other points are
+    unchanged. Unset: kv_cache_bytes null, as before."""
+    c = Conversation()
+    caps = Capabilities(prefix_caching=True, kv_offload=True)
+    points = c.plan(ConversationConfig(kv_tiers=["off", "full", "128MiB"], prefix_caching=[True],
+                                       kv_tiers_full_bytes="512MiB"))
+    assert [p.params.get("kv_full_bytes") for p in points] == [None, 512 << 20, None]
+    assert c.engine_overrides(points[1], caps) == {"prefix_caching": True, "kv_offload": False,
+                                                   "kv_cache_bytes": 512 << 20}
+    assert c.engine_overrides(points[0], caps) == {"prefix_caching": True, "kv_offload": False}
+    ps = PrefixSharing().plan(PrefixSharingConfig(prefix_lens=[64], kv_tiers=["full"], prefix_caching=[True],
+                                                  kv_tiers_full_bytes=2**30))
+    assert ps[0].params["kv_full_bytes"] == GIB
+
+
 def test_what_each_mode_asks_of_an_engine():
     c = Conversation()
     tiered = Capabilities(prefix_caching=True, kv_offload=True)
@@ -104,11 +121,39 @@ def test_a_tiered_turn_beside_recompute_and_the_bound():
     assert "no kv_tiers=full point" in lonely["tier_comparison"] and "ttft_full_s" not in lonely["turns"][0]
 
 
+def test_a_full_point_that_lost_cached_blocks_is_no_bound_and_no_turn_gets_a_verdict():
+    """The `full` point is the engine's default pool, which need not hold every history (the
+    reference engine's CPU default shrinks with max_num_seqs: with max_num_seqs=2 a run's full
+    point evicted 295 blocks and hit 0.02 of a 0.58 reusable share). Against it a tiered turn
+    would read "between" where the bound itself recomputed: no verdict, and the row says why.
+    Where the engine counts no evictions (a server), the full point's hit rate must be the
+    reusable share at every turn."""
+    off = _row("off", [0.1, 0.9, 1.5], [256, 576, 896])
+    leaky = _row("full", [0.1, 1.0, 1.6], [256, 576, 896], evictions=295)
+    tiered = _row(GIB, [0.1, 0.95, 1.0], [256, 320, 400])
+    compare_tiers(tiered, [off, leaky], "conversation")
+    assert tiered["tier_comparison"].startswith("no bound: the kv_tiers=full point evicted 295 cached blocks")
+    assert tiered["tier_full_pool_evictions"] == 295 and "tier_turns_between" not in tiered
+    assert all("ttft_between" not in t and "ttft_full_s" not in t for t in tiered["turns"])
+    # no eviction count: judged by the hit rate against the reusable share
+    uncounted = _row("full", [0.1, 0.3, 0.4], [256, 320, 384], evictions=None)
+    for t, (hit, share) in zip(uncounted["turns"], [(0.0, 0.0), (0.47, 0.47), (0.2, 0.61)]):
+        t.update(hit_rate=hit, reusable_share=share)
+    again = _row(GIB, [0.1, 0.35, 1.0], [256, 320, 400])
+    compare_tiers(again, [off, uncounted], "conversation")
+    assert "hit rate is not the reusable share at turn(s) 3" in again["tier_comparison"]
+    uncounted["turns"][2]["hit_rate"] = 0.61
+    compare_tiers(again, [off, uncounted], "conversation")
+    assert again["tier_turns_compared"] == 3 and again["turns"][1]["ttft_between"] is True
+
+
 @pytest.mark.parametrize("overrides, field", [
     (["workload=conversation", "workload.kv_tiers=[lots]"], "workload.kv_tiers: 'lots'"),
     (["workload=conversation", "workload.kv_tiers=[1GiB]", "workload.prefix_caching=[false]"],
      "workload.kv_tiers=['1GiB']: KV tiers need prefix caching"),
     (["workload=prefix_sharing", "workload.kv_tiers=[-5]"], "workload.kv_tiers: -5"),
+    (["workload=conversation", "workload.kv_tiers=[off,full,1GiB]", "workload.kv_tiers_full_bytes=lots"],
+     "workload.kv_tiers_full_bytes: 'lots' is not a size"),
     (["engine_options.reference.kv_offload=true", "engine_options.reference.kv_offload_bytes=lots"],
      "engine_options.reference.kv_offload_bytes"),
     (["engine_options.reference.kv_offload=true", "engine_options.reference.prefix_caching=false"],

@@ -4,8 +4,9 @@ adapters.base.STANDARD_OPTIONS), and what the row gets.
 
 Modes (`workload.kv_tiers`, with prefix caching on):
   off    the engine's KV pool alone: what it evicts is recomputed when a session comes back
-  full   one tier at the engine's default size (kv_cache_bytes null), meant to hold every history:
-         the upper bound (the row says how many blocks it evicted anyway)
+  full   one tier at the engine's default size (kv_cache_bytes null), or of `kv_tiers_full_bytes`
+         where given, meant to hold every history: the upper bound (a full point that evicted
+         cached blocks is no bound: compare_tiers gives no verdict against it)
   SIZE   a second tier of SIZE bytes behind the pool (kv_offload, kv_offload_bytes): evicted
          blocks go there and are reloaded on a later hit instead of prefilled again
 A run whose kv_tiers is just `off` (the default) gives the engine no tier option at all: it runs
@@ -41,10 +42,15 @@ def tier_mode(entry: Any) -> str | int | None:
     return parse_size(entry)
 
 
-def tier_problems(entries: list[Any], prefix_caching: list[bool], field: str = "workload.kv_tiers") -> list[str]:
-    """Every entry is off, full or a size; tiers need a point with prefix caching on."""
+def tier_problems(entries: list[Any], prefix_caching: list[bool], field: str = "workload.kv_tiers",
+                  full_bytes: Any = None) -> list[str]:
+    """Every entry is off, full or a size; tiers need a point with prefix caching on; the full
+    point's pool (`kv_tiers_full_bytes`), where given, is a size."""
     out = [f"{field}: {e!r} is neither off, full nor a size. Give off, full, or a capacity in bytes "
            "(1073741824, 5e8) or with a unit (512MiB, 1GiB, 2GB)." for e in entries if tier_mode(e) is None]
+    if full_bytes is not None and (isinstance(full_bytes, bool) or parse_size(full_bytes) is None):
+        out.append(f"workload.kv_tiers_full_bytes: {full_bytes!r} is not a size. Give the full point's KV pool in "
+                   "bytes (1073741824) or with a unit (512MiB, 1GiB), or null for the engine's default pool.")
     if not out and any(tier_mode(e) != "off" for e in entries) and True not in prefix_caching:
         out.append(f"{field}={entries}: KV tiers need prefix caching (a second tier holds blocks evicted from the "
                    "prefix cache; full measures reuse without eviction), and workload.prefix_caching has no true. "
@@ -65,8 +71,14 @@ def tier_modes(entries: list[Any], caching: bool) -> list[str | int | None]:
     return [m for m in MODES if m in modes] + sizes
 
 
-def tier_param(mode: str | int | None) -> dict[str, Any]:
-    return {} if mode is None else {"kv_tiers": mode}
+def tier_param(mode: str | int | None, full_bytes: Any = None) -> dict[str, Any]:
+    """A point's tier parameters: its mode, and for `full` the pool asked for (`kv_tiers_full_bytes`,
+    where given: the point's key then says it)."""
+    if mode is None:
+        return {}
+    if mode == "full" and full_bytes is not None:
+        return {"kv_tiers": mode, "kv_full_bytes": parse_size(full_bytes)}
+    return {"kv_tiers": mode}
 
 
 def tiers_label(mode: Any) -> str:
@@ -90,8 +102,8 @@ def tier_overrides(point: Point, caps: Capabilities) -> dict[str, Any]:
     off = {"kv_offload": False} if caps.kv_offload else {}
     if mode == "off":
         return off
-    if mode == "full":  # the engine's own default pool size
-        return {**off, "kv_cache_bytes": None}
+    if mode == "full":  # the pool asked for (kv_tiers_full_bytes), else the engine's own default size
+        return {**off, "kv_cache_bytes": point.params.get("kv_full_bytes")}
     return {"kv_offload": True, "kv_offload_bytes": int(mode)}
 
 
@@ -200,7 +212,8 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     token at that turn ((TTFT recompute - TTFT full) / the extra tokens the recompute run
     prefilled) and the break-even against the reload cost per token; the row the count of turns in
     between. Rows of the other two modes get nothing. Fails closed: a row with nothing to compare
-    says why (`tier_comparison`)."""
+    says why (`tier_comparison`), and so does one whose `full` point evicted cached blocks (or
+    does not say): that point is no bound, and no turn gets a verdict against it."""
     mode = row.get("kv_tiers")
     if not isinstance(mode, int) or isinstance(mode, bool) or not row.get("turns"):
         return
@@ -210,6 +223,18 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
         row["tier_comparison"] = ("nothing to compare: the run has no " + " and no ".join(
             n for n, rs in (("kv_tiers=off point", off), ("kv_tiers=full point", full)) if not rs)
             + " of this engine with prefix caching on (workload.kv_tiers=[off,full,SIZE])")
+        return
+    lost = full[-1].get("prefix_cache_evictions")
+    row["tier_full_pool_evictions"] = lost
+    why = _not_a_bound(full[-1], lost)
+    if why:  # the bound must hold every history: fail closed
+        row["tier_comparison"] = (
+            f"no bound: the kv_tiers=full point {why}"
+            + (f" (its pool: {human_size(full[-1]['kv_full_bytes'])})" if full[-1].get("kv_full_bytes") else
+               " (its pool is the engine's default size; the reference engine's CPU default is min(1 GiB, "
+               "max_num_seqs x max_model_len tokens))")
+            + "; no TTFT verdict. Give the full point a pool that holds every session's history: "
+            "workload.kv_tiers_full_bytes=SIZE")
         return
     rec, bound = {t["turn"]: t for t in off[-1]["turns"]}, {t["turn"]: t for t in full[-1]["turns"]}
     reload = row.get("reload_s_per_token_measured") or row.get("reload_s_per_token")
@@ -233,9 +258,23 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
                 t["reload_over_prefill"] = reload / t["prefill_s_per_token"] if t["prefill_s_per_token"] > 0 else None
     row["tier_turns_compared"] = compared
     row["tier_turns_between"] = between
-    row["tier_full_pool_evictions"] = full[-1].get("prefix_cache_evictions")
     row["tier_comparison"] = (f"{between} of {compared} turns between the full pool and recompute"
                               if compared else "no turn had TTFT in all three modes")
+
+
+def _not_a_bound(full: dict[str, Any], evictions: int | None) -> str | None:
+    """Why a `full` point does not bound the others (it lost cached blocks), or None: it evicted
+    none, or, where the engine does not count evictions, its hit rate was the reusable share (to
+    half a point) at every turn."""
+    if evictions is not None:
+        return f"evicted {evictions} cached blocks" if evictions > 0 else None
+    short = [t["turn"] for t in full.get("turns") or []
+             if t.get("hit_rate") is None or t.get("reusable_share") is None
+             or t["hit_rate"] < t["reusable_share"] - 0.005]
+    if short or not full.get("turns"):
+        return (f"does not count evictions, and its hit rate is not the reusable share at turn(s) "
+                f"{', '.join(map(str, short))}" if short else "has no turns")
+    return None
 
 
 def _mean_prefilled(turn: dict[str, Any]) -> float | None:
