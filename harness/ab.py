@@ -4,6 +4,14 @@ statistics - the way to gate CI on machines that change from one run to the next
     infer-bench-ab --baseline-ref REF [--candidate-ref REF] [--rounds 6] [--threshold 10%]
                    [--metric M ...] [--baseline-override K=V ...] [--candidate-override K=V ...]
                    [--out DIR] [--json FILE] -- [infer-bench overrides ...]
+    infer-bench-ab --method blocks --baseline-ref REF [--pairs 120] [--threshold 2.5%] [--cpu N] ...
+
+`--method blocks` (the CI gate's, harness.ab_blocks) keeps both sides' engine workers alive at
+once on one core and alternates blocks of one sweep iteration (a prefill and a few tens of decode
+steps), `--pairs` times per point; a pair's log-ratio of the block's median decode step is the
+unit, the estimate their 20 %-trimmed mean with a Yuen interval; the decode step alone decides
+(block CPU time and prefill are shown). It needs one engine and the sweep workload. The rest of
+this text describes the default, `--method runs`.
 
 The baseline is the commit REF, checked out into a temporary git worktree; the candidate is the
 working tree (or `--candidate-ref`). Both run in this Python environment, on this machine, in one
@@ -54,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from harness.checkpoint import ensure_checkpoint
+from harness.ab_blocks import DECISIVE as BLOCK_DECISIVE, TRIM as BLOCK_TRIM
 from harness.core.bootstrap import CONFIDENCE, mean_t_ci
 from harness.core.compare import parse_threshold, verdict
 from harness.core.compared import METRICS as METRIC_TABLE, Metric
@@ -72,6 +81,12 @@ FIXED = ["parity=false", "roofline=false", "quiet=true"]
 METHOD = ("paired A/B: baseline and candidate runs interleaved (the order alternating every round); per round "
           "the log-ratio candidate/baseline of the run medians; the geometric mean of the ratios with a "
           f"{CONFIDENCE:.0%} Student-t interval of the mean log-ratio (n - 1 degrees of freedom)")
+
+
+BLOCK_METHOD = ("paired A/B blocks: both sides' engine workers alive at once, pinned to one core, alternating "
+                "one sweep iteration (a block) at a time, the order flipping every pair; per pair the log-ratio "
+                "candidate/baseline of the block's median decode step (and its prefill, not decisive); the "
+                f"{BLOCK_TRIM:.0%}-trimmed mean log-ratio with a {CONFIDENCE:.0%} Yuen interval")
 
 
 @dataclass
@@ -96,6 +111,7 @@ class PairResult:
     verdict: str
     round_ratios: list[float] = field(default_factory=list)
     note: str | None = None
+    decisive: bool = True  # False: shown (and failing closed when missing) but never REGRESSED alone
 
 
 # ---- git ----------------------------------------------------------------------------------------
@@ -301,6 +317,40 @@ def compare(rounds: list[tuple[Values, Values]], metrics: list[str], threshold: 
     return results
 
 
+def block_results(pairs: dict[str, dict[str, list[tuple[float | None, float | None]]]], threshold: float,
+                  engine: str = "reference", confidence: float = CONFIDENCE, trim: float | None = None) -> list[PairResult]:
+    """Per (point, metric) of an interleaved block job (harness.ab_blocks): the trimmed-mean ratio
+    candidate/baseline over the pairs, its Yuen interval and the verdict. Fails closed: a pair
+    with a side's value missing makes the row `failed`, and so do fewer than three pairs."""
+    from harness.ab_blocks import BLOCK_METRICS, DECISIVE, TRIM, trimmed_ci
+    out = []
+    for key, metrics in pairs.items():
+        for metric, ps in metrics.items():
+            common = dict(engine=engine, point=key, metric=metric, better=BLOCK_METRICS[metric],
+                          decisive=metric in DECISIVE)
+            none = dict(baseline_median=None, candidate_median=None, ratio=None, ci_low=None, ci_high=None)
+            bad = [i + 1 for i, (a, b) in enumerate(ps) if a is None or b is None]
+            if bad:
+                shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+                out.append(PairResult(**common, **none, verdict="failed",
+                                      note=f"a side lacks the value in pair{'s' if len(bad) > 1 else ''} {shown} of {len(ps)}"))
+                continue
+            ci = trimmed_ci(np.log([b / a for a, b in ps]), confidence, TRIM if trim is None else trim) \
+                if len(ps) >= 3 else None
+            if ci is None:
+                out.append(PairResult(**common, **none, verdict="failed",
+                                      note=f"{len(ps)} pairs: too few to compare (3 at least)"))
+                continue
+            logs = np.log([b / a for a, b in ps])
+            lo, hi = math.exp(ci[1]), math.exp(ci[2])
+            out.append(PairResult(
+                **common, baseline_median=float(np.median([a for a, _ in ps])),
+                candidate_median=float(np.median([b for _, b in ps])), ratio=math.exp(ci[0]), ci_low=lo, ci_high=hi,
+                verdict=verdict(lo, hi, BLOCK_METRICS[metric], threshold),
+                note=f"{len(ps)} pairs, per-pair log-ratio sd {float(logs.std(ddof=1)):.1%}"))
+    return out
+
+
 VERDICTS = ("regressed", "failed", "improved", "unchanged", "new", "no-data")
 
 
@@ -322,7 +372,7 @@ def overall(results: list[PairResult], candidate_exits: list[tuple[int, int, lis
                    f"{', '.join(map(str, rnds))}" + (f": {reasons}" if reasons else ""))
     if why:
         return "failed", list(dict.fromkeys(why))
-    return ("regressed" if any(r.verdict == "regressed" for r in results) else "unchanged"), []
+    return ("regressed" if any(r.verdict == "regressed" and r.decisive for r in results) else "unchanged"), []
 
 
 def format_table(results: list[PairResult]) -> str:
@@ -348,7 +398,21 @@ def parser() -> argparse.ArgumentParser:
                                  epilog="Everything after -- is passed to every infer-bench run.")
     ap.add_argument("--baseline-ref", required=True, help="the baseline commit (e.g. the one named in ci/baseline-ref)")
     ap.add_argument("--candidate-ref", help="the candidate commit (default: the working tree)")
-    ap.add_argument("--rounds", type=int, default=6, help="A/B rounds (default 6)")
+    ap.add_argument("--method", choices=("runs", "blocks"), default="runs",
+                    help="runs: whole infer-bench runs per side, interleaved by rounds (any engines and workload); "
+                         "blocks: both sides' engine workers alive at once on one core, alternating blocks of one "
+                         "sweep iteration (one engine, the sweep workload; the CI gate's method)")
+    ap.add_argument("--rounds", type=int, default=6, help="--method runs: A/B rounds (default 6)")
+    ap.add_argument("--pairs", type=int, default=120,
+                    help="--method blocks: block pairs per point (default 120)")
+    ap.add_argument("--warmup-blocks", type=int, default=3,
+                    help="--method blocks: blocks per side and point run and discarded first (default 3)")
+    ap.add_argument("--worker-pairs", type=int, default=2,
+                    help="--method blocks: worker processes per side (default 2), taking the pairs in turn: one "
+                         "process of the same code can run a few per cent faster than another")
+    ap.add_argument("--cpu", type=int,
+                    help="--method blocks: the one core both workers are pinned to (default: the last core this "
+                         "process may use)")
     ap.add_argument("--threshold", default="10%", help="smallest change that counts (default 10%%)")
     ap.add_argument("--metric", action="append", choices=sorted(METRICS), help="metrics to compare (repeatable)")
     ap.add_argument("--baseline-override", action="append", default=[], metavar="KEY=VALUE",
@@ -373,6 +437,12 @@ def parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     threshold = parse_threshold(args.threshold)
+    if args.method == "blocks" and args.pairs < 3:
+        raise UserError(f"--pairs {args.pairs}: at least 3 block pairs are needed for an interval (120 is the default).")
+    if args.method == "blocks" and args.worker_pairs < 1:
+        raise UserError(f"--worker-pairs {args.worker_pairs}: at least 1.")
+    if args.method == "blocks" and args.relative_to:
+        raise UserError("--relative-to compares engines of one run: it needs --method runs.")
     if args.rounds < 2:
         raise UserError(f"--rounds {args.rounds}: at least 2 rounds are needed for an interval (6 is the default).")
     metrics = args.metric or list(DEFAULT_METRICS)
@@ -398,14 +468,64 @@ def run(argv: list[str]) -> int:
             dirty = bool(_git("status", "--porcelain", "--untracked-files=no").stdout.strip())
             cand = Side("candidate", REPO_ROOT, None if dirty else head, args.candidate_override)
         print(f"infer-bench-ab: baseline {base_commit[:12]} vs candidate "
-              f"{(cand_commit or 'working tree')[:12]}, {args.rounds} rounds -> {out}", flush=True)
-        rounds, candidate_exits = interleaved_rounds(args, base, cand, overrides, out, metrics)
+              f"{(cand_commit or 'working tree')[:12]}, "
+              + (f"{args.pairs} block pairs" if args.method == "blocks" else f"{args.rounds} rounds") + f" -> {out}",
+              flush=True)
+        if args.method == "blocks":
+            results, failure = blocks_job(args, base, cand, overrides, out, threshold)
+            candidate_exits = []
+        else:
+            rounds, candidate_exits = interleaved_rounds(args, base, cand, overrides, out, metrics)
     finally:
         for t in trees:
             remove_worktree(t)
         shutil.rmtree(work, ignore_errors=True)
+    if args.method == "blocks":
+        return report(args, results, [], threshold, base_commit, cand_commit, overrides, out, failure)
     results = compare(rounds, metrics, threshold, args.allow_missing, args.relative_to)
     return report(args, results, candidate_exits, threshold, base_commit, cand_commit, overrides, out)
+
+
+def blocks_job(args: argparse.Namespace, base: Side, cand: Side, overrides: list[str], out: Path,
+               threshold: float) -> tuple[list[PairResult], str | None]:
+    """--method blocks (harness.ab_blocks): both sides' workers, interleaved block by block; the
+    results per (point, metric) and why the job failed as a whole (an engine that could not
+    start, a worker that died), or None."""
+    from harness import ab_blocks
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    cpu = allowed[-1] if args.cpu is None else args.cpu
+    if cpu not in allowed:
+        raise UserError(f"--cpu {cpu}: this process may use cores {allowed}; name one of them.")
+    fixed = [*FIXED, *ab_blocks.FIXED, f"cpus=[{cpu}]"]
+    plan_a, model_path = ab_blocks.plan_side([*overrides, *base.overrides, *fixed])
+    plan_b, _ = ab_blocks.plan_side([*overrides, *cand.overrides, *fixed])
+    engine = plan_a.engines[0]
+    if plan_b.engines != [engine]:
+        raise UserError(f"the sides run different engines ({engine} and {', '.join(plan_b.engines)}): "
+                        "--method blocks compares one engine's two versions.")
+    keys = [p.key for p in plan_a.points]
+    if [p.key for p in plan_b.points] != keys:
+        raise UserError("the sides plan different points (a --baseline-override or --candidate-override changes "
+                        "the workload): --method blocks compares the same points.")
+    points = [{"workload": p.workload, "params": p.params} for p in plan_a.points]
+    sides = {s.name: [ab_blocks.BlockWorker(s.name, ab_blocks.worker_command(args.python, s.tree),
+                                            ab_blocks.job_for(plan, model_path, engine, out),
+                                            out / f"{s.name}-worker{k + 1}.log") for k in range(args.worker_pairs)]
+             for s, plan in ((base, plan_a), (cand, plan_b))}
+    print(f"  {args.pairs} block pairs per point x {len(points)} points, {args.worker_pairs} worker(s) per side, "
+          f"all on core {cpu}", flush=True)
+    try:
+        blocks = ab_blocks.interleave(sides["baseline"], sides["candidate"], points, keys, args.pairs,
+                                      args.warmup_blocks, args.run_timeout_s, say=lambda m: print(m, flush=True))
+    finally:
+        for ws in sides.values():
+            for w in ws:
+                w.stop()
+    atomic_write_text(out / "blocks.json", json.dumps({"pairs": blocks.pairs, "missing": blocks.missing,
+                                                       "failure": blocks.failure, "seconds": blocks.seconds}))
+    if blocks.failure:
+        return [], blocks.failure
+    return block_results(blocks.pairs, threshold, engine), None
 
 
 def interleaved_rounds(args: argparse.Namespace, base: Side, cand: Side, overrides: list[str], out: Path,
@@ -433,18 +553,27 @@ def interleaved_rounds(args: argparse.Namespace, base: Side, cand: Side, overrid
 
 
 def report(args: argparse.Namespace, results: list[PairResult], candidate_exits: list[tuple[int, int, list[str]]],
-           threshold: float, base_commit: str, cand_commit: str | None, overrides: list[str], out: Path) -> int:
-    """Print the table and the verdict, write the verdict file; the exit code (0: unchanged)."""
+           threshold: float, base_commit: str, cand_commit: str | None, overrides: list[str], out: Path,
+           failure: str | None = None) -> int:
+    """Print the table and the verdict, write the verdict file; the exit code (0: unchanged).
+    `failure`: why the job as a whole failed (FAILED whatever the results)."""
     print(format_table(results))
     counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
     verdict_, why = overall(results, candidate_exits)
+    if failure:
+        verdict_, why = "failed", [failure, *(w for w in why if not w.startswith("nothing was compared"))]
+    how = (f"{args.pairs} interleaved block pairs per point, {CONFIDENCE:.0%} Yuen intervals of the "
+           f"{BLOCK_TRIM:.0%}-trimmed mean log-ratio; decisive: {', '.join(BLOCK_DECISIVE)}"
+           if args.method == "blocks" else
+           f"{args.rounds} interleaved rounds, {CONFIDENCE:.0%} t-intervals of the mean log-ratio")
     print(f"\nverdict: {verdict_.upper()}  ({', '.join(f'{n} {v}' for v, n in counts.items() if n) or 'no results'}; "
-          f"threshold {threshold:.1%}, {args.rounds} interleaved rounds, {CONFIDENCE:.0%} t-intervals of the "
-          "mean log-ratio" + ("; --allow-missing" if args.allow_missing else "") + ")")
+          f"threshold {threshold:.1%}, {how}" + ("; --allow-missing" if args.allow_missing else "") + ")")
     for w in why:
         print(f"  FAILED: {w}")
     doc = {"verdict": verdict_, "failed_because": why, "counts": counts, "threshold": threshold,
-           "rounds": args.rounds, "method": METHOD, "allow_missing": args.allow_missing,
+           "rounds": args.rounds if args.method == "runs" else None,
+           "pairs": args.pairs if args.method == "blocks" else None,
+           "method": BLOCK_METHOD if args.method == "blocks" else METHOD, "allow_missing": args.allow_missing,
            "baseline_ref": args.baseline_ref, "baseline_commit": base_commit,
            "candidate": cand_commit or "working tree", "overrides": overrides,
            "relative_to": args.relative_to, "baseline_overrides": args.baseline_override, "candidate_overrides": args.candidate_override,

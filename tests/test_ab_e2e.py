@@ -59,6 +59,30 @@ def test_reference_without_kv_cache_is_regressed(tmp_path, tiny_ckpt):
     assert "REGRESSED" in out
 
 
+BLOCKS = ["--method", "blocks", "--pairs", "20", "--warmup-blocks", "1"]
+BLOCK_CONFIG = [*CONFIG[:3], "workload.batch_sizes=[1,8]", "workload.prompt_lens=[32]", "workload.output_len=8",
+                "engine_options.reference.num_threads=1"]
+
+
+def test_blocks_same_code_twice_is_unchanged(tmp_path, tiny_ckpt):
+    code, doc, out = ab(tmp_path / "aa", tiny_ckpt, *BLOCKS, config=BLOCK_CONFIG)
+    assert code == 0, out
+    assert doc["verdict"] == "unchanged" and doc["pairs"] == 20
+    assert {(r["metric"], r["decisive"]) for r in doc["results"]} == {
+        ("decode_step_latency_s", True), ("block_cpu_s", False), ("prefill_latency_s", False)}
+    assert len(doc["results"]) == 6 and all(0.85 < r["ratio"] < 1.15 for r in doc["results"])
+    blocks = json.loads((tmp_path / "aa" / "blocks.json").read_text())
+    assert all(len(v) == 20 for m in blocks["pairs"].values() for v in m.values())
+
+
+def test_blocks_reference_without_kv_cache_is_regressed(tmp_path, tiny_ckpt):
+    code, doc, out = ab(tmp_path / "handicap", tiny_ckpt, *BLOCKS, "--candidate-override",
+                        "engine_options.reference.kv_cache=none", config=BLOCK_CONFIG)
+    assert code == 1, out
+    assert doc["verdict"] == "regressed" and "REGRESSED" in out
+    assert {r["verdict"] for r in doc["results"] if r["metric"] == "decode_step_latency_s"} == {"regressed"}
+
+
 def test_compare_on_one_machine_matches_a_run_with_itself(tmp_path, tiny_ckpt):
     run_dir = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "harness.cli", *CONFIG, f"model.path={tiny_ckpt}",
@@ -73,7 +97,11 @@ def test_compare_on_one_machine_matches_a_run_with_itself(tmp_path, tiny_ckpt):
     assert all(c["ratio"] == pytest.approx(1.0) for c in doc["comparisons"] if c["ratio"] is not None)
 
 
-def test_a_terminated_job_leaves_no_worktree_and_no_process(tmp_path, tiny_ckpt):
+@pytest.mark.parametrize("method, config, child", [
+    ([], CONFIG, "harness.cli"),  # whole runs: a side's infer-bench run under way
+    (BLOCKS, BLOCK_CONFIG, "harness.worker"),  # blocks: the engine workers alive
+], ids=["runs", "blocks"])
+def test_a_terminated_job_leaves_no_worktree_and_no_process(tmp_path, tiny_ckpt, method, config, child):
     import signal
     import time
 
@@ -86,16 +114,18 @@ def test_a_terminated_job_leaves_no_worktree_and_no_process(tmp_path, tiny_ckpt)
 
     before = worktrees()
     p = subprocess.Popen([sys.executable, "-m", "harness.ab", "--baseline-ref", "HEAD", "--candidate-ref", "HEAD",
-                          "--rounds", "3", "--out", str(tmp_path / "ab"), "--", *CONFIG, f"model.path={tiny_ckpt}"],
+                          "--rounds", "3", "--out", str(tmp_path / "ab"), *method, "--", *config,
+                          f"model.path={tiny_ckpt}"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     deadline = time.monotonic() + 300
     children: list = []
     while time.monotonic() < deadline and not children:  # until a side's run is under way
         time.sleep(0.5)
-        children = [c for c in psutil.Process(p.pid).children(recursive=True) if "harness.cli" in " ".join(c.cmdline())]
+        children = [c for c in psutil.Process(p.pid).children(recursive=True) if child in " ".join(c.cmdline())]
     assert children, "no infer-bench run started"
-    added = worktrees() - before
+    # this job's worktrees only: other worktrees of the repository may come and go meanwhile
+    added = {w for w in worktrees() - before if "infer-bench-ab-" in w}
     assert added, "the job made no worktree"
     time.sleep(3)  # the run has its engine worker by now
     children = psutil.Process(p.pid).children(recursive=True)
@@ -103,7 +133,7 @@ def test_a_terminated_job_leaves_no_worktree_and_no_process(tmp_path, tiny_ckpt)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-2000:]
     assert "interrupted" in err
-    assert worktrees() == before
+    assert not added & worktrees()
     assert not any(w.exists() for w in map(__import__("pathlib").Path, added))
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"left behind: {[(c.pid, c.cmdline()) for c in alive]}"

@@ -35,6 +35,23 @@ def test_the_points_off_full_then_capacities_and_caching_off_alone():
                                                                               (False, "off")]
 
 
+def test_the_full_point_gets_the_pool_asked_for():
+    """kv_tiers_full_bytes: the full point asks for that pool (kv_cache_bytes) instead of the
+    engine's default, which need not hold every history; its key says so; the other points are
+    unchanged. Unset: kv_cache_bytes null, as before."""
+    c = Conversation()
+    caps = Capabilities(prefix_caching=True, kv_offload=True)
+    points = c.plan(ConversationConfig(kv_tiers=["off", "full", "128MiB"], prefix_caching=[True],
+                                       kv_tiers_full_bytes="512MiB"))
+    assert [p.params.get("kv_full_bytes") for p in points] == [None, 512 << 20, None]
+    assert c.engine_overrides(points[1], caps) == {"prefix_caching": True, "kv_offload": False,
+                                                   "kv_cache_bytes": 512 << 20}
+    assert c.engine_overrides(points[0], caps) == {"prefix_caching": True, "kv_offload": False}
+    ps = PrefixSharing().plan(PrefixSharingConfig(prefix_lens=[64], kv_tiers=["full"], prefix_caching=[True],
+                                                  kv_tiers_full_bytes=2**30))
+    assert ps[0].params["kv_full_bytes"] == GIB
+
+
 def test_what_each_mode_asks_of_an_engine():
     c = Conversation()
     tiered = Capabilities(prefix_caching=True, kv_offload=True)
@@ -104,6 +121,30 @@ def test_a_tiered_turn_beside_recompute_and_the_bound():
     assert "no kv_tiers=full point" in lonely["tier_comparison"] and "ttft_full_s" not in lonely["turns"][0]
 
 
+def test_the_runs_own_noise_from_the_turns_where_the_three_points_did_the_same_work():
+    """Turn 1 (no history) and turn 2 (every pool held it) do the same work in all three points:
+    their TTFTs spread by at most 10 % (the noise). At turn 3 the tiered turn reloaded what the
+    recompute point prefilled, and is 5 % under the bound: not between strictly, between within
+    the noise. At turn 4 it is 30 % under: not between either way. Where no turn did the same
+    work, there is no noise figure and no such verdict."""
+    off = _row("off", [0.50, 0.60, 1.50, 2.00], [64, 72, 208, 280])
+    full = _row("full", [0.55, 0.63, 0.70, 0.70], [64, 72, 80, 72])
+    tiered = _row(GIB, [0.52, 0.65, 0.665, 0.49], [64, 72, 80, 72])
+    tiered["turns"][2]["tier2_hit_tokens"] = 128 * 4
+    tiered["turns"][3]["tier2_hit_tokens"] = 208 * 4
+    compare_tiers(tiered, [off, full], "conversation")
+    assert tiered["tier_ttft_noise"] == pytest.approx(0.10) and tiered["tier_ttft_noise_turns"] == [1, 2]
+    t3, t4 = tiered["turns"][2], tiered["turns"][3]
+    assert t3["ttft_between"] is False and t3["ttft_between_within_noise"] is True
+    assert t4["ttft_between"] is False and t4["ttft_between_within_noise"] is False
+    assert tiered["tier_turns_between_within_noise"] == 3 and "3 of 4 within the run's noise (10.0%" in \
+        tiered["tier_comparison"]
+    lonely = _row(GIB, [0.52, 0.66, 0.665, 0.49], [60, 70, 80, 72])  # never the same work as the others
+    compare_tiers(lonely, [off, full], "conversation")
+    assert lonely["tier_ttft_noise"] is None and "ttft_between_within_noise" not in lonely["turns"][2]
+    assert "noise" not in lonely["tier_comparison"]
+
+
 def test_a_full_point_that_lost_cached_blocks_is_no_bound_and_no_turn_gets_a_verdict():
     """The `full` point is the engine's default pool, which need not hold every history (the
     reference engine's CPU default shrinks with max_num_seqs: with max_num_seqs=2 a run's full
@@ -135,6 +176,8 @@ def test_a_full_point_that_lost_cached_blocks_is_no_bound_and_no_turn_gets_a_ver
     (["workload=conversation", "workload.kv_tiers=[1GiB]", "workload.prefix_caching=[false]"],
      "workload.kv_tiers=['1GiB']: KV tiers need prefix caching"),
     (["workload=prefix_sharing", "workload.kv_tiers=[-5]"], "workload.kv_tiers: -5"),
+    (["workload=conversation", "workload.kv_tiers=[off,full,1GiB]", "workload.kv_tiers_full_bytes=lots"],
+     "workload.kv_tiers_full_bytes: 'lots' is not a size"),
     (["engine_options.reference.kv_offload=true", "engine_options.reference.kv_offload_bytes=lots"],
      "engine_options.reference.kv_offload_bytes"),
     (["engine_options.reference.kv_offload=true", "engine_options.reference.prefix_caching=false"],

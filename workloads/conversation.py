@@ -82,6 +82,9 @@ class ConversationConfig:
         "KV tiers, with caching on (docs/metrics.md, \"KV tiers\"): off (the engine's pool alone: what it evicts "
         "is recomputed), full (one tier at the engine's default size, meant to hold every history: the upper "
         "bound), or a size (a second tier of that capacity behind the pool: 256MiB, 1GiB, 5e8)"))
+    kv_tiers_full_bytes: Any = spec(None, help=(
+        "the kv_tiers=full point's KV pool (kv_cache_bytes: bytes or a size, 512MiB); null: the engine's default "
+        "pool, which need not hold every history (the reference engine's CPU default shrinks with max_num_seqs)"))
     separator_ids: list[int] = spec([], help="token ids put between messages when turns are concatenated "
                                              "(in-process engines, api=completions)")
     dataset: str | None = spec(None, help="ShareGPT JSON or chat-format JSONL file, or hf:ORG/NAME[/FILE] (a "
@@ -257,7 +260,7 @@ class Conversation(Workload):
         if cfg.concurrency is not None and cfg.session_rate is not None:
             problems.append("workload.concurrency and workload.session_rate: give one (closed loop: sessions in "
                             "flight; open loop: sessions started per second), not both.")
-        problems += tier_problems(cfg.kv_tiers, cfg.prefix_caching)
+        problems += tier_problems(cfg.kv_tiers, cfg.prefix_caching, full_bytes=cfg.kv_tiers_full_bytes)
         if cfg.dataset:
             try:
                 read_chats(cfg.dataset)
@@ -278,7 +281,8 @@ class Conversation(Workload):
         return 1, self.max_model_len(cfg)
 
     def plan(self, cfg: ConversationConfig) -> list[Point]:
-        return [Point(self.name, {"prefix_caching": c, "sessions": cfg.sessions, **tier_param(t)})
+        return [Point(self.name, {"prefix_caching": c, "sessions": cfg.sessions,
+                                  **tier_param(t, cfg.kv_tiers_full_bytes)})
                 for c in dict.fromkeys(cfg.prefix_caching) for t in tier_modes(cfg.kv_tiers, c)]
 
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:

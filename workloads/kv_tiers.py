@@ -4,8 +4,9 @@ adapters.base.STANDARD_OPTIONS), and what the row gets.
 
 Modes (`workload.kv_tiers`, with prefix caching on):
   off    the engine's KV pool alone: what it evicts is recomputed when a session comes back
-  full   one tier at the engine's default size (kv_cache_bytes null), meant to hold every history:
-         the upper bound (the row says how many blocks it evicted anyway)
+  full   one tier at the engine's default size (kv_cache_bytes null), or of `kv_tiers_full_bytes`
+         where given, meant to hold every history: the upper bound (a full point that evicted
+         cached blocks is no bound: compare_tiers gives no verdict against it)
   SIZE   a second tier of SIZE bytes behind the pool (kv_offload, kv_offload_bytes): evicted
          blocks go there and are reloaded on a later hit instead of prefilled again
 A run whose kv_tiers is just `off` (the default) gives the engine no tier option at all: it runs
@@ -41,10 +42,15 @@ def tier_mode(entry: Any) -> str | int | None:
     return parse_size(entry)
 
 
-def tier_problems(entries: list[Any], prefix_caching: list[bool], field: str = "workload.kv_tiers") -> list[str]:
-    """Every entry is off, full or a size; tiers need a point with prefix caching on."""
+def tier_problems(entries: list[Any], prefix_caching: list[bool], field: str = "workload.kv_tiers",
+                  full_bytes: Any = None) -> list[str]:
+    """Every entry is off, full or a size; tiers need a point with prefix caching on; the full
+    point's pool (`kv_tiers_full_bytes`), where given, is a size."""
     out = [f"{field}: {e!r} is neither off, full nor a size. Give off, full, or a capacity in bytes "
            "(1073741824, 5e8) or with a unit (512MiB, 1GiB, 2GB)." for e in entries if tier_mode(e) is None]
+    if full_bytes is not None and (isinstance(full_bytes, bool) or parse_size(full_bytes) is None):
+        out.append(f"workload.kv_tiers_full_bytes: {full_bytes!r} is not a size. Give the full point's KV pool in "
+                   "bytes (1073741824) or with a unit (512MiB, 1GiB), or null for the engine's default pool.")
     if not out and any(tier_mode(e) != "off" for e in entries) and True not in prefix_caching:
         out.append(f"{field}={entries}: KV tiers need prefix caching (a second tier holds blocks evicted from the "
                    "prefix cache; full measures reuse without eviction), and workload.prefix_caching has no true. "
@@ -65,8 +71,14 @@ def tier_modes(entries: list[Any], caching: bool) -> list[str | int | None]:
     return [m for m in MODES if m in modes] + sizes
 
 
-def tier_param(mode: str | int | None) -> dict[str, Any]:
-    return {} if mode is None else {"kv_tiers": mode}
+def tier_param(mode: str | int | None, full_bytes: Any = None) -> dict[str, Any]:
+    """A point's tier parameters: its mode, and for `full` the pool asked for (`kv_tiers_full_bytes`,
+    where given: the point's key then says it)."""
+    if mode is None:
+        return {}
+    if mode == "full" and full_bytes is not None:
+        return {"kv_tiers": mode, "kv_full_bytes": parse_size(full_bytes)}
+    return {"kv_tiers": mode}
 
 
 def tiers_label(mode: Any) -> str:
@@ -90,8 +102,8 @@ def tier_overrides(point: Point, caps: Capabilities) -> dict[str, Any]:
     off = {"kv_offload": False} if caps.kv_offload else {}
     if mode == "off":
         return off
-    if mode == "full":  # the engine's own default pool size
-        return {**off, "kv_cache_bytes": None}
+    if mode == "full":  # the pool asked for (kv_tiers_full_bytes), else the engine's own default size
+        return {**off, "kv_cache_bytes": point.params.get("kv_full_bytes")}
     return {"kv_offload": True, "kv_offload_bytes": int(mode)}
 
 
@@ -199,7 +211,10 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     (`ttft_between`: full <= tiered <= recompute), the measured prefill cost per recomputed history
     token at that turn ((TTFT recompute - TTFT full) / the extra tokens the recompute run
     prefilled) and the break-even against the reload cost per token; the row the count of turns in
-    between. Rows of the other two modes get nothing. Fails closed: a row with nothing to compare
+    between; and, where some turns did the same work in all three points, the run's noise (the
+    largest spread of TTFT there) and per turn whether the tiered TTFT lies between within it
+    (`ttft_between_within_noise`: full x (1 - noise) <= tiered <= recompute x (1 + noise)). Rows of
+    the other two modes get nothing. Fails closed: a row with nothing to compare
     says why (`tier_comparison`), and so does one whose `full` point evicted cached blocks (or
     does not say): that point is no bound, and no turn gets a verdict against it."""
     mode = row.get("kv_tiers")
@@ -217,10 +232,12 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     why = _not_a_bound(full[-1], lost)
     if why:  # the bound must hold every history: fail closed
         row["tier_comparison"] = (
-            f"no bound: the kv_tiers=full point {why} (its pool is the engine's default size; the reference "
-            "engine's CPU default is min(1 GiB, max_num_seqs x max_model_len tokens)); no TTFT verdict. Give the "
-            "engine a default pool that holds every session's history (a larger max_num_seqs, fewer or shorter "
-            "sessions)")
+            f"no bound: the kv_tiers=full point {why}"
+            + (f" (its pool: {human_size(full[-1]['kv_full_bytes'])})" if full[-1].get("kv_full_bytes") else
+               " (its pool is the engine's default size; the reference engine's CPU default is min(1 GiB, "
+               "max_num_seqs x max_model_len tokens))")
+            + "; no TTFT verdict. Give the full point a pool that holds every session's history: "
+            "workload.kv_tiers_full_bytes=SIZE")
         return
     rec, bound = {t["turn"]: t for t in off[-1]["turns"]}, {t["turn"]: t for t in full[-1]["turns"]}
     reload = row.get("reload_s_per_token_measured") or row.get("reload_s_per_token")
@@ -246,6 +263,40 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     row["tier_turns_between"] = between
     row["tier_comparison"] = (f"{between} of {compared} turns between the full pool and recompute"
                               if compared else "no turn had TTFT in all three modes")
+    noise, same = _noise_floor(row["turns"], rec, bound)
+    row["tier_ttft_noise"], row["tier_ttft_noise_turns"] = noise, same
+    if noise is not None and compared:
+        within = 0
+        for t in row["turns"]:
+            if t.get("ttft_between") is None:
+                continue
+            t["ttft_between_within_noise"] = (t["ttft_full_s"] * (1 - noise) <= t["ttft_s"]
+                                              <= t["ttft_recompute_s"] * (1 + noise))
+            within += t["ttft_between_within_noise"]
+        row["tier_turns_between_within_noise"] = within
+        row["tier_comparison"] += (f"; {within} of {compared} within the run's noise ({noise:.1%}: the spread of the "
+                                   f"three points' TTFT at turn(s) {', '.join(map(str, same))}, where they did the "
+                                   "same work)")
+
+
+def _noise_floor(turns: list[dict[str, Any]], rec: dict[int, Any], bound: dict[int, Any]
+                 ) -> tuple[float | None, list[int]]:
+    """The run's own TTFT noise: over the turns where the tiered, recompute and full points did the
+    same work (the same tokens prefilled per request, nothing reloaded: no history yet, or one
+    every pool still held), the largest spread max/min - 1 of their three TTFTs; None without
+    such a turn."""
+    spreads, same = [], []
+    for t in turns:
+        r, f = rec.get(t["turn"]), bound.get(t["turn"])
+        if r is None or f is None or t.get("tier2_hit_tokens"):
+            continue
+        work = {_mean_prefilled(x) for x in (t, r, f)}
+        ttfts = [x.get("ttft_s") for x in (t, r, f)]
+        if len(work) != 1 or None in work or None in ttfts or min(ttfts) <= 0:
+            continue
+        spreads.append(max(ttfts) / min(ttfts) - 1)
+        same.append(t["turn"])
+    return (max(spreads) if spreads else None), same
 
 
 def _not_a_bound(full: dict[str, Any], evictions: int | None) -> str | None:

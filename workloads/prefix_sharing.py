@@ -35,6 +35,9 @@ class PrefixSharingConfig:
     kv_tiers: list[Any] = spec(["off"], nonempty=True, help=(
         "KV tiers, with caching on: off (the pool alone), full (the engine's default pool: the bound), or a size "
         "(a second tier of that capacity: 256MiB, 1GiB, 5e8); workloads/kv_tiers.py"))
+    kv_tiers_full_bytes: Any = spec(None, help=(
+        "the kv_tiers=full point's KV pool (kv_cache_bytes: bytes or a size, 512MiB); null: the engine's default "
+        "pool"))
 
 
 def _hits(engine: Engine) -> tuple[int | None, int | None]:
@@ -57,12 +60,13 @@ class PrefixSharing(Workload):
 
     def plan(self, cfg: PrefixSharingConfig) -> list[Point]:
         return [Point(self.name, {"prefix_caching": c, "prefix_len": p, "num_requests": r,
-                                  "suffix_len": cfg.suffix_len, "output_len": cfg.output_len, **tier_param(t)})
+                                  "suffix_len": cfg.suffix_len, "output_len": cfg.output_len, **tier_param(t, cfg.kv_tiers_full_bytes)})
                 for c in dict.fromkeys(cfg.prefix_caching) for t in tier_modes(cfg.kv_tiers, c)
                 for p in sorted(set(cfg.prefix_lens)) for r in sorted(set(cfg.num_requests))]
 
     def check(self, cfg: PrefixSharingConfig, shape: Any) -> list[str]:
-        return tier_problems(cfg.kv_tiers, cfg.prefix_caching) or super().check(cfg, shape)
+        return tier_problems(cfg.kv_tiers, cfg.prefix_caching, full_bytes=cfg.kv_tiers_full_bytes) \
+            or super().check(cfg, shape)
 
     def max_model_len(self, cfg: PrefixSharingConfig) -> int:
         return max(cfg.prefix_lens) + cfg.suffix_len + cfg.output_len
