@@ -1,5 +1,5 @@
-"""Cross-engine truth for speculative decoding with a draft model: transformers (hf) and vLLM,
-at batch 1, the same target, draft, k and prompts, greedy drafting and verification. Each engine
+"""Cross-engine truth for speculative decoding with a draft model: the reference engine,
+transformers (hf) and vLLM, at batch 1, the same target, draft, k and prompts, greedy drafting and verification. Each engine
 decodes every prompt with and without speculation through its adapter's step API; the script
 prints whether speculation changed any token (per engine), and per request the accepted tokens
 both ways:
@@ -8,6 +8,10 @@ both ways:
   from DecodeResult.emitted: a property of the two models once the settings are equal;
 - from the engine's counters (Engine.spec_decode_stats before and after the request): vLLM counts
   a request's last step before it cuts the output at max_tokens, so its count may be higher there.
+
+The settings are equal by construction: the same k on every engine, greedy drafting and greedy
+verification, transformers' assistant on a constant schedule of k tokens with no confidence
+threshold (adapters/hf.py), the draft's greedy tokens on all three.
 
     .venv/bin/python scripts/spec_cross_engine.py [--draft DIR | --noisy 0.5] [--target DIR]
         [--requests 12] [--prompt-len 128] [--output-len 64] [-k 4]
@@ -50,9 +54,11 @@ def make_noisy(target: Path, scale: float, out: Path) -> Path:
 def run_engine(engine: str, target: str, draft: str, k: int, prompts: list[list[int]], n: int) -> dict:
     """In this process: the engine without and with speculation, each prompt at batch 1."""
     from adapters.base import ModelSpec
+    extra: dict = {}
     if engine == "hf":
         from adapters.hf import HFEngine as Engine
-        extra: dict = {}
+    elif engine == "reference":
+        from adapters.reference.engine import ReferenceEngine as Engine
     else:
         from adapters.vllm.engine import VLLMEngine as Engine
         extra = {"block_size": 32, "kv_cache_memory_bytes": 64 << 20}
@@ -115,27 +121,41 @@ def main() -> int:
                         "--output-len", str(a.output_len), "--prompts", str(tmp / "prompts.json"),
                         "--out", str(tmp / "vllm.json")], check=True, env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
-        res = {"hf": run_engine("hf", str(target), draft, a.k, prompts, a.output_len),
-               "vllm": json.loads((tmp / "vllm.json").read_text())}
+        print("vllm done", file=sys.stderr, flush=True)
+        res = {"reference": run_engine("reference", str(target), draft, a.k, prompts, a.output_len)}
+        print("reference done", file=sys.stderr, flush=True)
+        res["hf"] = run_engine("hf", str(target), draft, a.k, prompts, a.output_len)
+        res["vllm"] = json.loads((tmp / "vllm.json").read_text())
     print(f"target {target.name}, draft {'noisy x' + str(a.noisy) if not a.draft else a.draft}, k={a.k}, "
           f"{a.requests} requests of {a.prompt_len} -> {a.output_len} tokens, batch 1, fp32")
     for e, r in res.items():
         same = sum(x["tokens"] == y["tokens"] for x, y in zip(r["none"], r["draft"]))
         print(f"{e}: speculation left {same}/{len(prompts)} outputs unchanged")
-    print(f"hf and vllm without speculation: {sum(x['tokens'] == y['tokens'] for x, y in zip(res['hf']['none'], res['vllm']['none']))}"
-          f"/{len(prompts)} outputs identical")
-    print("request  steps hf/vllm  accepted from steps hf/vllm  counted hf/vllm")
-    same_steps = same_counted = 0
-    for i, (h, v) in enumerate(zip(res["hf"]["draft"], res["vllm"]["draft"])):
-        sh, sv = sum(h["emitted"]) - len(h["emitted"]), sum(v["emitted"]) - len(v["emitted"])
-        same_steps += sh == sv and h["emitted"] == v["emitted"]
-        same_counted += h["counted"] == v["counted"]
-        print(f"{i:7d}  {len(h['emitted']):5d}/{len(v['emitted']):<5d}  {sh:12d}/{sv:<14d}  {h['counted']:7d}/{v['counted']}")
+    names = list(res)
+    base = res[names[0]]["none"]
+    for e in names[1:]:
+        same = sum(x["tokens"] == y["tokens"] for x, y in zip(base, res[e]["none"]))
+        print(f"{names[0]} and {e} without speculation: {same}/{len(prompts)} outputs identical")
+
+    def accepted(row: dict) -> int:  # decode tokens - steps: what the request was given
+        return sum(row["emitted"]) - len(row["emitted"])
+
+    print("request  steps " + "/".join(names) + "  accepted from steps " + "/".join(names) + "  counted "
+          + "/".join(names))
+    same_steps = same_counts = same_counted = 0
+    for i in range(len(prompts)):
+        rows = [res[e]["draft"][i] for e in names]
+        counts = [accepted(r) for r in rows]
+        same_counts += len(set(counts)) == 1
+        same_steps += all(r["emitted"] == rows[0]["emitted"] for r in rows)
+        same_counted += len({r["counted"] for r in rows}) == 1
+        print(f"{i:7d}  {'/'.join(str(len(r['emitted'])) for r in rows):>{len(names) * 3 + 6}}  "
+              f"{'/'.join(map(str, counts)):>{len(names) * 4 + 16}}  {'/'.join(str(r['counted']) for r in rows)}")
     n = len(prompts)
-    acc = sum(sum(h["emitted"]) - len(h["emitted"]) for h in res["hf"]["draft"])
-    print(f"identical accepted counts (from the steps, and every step's emission): {same_steps}/{n}; "
-          f"identical counters: {same_counted}/{n}; {acc} of the {n * (a.output_len - 1)} decode tokens were accepted "
-          "draft tokens")
+    acc = sum(accepted(r) for r in res[names[0]]["draft"])
+    print(f"identical accepted counts on {', '.join(names)}: {same_counts}/{n} ({same_counts / n:.0%}); identical "
+          f"per-step emission: {same_steps}/{n}; identical counters: {same_counted}/{n}; {acc} of the "
+          f"{n * (a.output_len - 1)} decode tokens were accepted draft tokens")
     return 0
 
 

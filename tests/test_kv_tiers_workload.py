@@ -121,6 +121,30 @@ def test_a_tiered_turn_beside_recompute_and_the_bound():
     assert "no kv_tiers=full point" in lonely["tier_comparison"] and "ttft_full_s" not in lonely["turns"][0]
 
 
+def test_the_runs_own_noise_from_the_turns_where_the_three_points_did_the_same_work():
+    """Turn 1 (no history) and turn 2 (every pool held it) do the same work in all three points:
+    their TTFTs spread by at most 10 % (the noise). At turn 3 the tiered turn reloaded what the
+    recompute point prefilled, and is 5 % under the bound: not between strictly, between within
+    the noise. At turn 4 it is 30 % under: not between either way. Where no turn did the same
+    work, there is no noise figure and no such verdict."""
+    off = _row("off", [0.50, 0.60, 1.50, 2.00], [64, 72, 208, 280])
+    full = _row("full", [0.55, 0.63, 0.70, 0.70], [64, 72, 80, 72])
+    tiered = _row(GIB, [0.52, 0.65, 0.665, 0.49], [64, 72, 80, 72])
+    tiered["turns"][2]["tier2_hit_tokens"] = 128 * 4
+    tiered["turns"][3]["tier2_hit_tokens"] = 208 * 4
+    compare_tiers(tiered, [off, full], "conversation")
+    assert tiered["tier_ttft_noise"] == pytest.approx(0.10) and tiered["tier_ttft_noise_turns"] == [1, 2]
+    t3, t4 = tiered["turns"][2], tiered["turns"][3]
+    assert t3["ttft_between"] is False and t3["ttft_between_within_noise"] is True
+    assert t4["ttft_between"] is False and t4["ttft_between_within_noise"] is False
+    assert tiered["tier_turns_between_within_noise"] == 3 and "3 of 4 within the run's noise (10.0%" in \
+        tiered["tier_comparison"]
+    lonely = _row(GIB, [0.52, 0.66, 0.665, 0.49], [60, 70, 80, 72])  # never the same work as the others
+    compare_tiers(lonely, [off, full], "conversation")
+    assert lonely["tier_ttft_noise"] is None and "ttft_between_within_noise" not in lonely["turns"][2]
+    assert "noise" not in lonely["tier_comparison"]
+
+
 def test_a_full_point_that_lost_cached_blocks_is_no_bound_and_no_turn_gets_a_verdict():
     """The `full` point is the engine's default pool, which need not hold every history (the
     reference engine's CPU default shrinks with max_num_seqs: with max_num_seqs=2 a run's full

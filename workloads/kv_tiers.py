@@ -211,7 +211,10 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     (`ttft_between`: full <= tiered <= recompute), the measured prefill cost per recomputed history
     token at that turn ((TTFT recompute - TTFT full) / the extra tokens the recompute run
     prefilled) and the break-even against the reload cost per token; the row the count of turns in
-    between. Rows of the other two modes get nothing. Fails closed: a row with nothing to compare
+    between; and, where some turns did the same work in all three points, the run's noise (the
+    largest spread of TTFT there) and per turn whether the tiered TTFT lies between within it
+    (`ttft_between_within_noise`: full x (1 - noise) <= tiered <= recompute x (1 + noise)). Rows of
+    the other two modes get nothing. Fails closed: a row with nothing to compare
     says why (`tier_comparison`), and so does one whose `full` point evicted cached blocks (or
     does not say): that point is no bound, and no turn gets a verdict against it."""
     mode = row.get("kv_tiers")
@@ -260,6 +263,40 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     row["tier_turns_between"] = between
     row["tier_comparison"] = (f"{between} of {compared} turns between the full pool and recompute"
                               if compared else "no turn had TTFT in all three modes")
+    noise, same = _noise_floor(row["turns"], rec, bound)
+    row["tier_ttft_noise"], row["tier_ttft_noise_turns"] = noise, same
+    if noise is not None and compared:
+        within = 0
+        for t in row["turns"]:
+            if t.get("ttft_between") is None:
+                continue
+            t["ttft_between_within_noise"] = (t["ttft_full_s"] * (1 - noise) <= t["ttft_s"]
+                                              <= t["ttft_recompute_s"] * (1 + noise))
+            within += t["ttft_between_within_noise"]
+        row["tier_turns_between_within_noise"] = within
+        row["tier_comparison"] += (f"; {within} of {compared} within the run's noise ({noise:.1%}: the spread of the "
+                                   f"three points' TTFT at turn(s) {', '.join(map(str, same))}, where they did the "
+                                   "same work)")
+
+
+def _noise_floor(turns: list[dict[str, Any]], rec: dict[int, Any], bound: dict[int, Any]
+                 ) -> tuple[float | None, list[int]]:
+    """The run's own TTFT noise: over the turns where the tiered, recompute and full points did the
+    same work (the same tokens prefilled per request, nothing reloaded: no history yet, or one
+    every pool still held), the largest spread max/min - 1 of their three TTFTs; None without
+    such a turn."""
+    spreads, same = [], []
+    for t in turns:
+        r, f = rec.get(t["turn"]), bound.get(t["turn"])
+        if r is None or f is None or t.get("tier2_hit_tokens"):
+            continue
+        work = {_mean_prefilled(x) for x in (t, r, f)}
+        ttfts = [x.get("ttft_s") for x in (t, r, f)]
+        if len(work) != 1 or None in work or None in ttfts or min(ttfts) <= 0:
+            continue
+        spreads.append(max(ttfts) / min(ttfts) - 1)
+        same.append(t["turn"])
+    return (max(spreads) if spreads else None), same
 
 
 def _not_a_bound(full: dict[str, Any], evictions: int | None) -> str | None:
