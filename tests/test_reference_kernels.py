@@ -90,7 +90,7 @@ def plain(spec):
 CPU_FLAGS = set(cpu_flags())
 ONEDNN_BF16 = "avx_ne_convert" in CPU_FLAGS or {"avx512bw", "avx512vl", "avx512dq"} <= CPU_FLAGS
 NO_ONEDNN_BF16 = ("this CPU lacks what oneDNN's bf16 linear needs (avx_ne_convert, or avx512bw + avx512vl + "
-                  "avx512dq): the reference engine runs bf16 on the plain path here")
+                  "avx512dq): the reference engine widens bf16 products to float32 here (kernels_cpu.WidenedLinear)")
 
 
 @pytest.mark.skipif(not torch.__version__.startswith("2.13"),
@@ -103,7 +103,8 @@ def test_onednn_probe_succeeds_on_the_pinned_torch(dtype):
     if dtype == torch.bfloat16 and not ONEDNN_BF16:
         why = kernels_cpu.probe(dtype)
         assert why is not None and "bfloat16" in why, why
-        assert kernels.select(torch.device("cpu"), dtype, EngineConfig()).details["linear"] == "torch"
+        chosen = kernels.select(torch.device("cpu"), dtype, EngineConfig())
+        assert chosen.details["linear"].startswith("widened") and chosen.make_linear is kernels_cpu.WidenedLinear
         return
     assert kernels_cpu.probe(dtype) is None
     assert kernels.select(torch.device("cpu"), dtype, EngineConfig()).details["linear"] == "onednn-packed"
@@ -150,6 +151,54 @@ def test_kernels_recorded_and_plain_matches(spec, plain):
     assert info["kernels"] == "cpu" and info["cpu_flags"] and info["linear"] == "onednn-packed"
     assert_same((engine, pre, dec), plain)
     engine.close()
+
+
+# ---- bf16 weights on a CPU without bf16 arithmetic (kernels_cpu.WidenedLinear) -----------
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_linear_is_the_bf16_product_rounded_once(rows, bias):
+    """Rows >= WIDEN_ROWS: float32 on the packed float32 copy, rounded once to bf16; fewer rows:
+    torch's own bf16 product. Both within one bf16 rounding of the exact (float64) result."""
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(96, 80, generator=g) * 0.1).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, 80, generator=g).bfloat16()
+    r = torch.randn(rows, 96, generator=g).bfloat16()
+    wide, plain = kernels_cpu.WidenedLinear(w, b), Linear(w, b)
+    assert wide.nbytes == plain.nbytes and wide.shape == plain.shape
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    f32 = x.float() @ w.float().T + (0 if b is None else b.float())
+    cases = ((wide(x), plain(x), exact, f32), (wide.add(x, r), plain.add(x, r), exact + r.double(), f32 + r.float()))
+    for got, want, reference, in_float32 in cases:
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        if rows >= kernels_cpu.WIDEN_ROWS:  # float32 (up to oneDNN's order of summation), rounded once
+            assert torch.allclose(got.float(), in_float32.bfloat16().float(), rtol=8e-3, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
+        assert rel_err(got, reference) < 8e-3 and rel_err(want, reference) < 8e-3
+
+
+def test_widened_engine_matches_the_plain_bf16_engine(tiny_ckpt, monkeypatch):
+    """The engine in bf16 with every product widened (forced here where oneDNN has bf16 kernels:
+    the probe refuses bf16 only) against kernels=plain in bf16."""
+    real = kernels_cpu.probe
+    monkeypatch.setattr(kernels_cpu, "probe", lambda dtype: real(dtype) if dtype == torch.float32 else "no bf16 (the test)")
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
+    fast = run(spec)
+    assert fast[0].kernels.details["linear"].startswith("widened")
+    assert isinstance(fast[0].model.layers[0].qkv, kernels_cpu.WidenedLinear)
+    fast[0].close()
+    slow = run(spec, {"kernels": "plain"})
+    slow[0].close()
+    assert fast[1].first_tokens == slow[1].first_tokens
+    errors = [rel_err(fast[1].logits, slow[1].logits)]
+    for row in range(len(LENGTHS)):  # each sequence's steps while both engines decoded the same tokens
+        for i, (a, b) in enumerate(zip(fast[2].logits, slow[2].logits)):
+            if i and fast[2].tokens[i - 1][row] != slow[2].tokens[i - 1][row]:
+                break
+            errors.append(rel_err(a[row], b[row]))
+    assert len(errors) > 2 * len(LENGTHS) and max(errors) < 3e-2, errors
 
 
 # ---- the fused CPU decode kernel (cpu_decode.py) -----------------------------------------
@@ -223,6 +272,51 @@ def test_fused_cpu_decode_falls_back_when_it_cannot_build(spec, plain, monkeypat
     assert "no C compiler" in details["decode_fallback_reason"]
     assert_same((engine, pre, dec), plain)
     engine.close()
+
+
+# ---- the CPU prefill attention (kernels.CpuStepAttention: SDPA) ---------------------------
+
+CPU_MODES = {
+    "paged": {},
+    "paged-block4": {"block_size": 4},
+    "contiguous": {"kv_layout": "contiguous"},
+    "none": {"kv_cache": "none"},
+    "chunked-prefill": {"max_num_batched_tokens": 7, "block_size": 4},
+}
+
+
+@pytest.mark.parametrize("slices", ["whole", "row-slices"])
+@pytest.mark.parametrize("mode", CPU_MODES)
+def test_cpu_sdpa_prefill_matches_plain(spec, plain, monkeypatch, mode, slices):
+    """Fresh chunks in one causal SDPA call; chunks after a cached context (chunked prefill) one
+    row slice at a time under the plain path's masks ("row-slices": a score budget small enough
+    for slices of 1-3 rows)."""
+    if slices == "row-slices":
+        real = kernels.select
+
+        def small_budget(device, dtype, cfg):
+            chosen = real(device, dtype, cfg)
+            chosen.attention = partial(chosen.attention, score_budget=256)
+            return chosen
+        monkeypatch.setattr(kernels, "select", small_budget)
+    engine, pre, dec = run(spec, CPU_MODES[mode])
+    assert engine.kernels.details["prefill_attention"].startswith("sdpa")
+    assert_same((engine, pre, dec), plain)
+    engine.close()
+
+
+def test_cpu_sdpa_prefill_after_a_cached_prefix(spec):
+    base = make_prompts([48], seed=1)[0]
+    prompts = [base[:40] + [7, 8, 9], base[:33] + [5], base + [11]]
+    results = []
+    for options in ({"kernels": "plain", "block_size": 4}, {"block_size": 4}):
+        engine = ReferenceEngine()
+        engine.load(spec, options)
+        engine.prefill([base]), engine.release()
+        results.append(run(engine, prompts=prompts))
+        assert engine.kv_cache_info().prefix_cache_hits > 0
+        engine.close()
+    assert_same(*results)
 
 
 # ---- the CUDA path's attention, on a CPU ---------------------------------------------------

@@ -3,9 +3,12 @@ kv_cache_info().extra["kernels"]).
 
     plain  model.Linear + attention.StepAttention: the reference semantics, on any device
     cpu    matrix products on oneDNN-packed weights (kernels_cpu.py), when its probe passes;
+           bf16/fp16 weights on a CPU whose oneDNN has no kernels for them (AVX2 only): the
+           products of 2 rows or more in float32 on packed float32 copies (WidenedLinear);
            decode attention by a fused C kernel that reads K/V through the block table
            (cpu_decode.py, compiled for this CPU at load), when it builds and agrees with the
-           plain path; prefill attention as plain (sliced batched matmuls)
+           plain path; prefill attention through torch's scaled_dot_product_attention
+           (CpuStepAttention)
     cuda   SDPA (flash) prefill and a paged decode kernel (Triton, else a PyTorch one) that reads
            K/V through the block table (kernels_cuda.py); decode steps replayed from CUDA graphs
            (cuda_graphs.py); no slicing of long prefills
@@ -21,9 +24,10 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from adapters.reference import cpu_decode, kernels_cpu
-from adapters.reference.attention import StepAttention
+from adapters.reference.attention import PrefillGroup, StepAttention
 from adapters.reference.config import EngineConfig
 from adapters.reference.model import ROWS, Linear
 
@@ -55,10 +59,15 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
                        details={"kernels": "plain", "linear": "torch", "attention": "plain (gather + matmul)"})
     why = kernels_cpu.probe(dtype)
     details = {"kernels": "cpu", "linear": "onednn-packed" if why is None else "torch", "cpu_flags": cpu_flags(),
-               "prefill_attention": "plain (sliced batched matmuls)"}
+               "prefill_attention": "sdpa (fresh chunks causal; after a cached prefix, row slices under a mask)"}
+    make_linear = kernels_cpu.PackedLinear if why is None else Linear
     if why:
         details["linear_fallback_reason"] = why
-    attention = StepAttention
+        # oneDNN works here but has no kernels for this half precision (an AVX2-only CPU): widen
+        if dtype in (torch.bfloat16, torch.float16) and kernels_cpu.probe(torch.float32) is None:
+            make_linear = kernels_cpu.WidenedLinear
+            details["linear"] = (f"widened: {dtype_name(dtype)} weights for 1-row products, float32 oneDNN-packed "
+                                 f"copies for {kernels_cpu.WIDEN_ROWS} rows or more (kernels_cpu.WidenedLinear)")
     decode = None
     if cfg.use_cache and cfg.kv_dtype == "auto":
         decode, why = cpu_decode.probe(dtype)
@@ -67,21 +76,53 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
     details["decode_attention"] = "fused C kernel (cpu_decode.py)" if decode else "plain (gather + batched matmul)"
     if why:
         details["decode_fallback_reason"] = why
-    if decode is not None:
-        attention = partial(CpuStepAttention, decode_fn=decode)
-    return Kernels("cpu", kernels_cpu.PackedLinear if details["linear"] == "onednn-packed" else Linear, ROWS,
-                   attention, details=details)
+    return Kernels("cpu", make_linear, ROWS, partial(CpuStepAttention, decode_fn=decode), details=details)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class CpuStepAttention(StepAttention):
-    """The plain attention with decode chunks handed to the fused kernel."""
+    """The plain attention with two fused kernels:
 
-    def __init__(self, pool, chunks, num_heads, device, decode_fn):
-        super().__init__(pool, chunks, num_heads, device)
+    - prefill through torch's scaled_dot_product_attention (its CPU kernel tiles the scores with
+      an online softmax; grouped queries natively): a group of fresh chunks in one causal call;
+      a chunk after a cached prefix one plain row slice at a time, under the slice's mask
+      (docs/reference-engine.md, "Prefill at the matrix limit", for what it saved).
+    - decode chunks to the fused C kernel (cpu_decode.py), when it built (`decode_fn`).
+
+    A sliding window or attention sinks keep the plain path (the SDPA call has neither)."""
+
+    def __init__(self, pool, chunks, num_heads, device, decode_fn=None, **kwargs):
+        super().__init__(pool, chunks, num_heads, device, **kwargs)
         self.decode_fn = decode_fn
 
     def decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if self.decode_fn is None:
+            return super().decode(layer, q)
         return self.decode_fn(q, self.pool, layer, self.decode_tables, self.decode_lens)
+
+    def prefill(self, layer: int, g: PrefillGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor) -> None:
+        if self.window or self.sinks is not None:
+            return super().prefill(layer, g, q, k, v, out)
+        n, heads, d = g.end - g.start, q.shape[1], q.shape[2]
+        kv_heads = k.shape[1]
+        span = slice(g.offset, g.offset + g.count * n)
+        qs = q[span].view(g.count, n, heads, d).transpose(1, 2)  # [count, heads, n, d]
+        if g.table is None:  # fresh: causal over the chunks' own K/V
+            ks = k[span].view(g.count, n, kv_heads, d).transpose(1, 2)
+            vs = v[span].view(g.count, n, kv_heads, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=heads != kv_heads)
+            out[span] = o.transpose(1, 2).reshape(g.count * n, heads * d)
+            return
+        ks, vs = self.pool.read(layer, g.table, g.end)  # [1, kv_heads, end, d]
+        dest = out[span]
+        for r0, r1, mask in g.slices:  # query rows r0..r1 see keys up to their own position
+            o = F.scaled_dot_product_attention(qs[:, :, r0:r1], ks[:, :, :g.start + r1], vs[:, :, :g.start + r1],
+                                               attn_mask=mask, enable_gqa=heads != kv_heads)
+            dest[r0:r1] = o.transpose(1, 2).reshape(r1 - r0, heads * d)
 
 
 def cpu_flags() -> str:

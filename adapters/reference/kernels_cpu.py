@@ -78,3 +78,43 @@ class PackedLinear:
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W.T + b, the add fused into the product."""
         return _linear_add(x, residual, self.packed, self.bias)
+
+
+# ---- bf16 weights on a CPU without bf16 arithmetic -----------------------------------------
+
+WIDEN_ROWS = 2  # products of at least this many rows run in float32 (WidenedLinear)
+
+
+class WidenedLinear:
+    """model.Linear's interface for half-precision weights on a CPU whose oneDNN has no bf16 (or
+    fp16) kernels (an AVX2-only CPU: no AVX-512, no avx_ne_convert; `probe` refuses the dtype).
+
+    There torch's bf16 product is a generic loop, about 8x slower than float32 through oneDNN
+    whatever the row count (AMD EPYC, AVX2 only, 2 cores: docs/reference-engine.md, "Prefill at
+    the matrix limit"). So a product of `min_rows` rows
+    or more (a prefill, a decode batch) widens its input to float32, multiplies by a float32
+    copy of the weight packed for oneDNN, and rounds the result once to the model's dtype: the
+    same arithmetic as torch's bf16 product (float32 accumulation, one rounding), in another
+    order. Fewer rows (a decode step at batch 1) read the model's own weight: those products
+    are bound by memory, and the half-precision weight is half the bytes.
+
+    The cost is memory: the float32 copy beside the weight (3x the weights' bytes in all).
+    `nbytes` counts the model's weight, what a small-batch decode step reads."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = WIDEN_ROWS):
+        self.weight, self.bias, self.min_rows = weight, bias, min_rows
+        self.shape = tuple(weight.shape)
+        self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+        self.wide = PackedLinear(weight.float(), None if bias is None else bias.float())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < self.min_rows:
+            return F.linear(x, self.weight, self.bias)
+        return self.wide(x.float()).to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W.T + b (in float32 for `min_rows` rows or more, rounded once)."""
+        if x.shape[0] < self.min_rows:
+            out = torch.addmm(residual, x, self.weight.t())
+            return out if self.bias is None else out + self.bias
+        return self.wide.add(x.float(), residual.float()).to(x.dtype)
