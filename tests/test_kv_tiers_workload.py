@@ -16,7 +16,7 @@ from adapters.tiers import VLLM_CPU_OFFLOAD_REFUSAL
 from harness.cli import check_jobs
 from workloads.base import Point
 from workloads.conversation import Conversation, ConversationConfig
-from workloads.kv_tiers import compare_tiers, tier_split
+from workloads.kv_tiers import compare_tiers, tier_fields, tier_split
 from workloads.prefix_sharing import PrefixSharing, PrefixSharingConfig
 
 GIB = 1 << 30
@@ -47,6 +47,9 @@ def test_the_full_point_gets_the_pool_asked_for():
     assert c.engine_overrides(points[1], caps) == {"prefix_caching": True, "kv_offload": False,
                                                    "kv_cache_bytes": 512 << 20}
     assert c.engine_overrides(points[0], caps) == {"prefix_caching": True, "kv_offload": False}
+    row = tier_fields(points[1], [], None, None, None, None)  # the row says which pool the bound had
+    assert row["kv_tiers"] == "full" and row["kv_full_bytes"] == 512 << 20
+    assert "kv_full_bytes" not in tier_fields(points[0], [], None, None, None, None)
     ps = PrefixSharing().plan(PrefixSharingConfig(prefix_lens=[64], kv_tiers=["full"], prefix_caching=[True],
                                                   kv_tiers_full_bytes=2**30))
     assert ps[0].params["kv_full_bytes"] == GIB

@@ -169,6 +169,8 @@ def tier_fields(point: Point, reqs: list[dict[str, Any]], tiers0: dict[str, Any]
     out: dict[str, Any] = {"kv_tiers": mode if mode is not None else counters.get("capacity_bytes", "on"),
                            "tier2": counters}
     out["kv_tiers_label"] = tiers_label(out["kv_tiers"])
+    if point.params.get("kv_full_bytes") is not None:  # a full point's pool as asked (kv_tiers_full_bytes)
+        out["kv_full_bytes"] = point.params["kv_full_bytes"]
     split = tier_split([r for r in reqs if r["ok"]])
     prompt = sum(r["prompt_tokens"] for r in reqs if r["ok"])
     if split:
