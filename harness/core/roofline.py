@@ -78,13 +78,23 @@ def _measure(device: str, dtype: str, out: Any) -> None:
     out.put({"device_name": name, "threads": torch.get_num_threads(), "mem_bw_bytes_s": bw, "matmul_flops": flops})
 
 
-def measure(device: str, dtype: str) -> Ceilings:
+def measure(device: str, dtype: str, timeout_s: float = 300) -> Ceilings:
+    """Measures in a child process; one that has not answered in timeout_s is ended (never left running
+    beside the benchmark) and the measurement raises TimeoutError."""
+    import queue
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_measure, args=(device, dtype, q))
     p.start()
-    res = q.get(timeout=300)
-    p.join(30)
+    try:
+        res = q.get(timeout=timeout_s)
+        p.join(30)
+    except queue.Empty:
+        raise TimeoutError(f"the {device} {dtype} ceilings took more than {timeout_s:g} s") from None
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
     return Ceilings(device=device, dtype=dtype, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **res)
 
 
