@@ -273,8 +273,7 @@ def job_for(plan: Any, model_path: str, engine: str, out_dir: Path) -> dict[str,
 def plan_side(overrides: list[str]) -> tuple[Any, str]:
     """The candidate harness's plan of `overrides` and the model directory (a local checkpoint:
     harness.ab.pin_model made it one)."""
-    from harness.cli import compose_job
-    from harness.config import build_plan
+    from harness.config import build_plan, compose_job
     from harness.core.presets import prompt_token_range, shape_from_hf_config
     plan = build_plan(compose_job(overrides))
     if plan.workload.name != "sweep" or len(plan.workloads) != 1:

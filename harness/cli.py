@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from harness.checkpoint import cached_path, ensure_checkpoint, shipped_checkpoint, shipped_mismatch
-from harness.config import build_plan
+from harness.config import build_plan, compose_job  # noqa: F401 (compose_job re-exported)
 from harness.core.env import environment
 from harness.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_POINT_FAILED, UserError
 from harness.core.hub import check_repo_id, hub_shorthands, register_hub_shorthands  # noqa: F401 (re-exported)
@@ -119,13 +118,6 @@ def _hydra_problem(e: Exception, overrides: list[str]) -> str:
                 f"setting); to add a new key on purpose write +{key}=...")
     first = msg.splitlines()[0] if msg else type(e).__name__
     return redact_text(f"overrides {' '.join(overrides) or '(none)'}: {first}")
-
-
-def compose_job(overrides: list[str]) -> dict[str, Any]:
-    register_hub_shorthands(overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
 
 
 def check_jobs(argv: list[str]) -> list[str]:

@@ -20,8 +20,8 @@ from typing import Any
 from adapters import engine_class, engine_names, unsupported_model
 from adapters.base import Engine, ModelSpec
 from harness.core.errors import UserError
-from harness.core.hub import HubModel, hub_datasets, is_hub_model, resolve_model
-from harness.core.paths import REPO_ROOT
+from harness.core.hub import HubModel, hub_datasets, is_hub_model, register_hub_shorthands, resolve_model
+from harness.core.paths import CONF_DIR, REPO_ROOT
 from harness.core.presets import ModelShape, TokenRange, preset_names, resolve_shape
 from harness.core.redact import Redactor
 from harness.core.schema import check, spec
@@ -151,6 +151,18 @@ class Plan:
         """What every row of `engine` records about the resources the run gave it."""
         return {"cpu_affinity": list(self.cpus), "compute_threads": len(self.cpus), "device": self.device}
 
+
+
+def compose_job(overrides: list[str]) -> dict[str, Any]:
+    """The job's configuration as the command line would compose it (Hydra, conf/), resolved to plain data:
+    what build_plan takes. Here, below the command lines, so that infer-bench-ab's block method plans a side
+    without importing harness.cli (the import layers, .importlinter)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    register_hub_shorthands(overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
 
 def vllm_environment() -> str | None:
     """vLLM's own environment, for `python: auto`: $INFER_BENCH_VLLM_PYTHON, else the checkout's
