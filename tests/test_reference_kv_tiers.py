@@ -58,6 +58,14 @@ def evict_a(e: ReferenceEngine) -> None:
     assert tiers(e)["blocks_written"] - written >= 8
 
 
+def pooled_then_reloaded(e: ReferenceEngine) -> tuple:
+    """A's scores from the pool (after a first scoring), then after B evicted A (the second tier's reload)."""
+    e.score([A], [129], 5)
+    pooled = e.score([A], [129], 5)
+    e.score([B], [len(B) - 1], 1)
+    return pooled, e.score([A], [129], 5)
+
+
 def same(a, b) -> bool:
     return all(x.target_logprobs == y.target_logprobs and x.top_ids == y.top_ids and x.top_logprobs == y.top_logprobs
                for x, y in zip(a, b))
@@ -268,11 +276,7 @@ def test_the_latent_cache_is_tiered_too(family_ckpts, tmp_path):
            {"block_size": BLOCK, "kv_cache_bytes": 16 * BLOCK * bpt, "kv_offload": True,
             "kv_offload_dir": str(tmp_path)})
     try:
-        start = [129]
-        e.score([A], start, 5)
-        pooled = e.score([A], start, 5)
-        e.score([B], [len(B) - 1], 1)
-        reloaded = e.score([A], start, 5)
+        pooled, reloaded = pooled_then_reloaded(e)
         t = tiers(e)
         assert t["hit_blocks"]["2"] == 8 and t["slot_bytes"] == BLOCK * bpt
         assert same(reloaded, pooled)
@@ -303,11 +307,7 @@ def test_the_pinned_host_tier_on_a_gpu(tiny_ckpt):
     e.load(ModelSpec(str(tiny_ckpt), "tiny", "float32", device="cuda", max_model_len=MAX_LEN),
            {"block_size": BLOCK, "kv_cache_bytes": POOL, "kv_offload": True, "cuda_graphs": False})
     try:
-        start = [129]
-        e.score([A], start, 5)
-        pooled = e.score([A], start, 5)
-        e.score([B], [len(B) - 1], 1)
-        reloaded = e.score([A], start, 5)
+        pooled, reloaded = pooled_then_reloaded(e)
         assert tiers(e)["hit_blocks"]["2"] == 8 and "pinned" in tiers(e)["medium"]
         assert same(reloaded, pooled)
     finally:
