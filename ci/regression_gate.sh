@@ -3,8 +3,10 @@
 # commit named in ci/baseline-ref, measured on this machine with infer-bench-ab --method blocks:
 # both sides' engine workers alive at once, pinned to one core, alternating short blocks (one
 # prefill + 15 decode steps at batch 1 and at batch 8) PAIRS times per point, the order flipping
-# every pair; the verdict from a Yuen interval of the trimmed mean per-pair log-ratio of the
-# decode step (prefill shown, not decisive). README "Regression checks in CI" gives the
+# every pair, three worker processes per side taking the pairs in turn; the verdict from a Yuen
+# interval of the trimmed mean per-pair log-ratio of the worker's CPU time per block (at the
+# threshold) and of the wall-clock decode step (at 4x it; prefill shown, not decisive).
+# README "Regression checks in CI" gives the
 # false-alarm and detection rates measured for these settings (scripts/ab_calibrate.py runs this
 # script).
 #   ci/regression_gate.sh [OUT_DIR [infer-bench-ab options ...]]
