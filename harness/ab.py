@@ -85,7 +85,8 @@ METHOD = ("paired A/B: baseline and candidate runs interleaved (the order altern
 
 BLOCK_METHOD = ("paired A/B blocks: both sides' engine workers alive at once, pinned to one core, alternating "
                 "one sweep iteration (a block) at a time, the order flipping every pair; per pair the log-ratio "
-                "candidate/baseline of the block's median decode step (and its prefill, not decisive); the "
+                "candidate/baseline of the worker's CPU time for the block and of its median decode step (its "
+                "prefill shown, not decisive); the "
                 f"{BLOCK_TRIM:.0%}-trimmed mean log-ratio with a {CONFIDENCE:.0%} Yuen interval")
 
 
@@ -328,6 +329,7 @@ def block_results(pairs: dict[str, dict[str, list[tuple[float | None, float | No
         for metric, ps in metrics.items():
             common = dict(engine=engine, point=key, metric=metric, better=BLOCK_METRICS[metric],
                           decisive=metric in DECISIVE)
+            limit = threshold * DECISIVE.get(metric, 1.0)
             none = dict(baseline_median=None, candidate_median=None, ratio=None, ci_low=None, ci_high=None)
             bad = [i + 1 for i, (a, b) in enumerate(ps) if a is None or b is None]
             if bad:
@@ -346,8 +348,9 @@ def block_results(pairs: dict[str, dict[str, list[tuple[float | None, float | No
             out.append(PairResult(
                 **common, baseline_median=float(np.median([a for a, _ in ps])),
                 candidate_median=float(np.median([b for _, b in ps])), ratio=math.exp(ci[0]), ci_low=lo, ci_high=hi,
-                verdict=verdict(lo, hi, BLOCK_METRICS[metric], threshold),
-                note=f"{len(ps)} pairs, per-pair log-ratio sd {float(logs.std(ddof=1)):.1%}"))
+                verdict=verdict(lo, hi, BLOCK_METRICS[metric], limit),
+                note=f"{len(ps)} pairs, per-pair log-ratio sd {float(logs.std(ddof=1)):.1%}"
+                     + (f", threshold {limit:.1%}" if limit != threshold else "")))
     return out
 
 
@@ -407,8 +410,8 @@ def parser() -> argparse.ArgumentParser:
                     help="--method blocks: block pairs per point (default 120)")
     ap.add_argument("--warmup-blocks", type=int, default=3,
                     help="--method blocks: blocks per side and point run and discarded first (default 3)")
-    ap.add_argument("--worker-pairs", type=int, default=2,
-                    help="--method blocks: worker processes per side (default 2), taking the pairs in turn: one "
+    ap.add_argument("--worker-pairs", type=int, default=3,
+                    help="--method blocks: worker processes per side (default 3), taking the pairs in turn: one "
                          "process of the same code can run a few per cent faster than another")
     ap.add_argument("--cpu", type=int,
                     help="--method blocks: the one core both workers are pinned to (default: the last core this "
@@ -563,7 +566,8 @@ def report(args: argparse.Namespace, results: list[PairResult], candidate_exits:
     if failure:
         verdict_, why = "failed", [failure, *(w for w in why if not w.startswith("nothing was compared"))]
     how = (f"{args.pairs} interleaved block pairs per point, {CONFIDENCE:.0%} Yuen intervals of the "
-           f"{BLOCK_TRIM:.0%}-trimmed mean log-ratio; decisive: {', '.join(BLOCK_DECISIVE)}"
+           f"{BLOCK_TRIM:.0%}-trimmed mean log-ratio; decisive: "
+           + ", ".join(f"{m} at {threshold * k:.1%}" for m, k in BLOCK_DECISIVE.items())
            if args.method == "blocks" else
            f"{args.rounds} interleaved rounds, {CONFIDENCE:.0%} t-intervals of the mean log-ratio")
     print(f"\nverdict: {verdict_.upper()}  ({', '.join(f'{n} {v}' for v, n in counts.items() if n) or 'no results'}; "

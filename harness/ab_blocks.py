@@ -8,9 +8,11 @@ its rounds scatter 15-20 %. Here a block is one measured iteration of a sweep po
 and `output_len - 1` decode steps, a few tens of milliseconds); the two workers alternate block
 by block (A B B A ...: the order flips every pair, so a steady drift cancels), so the noisy
 second that slows one side's block slows the other side's next block alike. Each pair gives a
-log-ratio candidate / baseline of the block's median decode step (and of its prefill); a
-(point, metric)'s estimate is a trimmed mean of its pairs' log-ratios with a Yuen interval
-(harness.ab_blocks.trimmed_ci), robust to the pairs a burst of contention splits.
+log-ratio candidate / baseline of the worker's CPU time for the block (cpu_ns: preemption by
+other work is not in it), of the block's median decode step and of its prefill; a (point,
+metric)'s estimate is a trimmed mean of its pairs' log-ratios with a Yuen interval
+(harness.ab_blocks.trimmed_ci), robust to the pairs a burst of contention splits. DECISIVE says
+which metrics decide and at what threshold.
 
 The workers are the harness's own (harness.worker, harness.protocol): each side's worker runs
 `harness.worker` from that side's tree (checked: it imports its `harness` from there), and gets
@@ -26,6 +28,7 @@ with fewer than two pairs is FAILED; nothing compared is FAILED.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,12 +41,18 @@ from harness.protocol import (
     PROTOCOL_VERSION, Bye, Hello, Incompatible, PointDone, PointStarted, Ready, RunPoint, SetupFailed, Unavailable,
 )
 
-# The metrics a block yields (the row fields of one sweep iteration) and which way is better.
-BLOCK_METRICS = {"decode_step_latency_s": "lower", "block_cpu_s": "lower", "prefill_latency_s": "lower"}
-# Decisive metrics: the verdict REGRESSED needs one of these beyond the threshold; the others
-# (prefill: one sample per block, and a prefill of a short prompt is a few milliseconds) are
-# shown, and fail closed when missing, but do not decide.
-DECISIVE = ("decode_step_latency_s",)
+# The metrics a block yields (the row fields of one sweep iteration, and the worker's CPU time for
+# the block) and which way is better.
+BLOCK_METRICS = {"block_cpu_s": "lower", "decode_step_latency_s": "lower", "prefill_latency_s": "lower"}
+# Decisive metrics, each with the threshold it is held to as a multiple of --threshold: the verdict
+# REGRESSED needs one of them beyond its threshold. The block's CPU time (the prefill and the
+# decode steps, 15 of 16 steps at the gate's points) decides at the threshold: time the worker
+# spent preempted by other work is not in it, so it resolves a few per cent on a loaded 2-core
+# machine where the wall-clock step scatters 5-20 % (README, "How far to trust it"). The wall-clock
+# decode step decides too, at 4x the threshold: a regression that waits rather than computes
+# (a sleep, a lock, I/O) costs no CPU time. Prefill (one sample per block, a few milliseconds)
+# is shown and fails closed when missing, but does not decide alone.
+DECISIVE = {"block_cpu_s": 1.0, "decode_step_latency_s": 4.0}
 TRIM = 0.2  # the share trimmed from each end of the pairs' log-ratios
 
 
@@ -168,14 +177,24 @@ class BlockWorker:
 
 
 def cpu_ns(pid: int) -> int | None:
-    """The CPU time (ns) the worker's main thread - the engine's one compute thread at
-    num_threads=1 - has run so far (/proc/PID/schedstat), or None where the OS does not say. Time
-    the thread spent preempted by other work is not in it, unlike the wall-clock step times."""
+    """The CPU time (ns) the worker's threads have run so far: the sum over /proc/PID/task/*/schedstat
+    (the engine's compute thread, the main one at num_threads=1, and any other it hands work to),
+    or None where the OS does not say. Time a thread spent preempted by other work is not in it,
+    unlike the wall-clock step times. A thread that ends within a block takes its time out of the
+    sum; the engine's threads live as long as the worker."""
+    total, seen = 0, False
     try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+                seen = True
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended between the listing and the read
+    return total if seen else None
 
 
 def _tail(path: Path, lines: int = 8) -> str:

@@ -81,6 +81,48 @@ def test_prefill_alone_beyond_the_threshold_is_shown_but_not_decisive():
     assert overall(res, [])[0] == "unchanged"
 
 
+def test_the_wall_clock_step_decides_at_four_times_the_threshold():
+    """The worker's CPU time decides at the threshold; the wall-clock decode step (where a
+    regression that waits rather than computes shows) only beyond 4x it."""
+    def wall_only(slower: float) -> list:
+        data = synthetic(1.0, 11)
+        for key in (B1, B8):
+            data[key]["decode_step_latency_s"] = [(a, b * slower) for a, b in data[key]["decode_step_latency_s"]]
+        return block_results(data, 0.025)
+    res = wall_only(1.06)  # beyond 2.5 %, inside 10 %: the CPU time says unchanged
+    assert {r.verdict for r in res if r.metric == "decode_step_latency_s"} == {"unchanged"}
+    assert all("threshold 10.0%" in r.note for r in res if r.metric == "decode_step_latency_s")
+    assert overall(res, [])[0] == "unchanged"
+    res = wall_only(1.3)  # a step that sleeps 30 % longer: no CPU time, still REGRESSED
+    assert {r.verdict for r in res if r.metric == "decode_step_latency_s"} == {"regressed"}
+    assert {r.verdict for r in res if r.metric == "block_cpu_s"} == {"unchanged"}
+    assert overall(res, [])[0] == "regressed"
+
+
+def test_cpu_ns_counts_every_thread_of_the_worker():
+    """A worker whose main thread waits while another thread computes has used CPU time."""
+    import subprocess
+    import time
+    from harness.ab_blocks import cpu_ns
+    code = ("import threading, time\n"
+            "def spin():\n    t = time.time()\n    while time.time() - t < 30: pass\n"
+            "threading.Thread(target=spin, daemon=True).start()\nprint('go', flush=True)\ntime.sleep(30)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "go"
+        c0 = cpu_ns(p.pid)
+        time.sleep(1.0)
+        c1 = cpu_ns(p.pid)
+        with open(f"/proc/{p.pid}/schedstat") as f:
+            main_thread = int(f.read().split()[0])
+    finally:
+        p.kill()
+        p.wait()
+    assert c0 is not None and c1 - c0 > 0.3e9  # the spinning thread's time (at least 0.3 s of the 1 s)
+    assert main_thread < 0.3e9  # the main thread alone slept through it
+    assert cpu_ns(p.pid) is None  # a worker that is gone says nothing
+
+
 def test_a_missing_block_value_or_too_few_pairs_fails_closed():
     data = synthetic(1.0, 8)
     pairs = data[B8]["prefill_latency_s"]

@@ -69,7 +69,7 @@ def test_blocks_same_code_twice_is_unchanged(tmp_path, tiny_ckpt):
     assert code == 0, out
     assert doc["verdict"] == "unchanged" and doc["pairs"] == 20
     assert {(r["metric"], r["decisive"]) for r in doc["results"]} == {
-        ("decode_step_latency_s", True), ("block_cpu_s", False), ("prefill_latency_s", False)}
+        ("decode_step_latency_s", True), ("block_cpu_s", True), ("prefill_latency_s", False)}
     assert len(doc["results"]) == 6 and all(0.85 < r["ratio"] < 1.15 for r in doc["results"])
     blocks = json.loads((tmp_path / "aa" / "blocks.json").read_text())
     assert all(len(v) == 20 for m in blocks["pairs"].values() for v in m.values())
@@ -80,7 +80,7 @@ def test_blocks_reference_without_kv_cache_is_regressed(tmp_path, tiny_ckpt):
                         "engine_options.reference.kv_cache=none", config=BLOCK_CONFIG)
     assert code == 1, out
     assert doc["verdict"] == "regressed" and "REGRESSED" in out
-    assert {r["verdict"] for r in doc["results"] if r["metric"] == "decode_step_latency_s"} == {"regressed"}
+    assert {r["verdict"] for r in doc["results"] if r["metric"] in ("decode_step_latency_s", "block_cpu_s")} == {"regressed"}
 
 
 def test_compare_on_one_machine_matches_a_run_with_itself(tmp_path, tiny_ckpt):

@@ -201,20 +201,24 @@ def test_harness_runs_reference_engine_end_to_end(tmp_path):
 
 
 def test_the_calibration_handicap_spins_its_fraction_of_every_step(tiny_ckpt, monkeypatch):
-    """step_delay_frac makes every step busy-wait that share of its own time (the waits recorded,
-    not timed: the ratio of what each step asked for to what the step took before it)."""
+    """step_delay_frac makes every step busy-wait that share of its own CPU time on a CPU (the
+    waits recorded, not timed: the ratio of what each step asked for to the CPU time the step
+    took before it), whatever wall time the step took (other work on the core)."""
     from adapters.base import ModelSpec
     from adapters.reference import llm_engine as engine_mod
-    asked: list[float] = []
-    clock = iter(range(10**6))
-    monkeypatch.setattr(engine_mod, "_spin", asked.append)
-    monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: float(next(clock)))  # every read: +1 s
+    asked: list[tuple[float, object]] = []
+    cpu = iter(range(10**6))
+    wall = iter(range(0, 10**8, 7))
+    monkeypatch.setattr(engine_mod, "_spin", lambda s, clock=None: asked.append((s, clock)))
+    monkeypatch.setattr(engine_mod.time, "thread_time", lambda: float(next(cpu)))  # every read: +1 s of CPU
+    monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: float(next(wall)))  # +7 s of wall: preempted
     e = ReferenceEngine()
     e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", max_model_len=128, threads=1), {"step_delay_frac": 0.5})
     asked.clear()
     e.prefill([[5, 6, 7, 8] * 8] * 4)
     e.decode(3)
     e.close()
-    assert len(asked) == 4 and all(a == 0.5 for a in asked)  # one per step: 0.5 x the 1 s the fake clock saw
+    # one per step: 0.5 x the 1 s of CPU the fake clock saw, spun on the CPU clock
+    assert len(asked) == 4 and all(a == 0.5 and c is engine_mod.time.thread_time for a, c in asked)
     _, problems = ReferenceEngine.typed_options({"step_delay_frac": -1})
     assert problems and "step_delay_frac" in problems[0]

@@ -82,7 +82,7 @@ class EngineConfig:
         "medium disk: the directory of the tier's slab file (local disk); null: the system's temp directory"))
     step_delay_frac: float = spec(0.0, ge=0, le=10, help=(
         "a deliberate handicap for calibrating regression gates: each step busy-waits this fraction of its "
-        "own time (0.25: 25 % slower); 0: off"))
+        "own CPU time on a CPU (its wall time on an accelerator): 0.25 is 25 % more work; 0: off"))
 
     @staticmethod
     def normalize(raw: dict[str, Any]) -> dict[str, Any]:

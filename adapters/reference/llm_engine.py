@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -129,13 +129,22 @@ def model_class(cfg: ModelConfig) -> type[Model]:
     return GemmaModel if cfg.gemma is not None else Model
 
 
-def _spin(seconds: float) -> None:
-    """Busy-wait `seconds`: the calibration handicap costs CPU time as slower code would. A sleep
-    does not: on a busy machine a sleeping thread waits for its core back, and a "25 %" sleep
-    measured as +60-80 % per step in A/B jobs beside other work."""
-    until = time.perf_counter() + seconds
-    while time.perf_counter() < until:
+def _spin(seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    """Busy-wait until `clock` has advanced `seconds`: the calibration handicap costs CPU time as
+    slower code would. A sleep does not: on a busy machine a sleeping thread waits for its core
+    back, and a "25 %" sleep measured as +60-80 % per step in A/B jobs beside other work."""
+    until = clock() + seconds
+    while clock() < until:
         pass
+
+
+def handicap_clock(device: torch.device) -> Callable[[], float]:
+    """The clock the calibration handicap (EngineConfig.step_delay_frac) is sized by: on a CPU the
+    calling thread's CPU time (time.thread_time), so that a "5 %" handicap is 5 % more CPU work
+    whatever else runs on the machine (sized by wall time, a step preempted by other work asked
+    for a longer wait: "5 %" measured 1.10-1.16 in block A/B jobs under load, 2026-12-05); on an
+    accelerator wall time, since the step's work is not on this thread."""
+    return time.thread_time if device.type == "cpu" else time.perf_counter
 
 
 class LLMEngine:
@@ -146,6 +155,7 @@ class LLMEngine:
     def __init__(self, model: ModelSpec, cfg: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.device = torch.device(model.device)
+        self.handicap_clock = handicap_clock(self.device)  # step_delay_frac's clock
         problems = cross_field_problems(cfg)
         why = check_kv_dtype(cfg.kv_dtype, self.device)
         if why:
@@ -332,6 +342,7 @@ class LLMEngine:
         the one pass verifies them, and each sequence keeps the tokens the target accepts: the
         K/V of the rejected ones count as not computed and their blocks go back."""
         t0 = time.perf_counter()
+        c0 = self.handicap_clock() if self.cfg.step_delay_frac else 0.0
         chunks = self.scheduler.schedule()
         verifying = self.speculator is not None and self.speculator.propose(chunks)
         t1 = time.perf_counter() if verifying else t0
@@ -343,7 +354,7 @@ class LLMEngine:
             self.speculator.counters.verify_time_s += time.perf_counter() - t1
         if self.cfg.step_delay_frac:  # the calibration handicap (config.py): a real, proportional slowdown
             self.sync()
-            _spin(self.cfg.step_delay_frac * (time.perf_counter() - t0))
+            _spin(self.cfg.step_delay_frac * (self.handicap_clock() - c0), self.handicap_clock)
         for c in chunks:
             c.seq.num_computed = c.end if self.pool is not None else 0
         for s in out.sampled:
