@@ -28,7 +28,7 @@ import torch
 
 from adapters.base import ModelSpec, Request, now_ns
 from adapters.reference import llm_engine as engine_module
-from adapters.reference import cpu_decode, kernels, kernels_cpu
+from adapters.reference import cpu_decode, cpu_gemv, kernels, kernels_cpu
 from adapters.reference.config import EngineConfig
 from adapters.reference.cuda_graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to
 from adapters.reference.engine import ReferenceEngine
@@ -104,7 +104,10 @@ def test_onednn_probe_succeeds_on_the_pinned_torch(dtype):
         why = kernels_cpu.probe(dtype)
         assert why is not None and "bfloat16" in why, why
         chosen = kernels.select(torch.device("cpu"), dtype, EngineConfig())
-        assert chosen.details["linear"].startswith("widened") and chosen.make_linear is kernels_cpu.WidenedLinear
+        assert chosen.details["linear"].startswith("widened")
+        assert isinstance(chosen.make_linear(torch.ones(4, 8, dtype=dtype)), kernels_cpu.WidenedLinear)
+        if HAVE_CC:  # its 1-row products by the C kernel (cpu_gemv.py)
+            assert "by the C kernel" in chosen.details["linear"], chosen.details
         return
     assert kernels_cpu.probe(dtype) is None
     assert kernels.select(torch.device("cpu"), dtype, EngineConfig()).details["linear"] == "onednn-packed"
@@ -179,11 +182,29 @@ def test_widened_linear_is_the_bf16_product_rounded_once(rows, bias):
         assert rel_err(got, reference) < 8e-3 and rel_err(want, reference) < 8e-3
 
 
+def force_widening(monkeypatch):
+    """Where oneDNN has bf16 kernels, make its probe refuse bf16 (only) so that the engine widens."""
+    real = kernels_cpu.probe
+    monkeypatch.setattr(kernels_cpu, "probe", lambda dtype: real(dtype) if dtype == torch.float32 else "no bf16 (the test)")
+
+
+def assert_bf16_engines_agree(fast, slow, rows):
+    """Same first tokens; logits within bf16 rounding at the prefill and at each sequence's steps
+    while both engines decoded the same tokens."""
+    assert fast[1].first_tokens == slow[1].first_tokens
+    errors = [rel_err(fast[1].logits, slow[1].logits)]
+    for row in range(rows):
+        for i, (a, b) in enumerate(zip(fast[2].logits, slow[2].logits)):
+            if i and fast[2].tokens[i - 1][row] != slow[2].tokens[i - 1][row]:
+                break
+            errors.append(rel_err(a[row], b[row]))
+    assert len(errors) > 2 * rows and max(errors) < 3e-2, errors
+
+
 def test_widened_engine_matches_the_plain_bf16_engine(tiny_ckpt, monkeypatch):
     """The engine in bf16 with every product widened (forced here where oneDNN has bf16 kernels:
     the probe refuses bf16 only) against kernels=plain in bf16."""
-    real = kernels_cpu.probe
-    monkeypatch.setattr(kernels_cpu, "probe", lambda dtype: real(dtype) if dtype == torch.float32 else "no bf16 (the test)")
+    force_widening(monkeypatch)
     spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
     fast = run(spec)
     assert fast[0].kernels.details["linear"].startswith("widened")
@@ -191,20 +212,126 @@ def test_widened_engine_matches_the_plain_bf16_engine(tiny_ckpt, monkeypatch):
     fast[0].close()
     slow = run(spec, {"kernels": "plain"})
     slow[0].close()
-    assert fast[1].first_tokens == slow[1].first_tokens
-    errors = [rel_err(fast[1].logits, slow[1].logits)]
-    for row in range(len(LENGTHS)):  # each sequence's steps while both engines decoded the same tokens
-        for i, (a, b) in enumerate(zip(fast[2].logits, slow[2].logits)):
-            if i and fast[2].tokens[i - 1][row] != slow[2].tokens[i - 1][row]:
-                break
-            errors.append(rel_err(a[row], b[row]))
-    assert len(errors) > 2 * len(LENGTHS) and max(errors) < 3e-2, errors
+    assert_bf16_engines_agree(fast, slow, len(LENGTHS))
+
+
+# ---- the bf16 matrix-vector kernel (cpu_gemv.py) -------------------------------------------
+
+HAVE_CC = shutil.which(os.environ.get("CC", "cc")) is not None or shutil.which("gcc") is not None
+needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler here: the engine uses torch's bf16 product")
+
+
+def gemv_kernel() -> cpu_gemv.HalfGemv:
+    kernel, why = cpu_gemv.probe(torch.bfloat16)
+    assert why is None and kernel is not None, why
+    return kernel
+
+
+@needs_cc
+@pytest.mark.parametrize("n,k,rows,bias,residual", [
+    (1280, 768, 1, False, False),  # the small preset's qkv
+    (37, 75, 1, True, True),  # odd K (a tail after the vector loop), N not a multiple of the 4-row block
+    (3, 5, 1, True, True),  # N below one block, K below one vector
+    (97, 1031, 1, False, True),
+    (13, 200, 3, True, False),  # several rows (the engine widens 2 or more; the kernel takes any)
+])
+def test_bf16_gemv_matches_the_plain_path(n, k, rows, bias, residual):
+    """WidenedLinear through the C kernel against the plain path (torch's bf16 product) and the
+    exact (float64) result, random inputs, x and the residual strided views: float32 sums in
+    another order, rounded once, so at most one bf16 step from torch's float32 product rounded."""
+    kernel = gemv_kernel()
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, k + 5, generator=g).bfloat16()[:, 5:]
+    r = torch.randn(rows, n + 2, generator=g).bfloat16()[:, 1:n + 1] if residual else None
+    wide, plain = kernels_cpu.WidenedLinear(w, b, min_rows=rows + 1, gemv=kernel), Linear(w, b)
+    assert wide.gemv is kernel
+    got, want = (wide(x), plain(x)) if r is None else (wide.add(x, r), plain.add(x, r))
+    exact = x.double() @ w.double().T + (0 if b is None else b.double()) + (0 if r is None else r.double())
+    in_float32 = x.float() @ w.float().T + (0 if b is None else b.float()) + (0 if r is None else r.float())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (rows, n)
+    assert torch.allclose(got.float(), in_float32.bfloat16().float(), rtol=2 ** -7, atol=1e-5)
+    assert rel_err(got, exact) < 8e-3 and rel_err(want, exact) < 8e-3
+
+
+@needs_cc
+@pytest.mark.parametrize("rows", [1, 2])
+def test_bf16_gemv_rounds_like_torch(rows):
+    """Small integers: every float32 sum is exact in any order, so the kernel must give torch's
+    float32 product rounded to bf16 bit for bit; many sums lie halfway between two bf16 numbers
+    (ties to even)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randint(-8, 9, (203, 517), generator=g).bfloat16()
+    x = torch.randint(-8, 9, (rows, 517), generator=g).bfloat16()
+    b = torch.randint(-100, 101, (203,), generator=g).bfloat16()
+    r = torch.randint(-100, 101, (rows, 203), generator=g).bfloat16()
+    in_float32 = x.float() @ w.float().T + b.float() + r.float()
+    assert (in_float32 % 2 == 1)[in_float32.abs() > 256].sum() > 20  # ties (odd integers above 2^8)
+    assert torch.equal(gemv_kernel()(x, w, b, r), in_float32.bfloat16())
+
+
+@needs_cc
+@pytest.mark.parametrize("bug,fragment", [
+    ("u += 0x7fffu + ((u >> 16) & 1u);", "u += 0;"),  # truncates instead of rounding
+    ("if (bias) v += widen(bias[n]);", ""),  # bias left out
+    ("else for (int n = n0; n < n1; n++) s[n - n0] = dot_row(w + (int64_t)n * K, xm, K);",
+     "else for (int n = n0; n < n1; n++) s[n - n0] = 0.f;"),  # the rows after the last full block left out
+])
+def test_gemv_probe_refuses_a_wrong_kernel(monkeypatch, tmp_path, bug, fragment):
+    assert bug in cpu_gemv.C_SOURCE
+    monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_gemv, "C_SOURCE", cpu_gemv.C_SOURCE.replace(bug, fragment))
+    kernel, why = cpu_gemv.probe(torch.bfloat16)
+    assert kernel is None and "disagrees" in why, why
+
+
+@needs_cc
+def test_engine_decodes_batch_1_through_the_gemv_kernel(tiny_ckpt, monkeypatch):
+    """bf16 on a CPU without oneDNN bf16 (forced where it has it): the 1-row products of a decode
+    step at batch 1 run in the C kernel; the engine agrees with kernels=plain, which never uses it."""
+    force_widening(monkeypatch)
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
+    engine = ReferenceEngine()
+    engine.load(spec, {})
+    details = engine.kernels.details
+    assert "by the C kernel (cpu_gemv.py)" in details["linear"] and "gemv_fallback_reason" not in details
+    layer = engine.model.layers[0]
+    assert all(lin.gemv is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down, engine.model.lm_head))
+    rows = []  # rows of each product the kernel computes (a spy: it calls the kernel)
+    real_call = cpu_gemv.HalfGemv.__call__
+    monkeypatch.setattr(cpu_gemv.HalfGemv, "__call__", lambda self, x, *a: rows.append(x.shape[0]) or real_call(self, x, *a))
+    prompts = make_prompts([23])
+    fast = run(engine, prompts=prompts)
+    # every product of every decode step, and the prefill's on its last token (the last layer's
+    # output projection and MLP after the sampled row is picked, and the LM head)
+    assert rows == [1] * ((4 * len(engine.model.layers) + 1) * STEPS + 4)
+    engine.close()
+    slow = run(spec, {"kernels": "plain"}, prompts=prompts)
+    assert isinstance(slow[0].model.layers[0].qkv, Linear)
+    slow[0].close()
+    assert_bf16_engines_agree(fast, slow, 1)
+
+
+def test_gemv_falls_back_when_it_cannot_build(tiny_ckpt, monkeypatch, tmp_path):
+    """No compiler (CC names a file that does not exist): the 1-row products stay with torch, the
+    reason is recorded, the engine still agrees with kernels=plain."""
+    force_widening(monkeypatch)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
+    prompts = make_prompts([23])
+    fast = run(spec, prompts=prompts)
+    details = fast[0].kernels.details
+    assert "could not be built" in details["gemv_fallback_reason"] and "no-such-cc" in details["gemv_fallback_reason"]
+    assert "1-row products by torch" in details["linear"]
+    assert fast[0].model.layers[0].qkv.gemv is None
+    fast[0].close()
+    slow = run(spec, {"kernels": "plain"}, prompts=prompts)
+    slow[0].close()
+    assert_bf16_engines_agree(fast, slow, 1)
 
 
 # ---- the fused CPU decode kernel (cpu_decode.py) -----------------------------------------
-
-HAVE_CC = shutil.which(os.environ.get("CC", "cc")) is not None or shutil.which("gcc") is not None
-
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler here: the engine uses the plain decode path")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -170,9 +170,11 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build() -> ctypes.CDLL:
-    """The compiled kernel for this machine (built on first use, then cached). Raises
-    RuntimeError with the reason when it cannot be built."""
+def compile_library(name: str, source: str) -> ctypes.CDLL:
+    """`source` (C, no headers beyond libc's) compiled for this machine with FLAGS, linked with
+    LINK_FLAGS and loaded; built on first use into the kernel cache as `<name>-<key>.so`, the key
+    a hash of the source, the flags, the compiler's version and the CPU's signature. Raises
+    RuntimeError with the reason when it cannot be built. (cpu_gemv.py builds through it too.)"""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
@@ -180,19 +182,25 @@ def build() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"{cc} does not run ({e})") from e
-    key = hashlib.sha256("\0".join([C_SOURCE, " ".join(FLAGS + LINK_FLAGS), version, _cpu_signature()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    key = hashlib.sha256("\0".join([source, " ".join(FLAGS + LINK_FLAGS), version, _cpu_signature()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, obj, lib = (Path(tmp) / f"paged_decode.{ext}" for ext in ("c", "o", "so"))
-            src.write_text(C_SOURCE)
+            src, obj, lib = (Path(tmp) / f"{name}.{ext}" for ext in ("c", "o", "so"))
+            src.write_text(source)
             for cmd in ([cc, *FLAGS, "-c", str(src), "-o", str(obj)], [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
                 if r.returncode != 0:
                     raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}")
             os.replace(lib, target)  # atomic: a concurrent build just wins or loses the race
-    lib = ctypes.CDLL(str(target))
+    return ctypes.CDLL(str(target))
+
+
+def build() -> ctypes.CDLL:
+    """The compiled kernel for this machine (built on first use, then cached). Raises
+    RuntimeError with the reason when it cannot be built."""
+    lib = compile_library("paged_decode", C_SOURCE)
     fn = lib.paged_decode
     fn.restype = ctypes.c_int
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

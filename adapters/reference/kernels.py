@@ -4,7 +4,9 @@ kv_cache_info().extra["kernels"]).
     plain  model.Linear + attention.StepAttention: the reference semantics, on any device
     cpu    matrix products on oneDNN-packed weights (kernels_cpu.py), when its probe passes;
            bf16/fp16 weights on a CPU whose oneDNN has no kernels for them (AVX2 only): the
-           products of 2 rows or more in float32 on packed float32 copies (WidenedLinear);
+           products of 2 rows or more in float32 on packed float32 copies, 1-row products of
+           bf16 weights by a C kernel that widens them in registers (cpu_gemv.py, compiled for
+           this CPU at load, when it builds and agrees with the float32 product) (WidenedLinear);
            decode attention by a fused C kernel that reads K/V through the block table
            (cpu_decode.py, compiled for this CPU at load), when it builds and agrees with the
            plain path; prefill attention through torch's scaled_dot_product_attention
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adapters.reference import cpu_decode, kernels_cpu
+from adapters.reference import cpu_decode, cpu_gemv, kernels_cpu
 from adapters.reference.attention import PrefillGroup, StepAttention
 from adapters.reference.config import EngineConfig
 from adapters.reference.model import ROWS, Linear
@@ -65,9 +67,13 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
         details["linear_fallback_reason"] = why
         # oneDNN works here but has no kernels for this half precision (an AVX2-only CPU): widen
         if dtype in (torch.bfloat16, torch.float16) and kernels_cpu.probe(torch.float32) is None:
-            make_linear = kernels_cpu.WidenedLinear
-            details["linear"] = (f"widened: {dtype_name(dtype)} weights for 1-row products, float32 oneDNN-packed "
-                                 f"copies for {kernels_cpu.WIDEN_ROWS} rows or more (kernels_cpu.WidenedLinear)")
+            gemv, why_gemv = cpu_gemv.probe(dtype)
+            make_linear = partial(kernels_cpu.WidenedLinear, gemv=gemv)
+            few = "the C kernel (cpu_gemv.py)" if gemv else "torch"
+            details["linear"] = (f"widened: {dtype_name(dtype)} weights for 1-row products by {few}, float32 "
+                                 f"oneDNN-packed copies for {kernels_cpu.WIDEN_ROWS} rows or more (kernels_cpu.WidenedLinear)")
+            if why_gemv:
+                details["gemv_fallback_reason"] = why_gemv
     decode = None
     if cfg.use_cache and cfg.kv_dtype == "auto":
         decode, why = cpu_decode.probe(dtype)

@@ -91,30 +91,42 @@ class WidenedLinear:
 
     There torch's bf16 product is a generic loop, about 8x slower than float32 through oneDNN
     whatever the row count (AMD EPYC, AVX2 only, 2 cores: docs/reference-engine.md, "Prefill at
-    the matrix limit"). So a product of `min_rows` rows
-    or more (a prefill, a decode batch) widens its input to float32, multiplies by a float32
-    copy of the weight packed for oneDNN, and rounds the result once to the model's dtype: the
-    same arithmetic as torch's bf16 product (float32 accumulation, one rounding), in another
-    order. Fewer rows (a decode step at batch 1) read the model's own weight: those products
-    are bound by memory, and the half-precision weight is half the bytes.
+    the matrix limit"). So a product of `min_rows` rows or more (a prefill, a decode batch)
+    widens its input to float32, multiplies by a float32 copy of the weight packed for oneDNN,
+    and rounds the result once to the model's dtype: the same arithmetic as torch's bf16 product
+    (float32 accumulation, one rounding), in another order. Fewer rows (a decode step at batch
+    1) read the model's own weight: those products are bound by memory, and the half-precision
+    weight is half the bytes. They go to `gemv` (cpu_gemv.HalfGemv, a C kernel that widens the
+    bf16 weight in registers) when the engine's probe accepted it, else to torch's product.
 
     The cost is memory: the float32 copy beside the weight (3x the weights' bytes in all).
     `nbytes` counts the model's weight, what a small-batch decode step reads."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = WIDEN_ROWS):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = WIDEN_ROWS,
+                 gemv=None):
         self.weight, self.bias, self.min_rows = weight, bias, min_rows
         self.shape = tuple(weight.shape)
         self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
         self.wide = PackedLinear(weight.float(), None if bias is None else bias.float())
+        self.gemv = gemv if gemv is not None and gemv.supports(weight) else None
+
+    def _gemv_takes(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        return (self.gemv is not None and x.dim() == 2 and x.dtype == self.weight.dtype
+                and (residual is None or (residual.dtype == x.dtype and residual.shape == (x.shape[0], self.shape[0]))))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < self.min_rows:
+            if self._gemv_takes(x):
+                return self.gemv(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         return self.wide(x.float()).to(x.dtype)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W.T + b (in float32 for `min_rows` rows or more, rounded once)."""
+        """residual + x @ W.T + b (in float32, rounded once; by torch's bf16 product with two
+        roundings for fewer than `min_rows` rows without the C kernel)."""
         if x.shape[0] < self.min_rows:
+            if self._gemv_takes(x, residual):
+                return self.gemv(x, self.weight, self.bias, residual)
             out = torch.addmm(residual, x, self.weight.t())
             return out if self.bias is None else out + self.bias
         return self.wide.add(x.float(), residual.float()).to(x.dtype)
