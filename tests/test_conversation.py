@@ -283,4 +283,6 @@ def test_report_tier_panel_frames():
     assert (abs(shares - 1) < 1e-12).all()
     tiered = t[(t["tiers"] == "+ tier 2 of 64 MiB") & (t["turn"] == 4)].iloc[0]
     assert tiered["hit_rate_tier2"] > 0 and abs(tiered["hit_rate"] - tiered["reusable_share"]) < 1e-12
+    # the values table's tiered / full ratio and its interval (compare_tiers) reach the frame
+    assert tiered["ttft_over_full"] > 1 and tiered["ttft_over_full_ci"][0] < tiered["ttft_over_full"]
     assert tier_frame(conversation_frame(frame(conversation_rows()))).empty

@@ -17,8 +17,9 @@ prefilled (`tier1_hit_tokens`, `tier2_hit_tokens`, `miss_tokens`, `hit_rate_tier
 `hit_rate_tier2`: where the engine says per request, the reference engine), per point the second
 tier's counters over the point (`tier2`: hits, blocks and bytes moved, seconds, evictions,
 corrupt entries; a server's from /metrics), and, in the harness's process (`compare_tiers`), each
-tiered turn beside the same turn with tiers off (recompute) and with the full pool (the bound),
-and the break-even of reloading against recomputing.
+tiered turn beside the same turn with tiers off (recompute) and with the full pool (the bound):
+strictly, within the run's noise, and resolved (bootstrap intervals of the ratios from the
+points' requests); and the break-even of reloading against recomputing.
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     prefilled) and the break-even against the reload cost per token; the row the count of turns in
     between; and, where some turns did the same work in all three points, the run's noise (the
     largest spread of TTFT there) and per turn whether the tiered TTFT lies between within it
-    (`ttft_between_within_noise`: full x (1 - noise) <= tiered <= recompute x (1 + noise)). Rows of
+    (`ttft_between_within_noise`: full x (1 - noise) <= tiered <= recompute x (1 + noise)); and the
+    order with the requests' spread taken into account (`_resolve`: `ttft_between_resolved`). Rows of
     the other two modes get nothing. Fails closed: a row with nothing to compare
     says why (`tier_comparison`), and so does one whose `full` point evicted cached blocks (or
     does not say): that point is no bound, and no turn gets a verdict against it."""
