@@ -300,10 +300,11 @@ def _resolve(row: dict[str, Any], off: dict[str, Any], full: dict[str, Any]) -> 
     harness.core.bootstrap.ratio_ci; `*_ci`), and whether the order is resolved
     (`ttft_between_resolved`): true when the interval over the bound lies at or above 1 and the
     one over recompute at or below 1; false when either lies wholly on the wrong side; null when
-    the run cannot tell (an interval spans 1, as at a turn where nothing was reloaded, or a point
-    has fewer than 2 requests of the turn). The row counts the turns where the second tier supplied
-    tokens (`tier_turns_reloaded`) and, of those, the resolved ones. The intervals see the jitter
-    between requests of a point, not a drift of the machine between points (the noise above)."""
+    the run cannot tell (an interval spans 1, or a point has fewer than 2 requests of the turn).
+    The intervals see the jitter between requests of a point, not a drift of the machine between
+    points (the noise above): at a turn where nothing was reloaded one can clear 1 by such a
+    drift. So the row counts the turns where the second tier supplied tokens
+    (`tier_turns_reloaded`) and, of those, the resolved ones."""
     from harness.core.bootstrap import ratio_ci  # the harness's process only (scipy)
     mine, rec, bound = _ttfts(row), _ttfts(off), _ttfts(full)
     reloaded = resolved = 0
