@@ -127,6 +127,26 @@ def test_turn_3_prompt_is_the_history_with_the_engines_own_replies(ctx):
     assert t[1]["kv_occupancy"] == pytest.approx((1 + 2 + 3) / 3 / 100)
 
 
+def test_system_tokens_head_every_prompt_of_its_session_and_are_reused_from_turn_2(ctx):
+    """system_tokens=8: each session's own 8 tokens start each of its prompts; turn 1 can reuse
+    none of them (no earlier turn computed them), turn 2 all but whole blocks allow; the model's
+    length counts them."""
+    cfg = ConversationConfig(sessions=2, turns=2, user_tokens=5, output_tokens=3, system_tokens=8,
+                             warmup_sessions=0)
+    eng = FakeReplyEngine()
+    row = run(cfg, ctx, eng)
+    sessions = Conversation().sessions(cfg, ctx, "conversation/2")
+    assert [len(s.system) for s in sessions] == [8, 8] and sessions[0].system != sessions[1].system
+    for i, s in enumerate(sessions):
+        p1 = s.system + s.users[0]
+        assert eng.prompts[f"s{i}t1"] == p1
+        assert eng.prompts[f"s{i}t2"] == p1 + fake_reply(p1, 3) + s.users[1]
+    t = {r["turn"]: r for r in row["turns"]}
+    assert t[1]["reusable_share"] == 0 and t[2]["reusable_share"] == pytest.approx(12 / 21)  # 15 computed: 3 blocks
+    assert Conversation().max_model_len(cfg) == 8 + 2 * (5 + 3)
+    assert Conversation().sessions(ConversationConfig(sessions=1), ctx, "k")[0].system is None
+
+
 def test_separator_ids_between_messages(ctx):
     cfg = ConversationConfig(sessions=1, turns=2, user_tokens=3, output_tokens=2, separator_ids=[9, 9],
                              warmup_sessions=0)
@@ -151,6 +171,18 @@ def test_closed_loop_runs_every_session(ctx):
     cfg = ConversationConfig(sessions=5, turns=2, user_tokens=3, output_tokens=2, concurrency=2, warmup_sessions=0)
     row = run(cfg, ctx, FakeReplyEngine())
     assert row["turns_sent"] == 10 and row["completed"] == 10 and row["load_mode"] == "closed"
+
+
+def test_constant_arrival_starts_a_session_every_1_over_rate_and_the_turns_one_at_a_time(ctx):
+    """arrival=constant: session i starts at i / session_rate (Poisson's gaps vary), and the row
+    says which process it ran (the KV tiers' TTFT measurement spaces sessions so, docs/metrics.md)."""
+    cfg = ConversationConfig(sessions=4, turns=2, user_tokens=3, output_tokens=2, session_rate=20.0,
+                             arrival="constant", think_time="fixed", think_time_s=0.2, warmup_sessions=0)
+    assert [s.start_s for s in Conversation().sessions(cfg, ctx, "k")] == pytest.approx([0.0, 0.05, 0.1, 0.15])
+    poisson = Conversation().sessions(ConversationConfig(sessions=4, session_rate=20.0), ctx, "k")
+    assert len({round(b.start_s - a.start_s, 6) for a, b in zip(poisson, poisson[1:])}) == 3
+    row = run(cfg, ctx, FakeReplyEngine())
+    assert row["arrival"] == "constant" and row["completed"] == 8 and row["load_mode"] == "open"
 
 
 def test_reusable_tokens_whole_blocks():
@@ -209,7 +241,10 @@ def test_plan_and_bad_input_name_the_field():
     assert [p.params["prefix_caching"] for p in plan.points if p.workload == "conversation"] == [True, False]
     for override, field in (("workload.turns=0", "workload.turns"),
                             ("workload.think_time=gaussian", "workload.think_time"),
-                            ("workload.user_tokens=0", "workload.user_tokens")):
+                            ("workload.user_tokens=0", "workload.user_tokens"),
+                            ("workload.arrival=constant", "workload.arrival=constant"),
+                            ("workload.arrival=steady", "workload.arrival"),
+                            ("workload.system_tokens=-1", "workload.system_tokens")):
         with pytest.raises(UserError) as e:
             build_plan(compose_job(["engines=[reference]", "workload=conversation", override]))
         assert any(p.startswith(field) for p in e.value.problems), e.value.problems
@@ -248,4 +283,6 @@ def test_report_tier_panel_frames():
     assert (abs(shares - 1) < 1e-12).all()
     tiered = t[(t["tiers"] == "+ tier 2 of 64 MiB") & (t["turn"] == 4)].iloc[0]
     assert tiered["hit_rate_tier2"] > 0 and abs(tiered["hit_rate"] - tiered["reusable_share"]) < 1e-12
+    # the values table's tiered / full ratio and its interval (compare_tiers) reach the frame
+    assert tiered["ttft_over_full"] > 1 and tiered["ttft_over_full_ci"][0] < tiered["ttft_over_full"]
     assert tier_frame(conversation_frame(frame(conversation_rows()))).empty

@@ -148,6 +148,51 @@ def test_the_runs_own_noise_from_the_turns_where_the_three_points_did_the_same_w
     assert "noise" not in lonely["tier_comparison"]
 
 
+def _with_requests(row, per_turn):
+    """`row` with one request per TTFT of each turn (turn_requests) and its turns' p50 from them."""
+    row["turn_requests"] = [{"turn": k, "ok": True, "ttft_s": v} for k, vs in per_turn.items() for v in vs]
+    for t in row["turns"]:
+        vs = sorted(per_turn[t["turn"]])
+        t["ttft_s"] = vs[len(vs) // 2]
+    return row
+
+
+def test_the_order_is_resolved_only_where_the_intervals_of_the_ratios_clear_1():
+    """Per turn, tiered / full and tiered / recompute with 95 % bootstrap intervals from the
+    points' requests. Turn 1 (nothing reloaded, the same TTFTs): the strict verdict reads
+    "between" by the medians' chance order, the interval spans 1: unresolved. Turn 2: tiered
+    20 % above the bound and far below recompute, 11 requests each with 1 % jitter: resolved.
+    Turn 3: medians in order, but the bound's requests spread 0.08-0.16 s: between strictly,
+    not resolved. Turn 4: tiered 20 % under the bound, tightly: resolved the wrong way (false).
+    Only turns with reloads are counted."""
+    same = [0.100 + 0.001 * i for i in range(11)]
+    full = _with_requests(_row("full", [0] * 4, [64, 72, 80, 72]), {
+        1: same, 2: [0.100 + 0.001 * i for i in range(11)],
+        3: [0.08, 0.16, 0.09, 0.15, 0.10, 0.14, 0.11, 0.13, 0.115, 0.125, 0.12], 4: [0.2 + 0.001 * i for i in range(11)]})
+    off = _with_requests(_row("off", [0] * 4, [64, 144, 224, 304]), {
+        1: [v + 0.0001 for v in same], 2: [0.3 + 0.001 * i for i in range(11)],
+        3: [0.4 + 0.001 * i for i in range(11)], 4: [0.5 + 0.001 * i for i in range(11)]})
+    tiered = _with_requests(_row(GIB, [0] * 4, [64, 72, 80, 72]), {
+        1: [v + 0.00005 for v in same], 2: [0.120 + 0.001 * i for i in range(11)],
+        3: [0.121 + 0.0005 * i for i in range(11)], 4: [0.16 + 0.001 * i for i in range(11)]})
+    for t in tiered["turns"][1:]:
+        t["tier2_hit_tokens"] = 64 * 11
+    compare_tiers(tiered, [off, full], "conversation")
+    t1, t2, t3, t4 = tiered["turns"]
+    assert t1["ttft_between"] is True and t1["ttft_between_resolved"] is None
+    assert t1["ttft_over_full_ci"][0] < 1 < t1["ttft_over_full_ci"][1]
+    assert t2["ttft_over_full"] == pytest.approx(0.125 / 0.105) and t2["ttft_over_full_ci"][0] > 1.1
+    assert t2["ttft_over_recompute_ci"][1] < 0.5 and t2["ttft_between_resolved"] is True
+    assert t3["ttft_between"] is True and t3["ttft_between_resolved"] is None
+    assert t4["ttft_between"] is False and t4["ttft_between_resolved"] is False
+    assert (tiered["tier_turns_reloaded"], tiered["tier_turns_between_resolved"]) == (3, 1)
+    assert "1 of the 3 turns with reloads resolved between" in tiered["tier_comparison"]
+    # a point without per-request TTFTs (fewer than 2 of a turn) gives no interval and no verdict
+    bare = _row(GIB, [0.1, 0.12, 0.13, 0.15], [64, 72, 80, 72])
+    compare_tiers(bare, [off, full], "conversation")
+    assert all(t["ttft_between_resolved"] is None and t["ttft_over_full_ci"] is None for t in bare["turns"])
+
+
 def test_a_full_point_that_lost_cached_blocks_is_no_bound_and_no_turn_gets_a_verdict():
     """The `full` point is the engine's default pool, which need not hold every history (the
     reference engine's CPU default shrinks with max_num_seqs: with max_num_seqs=2 a run's full

@@ -259,3 +259,4 @@ def test_the_kv_tier_panel_draws_in_chromium(driver: Any, tmp_path: Path) -> Non
     tiered = [r for r in values["rows"] if r[1]["text"] == "+ tier 2 of 64 MiB" and r[2]["text"] == "4"][0]
     head = values["headers"]
     assert float(tiered[head.index("tier-2 hit %")]["value"]) > 0
+    assert float(tiered[head.index("TTFT / full pool [95% CI]")]["value"]) > 1

@@ -174,7 +174,9 @@ def conversation_tier_rows(engine: str = "reference", capacity: int = 64 << 20) 
             turn = {"turn": k, "requests": 4, "completed": 4, "prompt_tokens_mean": 72.0 * k,
                     "reusable_share": reusable, "hit_rate": hit, "hit_minus_reusable": hit - reusable, "ttft_s": ttft}
             if isinstance(mode, int):
-                turn.update(hit_rate_tier1=tier1, hit_rate_tier2=tier2)
+                full = 0.05 * k * (1 - reusable) + 0.01
+                turn.update(hit_rate_tier1=tier1, hit_rate_tier2=tier2, ttft_over_full=ttft / full,
+                            ttft_over_full_ci=[ttft / full * 0.97, ttft / full * 1.03])
             turns.append(turn)
         rows.append(make_row(engine=engine, workload="conversation", status="ok", model="tiny",
                              point={"prefix_caching": True, "sessions": 4, "kv_tiers": mode},

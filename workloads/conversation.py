@@ -1,13 +1,16 @@
 """Conversations: S sessions of T turns each, turn k's prompt the whole history so far.
 
 A session's turn k sends every earlier user message and **the reply the engine actually gave**
-to each, then the new user message (U tokens); the reply is capped at O tokens. The next turn is
-due `think time` after the reply's last token (none, fixed, or exponential with the given mean),
-and its clock starts then: TTFT counts from the turn's scheduled time, as serving's requests do.
+to each, then the new user message (U tokens); the reply is capped at O tokens. With
+`system_tokens` every prompt starts with the session's own system turn of that many tokens. The
+next turn is due `think time` after the reply's last token (none, fixed, or exponential with the
+given mean), and its clock starts then: TTFT counts from the turn's scheduled time, as serving's
+requests do.
 Sessions compete for the engine (and its KV pool) concurrently: all at once, K in flight (closed
 loop: `concurrency`, a new session as one ends) or started at `session_rate` per second (open
-loop). For every engine with a prefix cache the point runs with caching on and off
-(`prefix_caching`); engines without one run "off" only.
+loop: a Poisson process, or one every 1 / session_rate seconds with `arrival=constant`). For
+every engine with a prefix cache the point runs with caching on and off (`prefix_caching`);
+engines without one run "off" only.
 
 In-process engines get the turns' token ids concatenated (with `separator_ids` between messages;
 the row's `prompt_template` says which). An endpoint with `api=chat` gets the messages with their
@@ -70,13 +73,18 @@ class ConversationConfig:
     turns: Any = spec(4, help="turns per session (T): a number, or {dist: uniform, min: .., max: ..}")
     user_tokens: Any = spec(64, help="tokens of each new user message (U): a number or {dist: ...}")
     output_tokens: Any = spec(16, help="tokens of each reply (O, the cap asked for): a number or {dist: ...}")
+    system_tokens: int = spec(0, ge=0, help="synthetic sessions: a system turn of this many tokens, each session's "
+                                            "own, at the head of every prompt (0: none)")
     think_time: str = spec("none", choices=THINK_TIMES,
                            help="time between a reply's end and the next turn: none | fixed | exponential")
     think_time_s: float = spec(0.0, ge=0, help="the fixed think time, or the exponential's mean, in seconds")
     concurrency: int | None = spec(None, ge=1, help="closed loop: sessions in flight (a new one as one ends); "
                                                     "null: every session at once (or session_rate)")
-    session_rate: float | None = spec(None, gt=0, help="open loop: sessions started per second (Poisson); "
+    session_rate: float | None = spec(None, gt=0, help="open loop: sessions started per second (arrival); "
                                                        "null: all at once (or concurrency)")
+    arrival: str = spec("poisson", choices=("poisson", "constant"),
+                        help="open loop: the sessions' starts, a Poisson process at session_rate or one every "
+                             "1 / session_rate seconds (with a fixed think time: one turn in flight at a time)")
     prefix_caching: list[bool] = spec([True, False], nonempty=True, help="modes to compare")
     kv_tiers: list[Any] = spec(["off"], nonempty=True, help=(
         "KV tiers, with caching on (docs/metrics.md, \"KV tiers\"): off (the engine's pool alone: what it evicts "
@@ -260,6 +268,13 @@ class Conversation(Workload):
         if cfg.concurrency is not None and cfg.session_rate is not None:
             problems.append("workload.concurrency and workload.session_rate: give one (closed loop: sessions in "
                             "flight; open loop: sessions started per second), not both.")
+        if cfg.system_tokens and cfg.dataset:
+            problems.append(f"workload.system_tokens={cfg.system_tokens} makes synthetic sessions' system turns; "
+                            f"workload.dataset={cfg.dataset} brings its own. Set workload.system_tokens=0.")
+        if cfg.arrival != "poisson" and cfg.session_rate is None:
+            problems.append(f"workload.arrival={cfg.arrival} spaces the sessions' starts at workload.session_rate, "
+                            "which is null (all at once, or concurrency). Give workload.session_rate (sessions per "
+                            "second), or leave arrival=poisson.")
         problems += tier_problems(cfg.kv_tiers, cfg.prefix_caching, full_bytes=cfg.kv_tiers_full_bytes)
         if cfg.dataset:
             try:
@@ -275,7 +290,8 @@ class Conversation(Workload):
         if cfg.dataset:
             return cfg.max_len or 0
         turns = t.bounds()[1]
-        return turns * (u.bounds()[1] + o.bounds()[1]) + (2 * turns - 1) * len(cfg.separator_ids)
+        system = cfg.system_tokens + len(cfg.separator_ids) if cfg.system_tokens else 0
+        return system + turns * (u.bounds()[1] + o.bounds()[1]) + (2 * turns - 1) * len(cfg.separator_ids)
 
     def max_prefill_batch(self, cfg: ConversationConfig) -> tuple[int, int]:
         return 1, self.max_model_len(cfg)
@@ -335,9 +351,11 @@ class Conversation(Workload):
                 n = t.sample(1, rng)[0]
                 lens, caps = u.sample(n, rng), o.sample(n, rng)
                 users = [ctx.prompts(1, m, f"{key}/s{i}/u{k}")[0] for k, m in enumerate(lens)]
-                out.append(Session(i, users, caps, think_times(cfg.think_time, cfg.think_time_s, n, rng)))
+                system = ctx.prompts(1, cfg.system_tokens, f"{key}/s{i}/system")[0] if cfg.system_tokens else None
+                out.append(Session(i, users, caps, think_times(cfg.think_time, cfg.think_time_s, n, rng), system=system))
         if cfg.session_rate is not None:
-            gaps = rng.exponential(1.0 / cfg.session_rate, size=len(out))
+            gaps = (np.full(len(out), 1.0 / cfg.session_rate) if cfg.arrival == "constant"
+                    else rng.exponential(1.0 / cfg.session_rate, size=len(out)))
             starts = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
             for s, st in zip(out, starts):
                 s.start_s = float(st)
@@ -400,7 +418,8 @@ class Conversation(Workload):
             turns_max=max(len(s.users) for s in sessions),
             think_time=cfg.think_time, think_time_s=cfg.think_time_s if cfg.think_time != "none" else None,
             load_mode="open" if cfg.session_rate is not None else "closed" if cfg.concurrency else "all",
-            concurrency=cfg.concurrency, session_rate=cfg.session_rate, dataset=cfg.dataset, **self.dataset_fields,
+            concurrency=cfg.concurrency, session_rate=cfg.session_rate,
+            arrival=cfg.arrival if cfg.session_rate is not None else None, dataset=cfg.dataset, **self.dataset_fields,
             prompt_template=("concatenated token ids, " + (f"separator ids {cfg.separator_ids}" if cfg.separator_ids
                                                           else "no separator")),
             block_size=info0.block_size,
@@ -430,7 +449,7 @@ class Conversation(Workload):
                          f"{'' if tiers == 'off' else f' kv_tiers={tiers_label(tiers)}'}: per turn")
             tiered = any(t.get("hit_rate_tier2") is not None for t in r["turns"])
             lines.append("  turn  reqs  prompt  reusable  hit rate  TTFT p50 ms"
-                         + ("  tier-1 hit  tier-2 hit  TTFT recompute  TTFT full" if tiered else ""))
+                         + ("  tier-1 hit  tier-2 hit  TTFT recompute  TTFT full  between  resolved" if tiered else ""))
             for t in r["turns"]:
                 hr = "   -   " if t["hit_rate"] is None else f"{t['hit_rate']:7.3f}"
                 ttft = "-" if t["ttft_s"] is None else f"{t['ttft_s'] * 1e3:.1f}"
@@ -442,8 +461,11 @@ class Conversation(Workload):
 
                     def share(v: Any) -> str:
                         return "-" if v is None else f"{v:.3f}"
+                    def yes(v: Any) -> str:
+                        return "-" if v is None else "yes" if v else "no"
                     line += (f"  {share(t.get('hit_rate_tier1')):>10}  {share(t.get('hit_rate_tier2')):>10}  "
-                             f"{ms(t.get('ttft_recompute_s')):>14}  {ms(t.get('ttft_full_s')):>9}")
+                             f"{ms(t.get('ttft_recompute_s')):>14}  {ms(t.get('ttft_full_s')):>9}  "
+                             f"{yes(t.get('ttft_between')):>7}  {yes(t.get('ttft_between_resolved')):>8}")
                 lines.append(line)
         return "\n".join(lines)
 

@@ -17,8 +17,9 @@ prefilled (`tier1_hit_tokens`, `tier2_hit_tokens`, `miss_tokens`, `hit_rate_tier
 `hit_rate_tier2`: where the engine says per request, the reference engine), per point the second
 tier's counters over the point (`tier2`: hits, blocks and bytes moved, seconds, evictions,
 corrupt entries; a server's from /metrics), and, in the harness's process (`compare_tiers`), each
-tiered turn beside the same turn with tiers off (recompute) and with the full pool (the bound),
-and the break-even of reloading against recomputing.
+tiered turn beside the same turn with tiers off (recompute) and with the full pool (the bound):
+strictly, within the run's noise, and resolved (bootstrap intervals of the ratios from the
+points' requests); and the break-even of reloading against recomputing.
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
     prefilled) and the break-even against the reload cost per token; the row the count of turns in
     between; and, where some turns did the same work in all three points, the run's noise (the
     largest spread of TTFT there) and per turn whether the tiered TTFT lies between within it
-    (`ttft_between_within_noise`: full x (1 - noise) <= tiered <= recompute x (1 + noise)). Rows of
+    (`ttft_between_within_noise`: full x (1 - noise) <= tiered <= recompute x (1 + noise)); and the
+    order with the requests' spread taken into account (`_resolve`: `ttft_between_resolved`). Rows of
     the other two modes get nothing. Fails closed: a row with nothing to compare
     says why (`tier_comparison`), and so does one whose `full` point evicted cached blocks (or
     does not say): that point is no bound, and no turn gets a verdict against it."""
@@ -279,6 +281,56 @@ def compare_tiers(row: dict[str, Any], rows: list[dict[str, Any]], workload: str
         row["tier_comparison"] += (f"; {within} of {compared} within the run's noise ({noise:.1%}: the spread of the "
                                    f"three points' TTFT at turn(s) {', '.join(map(str, same))}, where they did the "
                                    "same work)")
+    _resolve(row, off[-1], full[-1])
+
+
+def _ttfts(row: dict[str, Any]) -> dict[int, list[float]]:
+    """Every completed request's TTFT by turn (`turn_requests`)."""
+    out: dict[int, list[float]] = {}
+    for r in row.get("turn_requests") or []:
+        if r.get("ok") and r.get("ttft_s") is not None:
+            out.setdefault(r["turn"], []).append(r["ttft_s"])
+    return out
+
+
+def _resolve(row: dict[str, Any], off: dict[str, Any], full: dict[str, Any]) -> None:
+    """Per compared turn, the tiered TTFT p50 over the bound's and over recompute's
+    (`ttft_over_full`, `ttft_over_recompute`), each with the 95 % percentile-bootstrap interval of
+    that ratio of medians (every point's requests of the turn resampled independently:
+    harness.core.bootstrap.ratio_ci; `*_ci`), and whether the order is resolved
+    (`ttft_between_resolved`): true when the interval over the bound lies at or above 1 and the
+    one over recompute at or below 1; false when either lies wholly on the wrong side; null when
+    the run cannot tell (an interval spans 1, or a point has fewer than 2 requests of the turn).
+    The intervals see the jitter between requests of a point, not a drift of the machine between
+    points (the noise above): at a turn where nothing was reloaded one can clear 1 by such a
+    drift. So the row counts the turns where the second tier supplied tokens
+    (`tier_turns_reloaded`) and, of those, the resolved ones."""
+    from harness.core.bootstrap import ratio_ci  # the harness's process only (scipy)
+    mine, rec, bound = _ttfts(row), _ttfts(off), _ttfts(full)
+    reloaded = resolved = 0
+    for t in row["turns"]:
+        if t.get("ttft_between") is None:
+            continue
+        k = t["turn"]
+        verdict: list[bool | None] = []
+        for name, other in (("full", bound), ("recompute", rec)):
+            t[f"ttft_over_{name}"] = t["ttft_s"] / t[f"ttft_{name}_s"] if t[f"ttft_{name}_s"] else None
+            ci = ratio_ci([mine.get(k, []), other.get(k, [])], lambda a, b: a / b, seed=k)
+            t[f"ttft_over_{name}_ci"] = list(ci) if ci else None
+            if ci is None:
+                verdict.append(None)
+            elif name == "full":
+                verdict.append(True if ci[0] >= 1 else False if ci[1] < 1 else None)
+            else:
+                verdict.append(True if ci[1] <= 1 else False if ci[0] > 1 else None)
+        t["ttft_between_resolved"] = False if False in verdict else None if None in verdict else True
+        if t.get("tier2_hit_tokens"):
+            reloaded += 1
+            resolved += t["ttft_between_resolved"] is True
+    row["tier_turns_reloaded"], row["tier_turns_between_resolved"] = reloaded, resolved
+    if reloaded:
+        row["tier_comparison"] += (f"; {resolved} of the {reloaded} turns with reloads resolved between (95% "
+                                   "bootstrap intervals of tiered/full and tiered/recompute)")
 
 
 def _noise_floor(turns: list[dict[str, Any]], rec: dict[int, Any], bound: dict[int, Any]

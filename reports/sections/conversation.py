@@ -61,7 +61,8 @@ def conversation_frame(rows: pd.DataFrame) -> pd.DataFrame:
                         "hit_rate_tier1": t1, "hit_rate_tier2": t2,
                         "miss_share": 1 - (t1 or 0.0) - (t2 or 0.0) if hit is not None else None,
                         "ttft_recompute_s": t.get("ttft_recompute_s"), "ttft_full_s": t.get("ttft_full_s"),
-                        "ttft_between": t.get("ttft_between"),
+                        "ttft_between": t.get("ttft_between"), "ttft_over_full": t.get("ttft_over_full"),
+                        "ttft_over_full_ci": t.get("ttft_over_full_ci"),
                         "ttft_s": t.get("ttft_s"), "hit_rate": t.get("hit_rate"),
                         "reusable_share": t.get("reusable_share"),
                         "hit_minus_reusable": t.get("hit_minus_reusable"),
@@ -124,7 +125,8 @@ def tier_blocks(df: pd.DataFrame, data: ReportData) -> list[Block]:
             Col("reusable %", "reusable_share", 100), Col("tier-1 hit %", "hit_rate_tier1", 100),
             Col("tier-2 hit %", "hit_rate_tier2", 100), Col("hit (both) %", "hit_rate", 100),
             Col("hit − reusable (pts)", "hit_minus_reusable", 100), Col("TTFT ms", "ttft_s", MS, better="lower"),
-            Col("TTFT recompute ms", "ttft_recompute_s", MS), Col("TTFT full pool ms", "ttft_full_s", MS)],
+            Col("TTFT recompute ms", "ttft_recompute_s", MS), Col("TTFT full pool ms", "ttft_full_s", MS),
+            Col("TTFT / full pool [95% CI]", "ttft_over_full", ci="ttft_over_full_ci")],
         "conversation-tier-values", group=["turn"])
     return blocks
 
