@@ -170,11 +170,12 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def compile_library(name: str, source: str) -> ctypes.CDLL:
+def compile_library(name: str, source: str, argtypes: list | None = None) -> ctypes.CDLL:
     """`source` (C, no headers beyond libc's) compiled for this machine with FLAGS, linked with
     LINK_FLAGS and loaded; built on first use into the kernel cache as `<name>-<key>.so`, the key
     a hash of the source, the flags, the compiler's version and the CPU's signature. Raises
-    RuntimeError with the reason when it cannot be built. (cpu_gemv.py builds through it too.)"""
+    RuntimeError with the reason when it cannot be built. With `argtypes`, the library's function
+    `name` gets them and an int return. (cpu_gemv.py builds through it too.)"""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
@@ -194,18 +195,18 @@ def compile_library(name: str, source: str) -> ctypes.CDLL:
                 if r.returncode != 0:
                     raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[:300]}")
             os.replace(lib, target)  # atomic: a concurrent build just wins or loses the race
-    return ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(target))
+    if argtypes is not None:  # the function `name`, returning an int status
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
 
 
 def build() -> ctypes.CDLL:
     """The compiled kernel for this machine (built on first use, then cached). Raises
     RuntimeError with the reason when it cannot be built."""
-    lib = compile_library("paged_decode", C_SOURCE)
-    fn = lib.paged_decode
-    fn.restype = ctypes.c_int
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [i, p, i64, i64, p, p, p, p, p, i, i, i, i, i64, i, i, ctypes.c_float, i]
-    return lib
+    return compile_library("paged_decode", C_SOURCE, [i, p, i64, i64, p, p, p, p, p, i, i, i, i, i64, i, i, ctypes.c_float, i])
 
 
 class PagedDecode:

@@ -126,12 +126,8 @@ int bf16_gemv(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t 
 def build() -> ctypes.CDLL:
     """The compiled kernel for this machine (built on first use, then cached). Raises
     RuntimeError with the reason when it cannot be built."""
-    lib = compile_library("bf16_gemv", C_SOURCE)
-    fn = lib.bf16_gemv
-    fn.restype = ctypes.c_int
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, p, i64, p, p, i64, p, i, i, i, i]
-    return lib
+    return compile_library("bf16_gemv", C_SOURCE, [p, p, i64, p, p, i64, p, i, i, i, i])
 
 
 class HalfGemv:
