@@ -331,6 +331,8 @@ def _resolve(row: dict[str, Any], off: dict[str, Any], full: dict[str, Any]) -> 
     if reloaded:
         row["tier_comparison"] += (f"; {resolved} of the {reloaded} turns with reloads resolved between (95% "
                                    "bootstrap intervals of tiered/full and tiered/recompute)")
+    else:  # nothing compared: say so rather than let a silent row read as a pass
+        row["tier_comparison"] += "; no turn reloaded from the second tier: the order was not resolved at any turn"
 
 
 def _noise_floor(turns: list[dict[str, Any]], rec: dict[int, Any], bound: dict[int, Any]
