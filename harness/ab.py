@@ -40,7 +40,9 @@ table and in the verdict).
 `--baseline-override` / `--candidate-override` add overrides to one side only, so the same tool
 compares two configurations of one tree (e.g. `engine_options.reference.kv_cache=none`).
 
-Exit codes: 0 nothing regressed and something was compared, 1 REGRESSED or FAILED, 2 unusable
+The job's verdict: REGRESSED when a decisive row regressed, else IMPROVED when one improved, else
+UNCHANGED (FAILED before all of them). Exit codes: 0 UNCHANGED or IMPROVED (nothing regressed and
+something was compared), 1 REGRESSED or FAILED, 2 unusable
 input (an unknown ref, a run that could not start, bad arguments).
 """
 
@@ -355,10 +357,13 @@ def block_results(pairs: dict[str, dict[str, list[tuple[float | None, float | No
 
 
 VERDICTS = ("regressed", "failed", "improved", "unchanged", "new", "no-data")
+PASSING = ("unchanged", "improved")  # the job verdicts that exit 0
 
 
 def overall(results: list[PairResult], candidate_exits: list[tuple[int, int, list[str]]]) -> tuple[str, list[str]]:
-    """The job's verdict (failed | regressed | unchanged) and, for FAILED, what is missing.
+    """The job's verdict (failed | regressed | improved | unchanged) and, for FAILED, what is
+    missing: regressed when a decisive row regressed, improved when none did and a decisive row
+    improved, else unchanged (a row that is not decisive never sets it).
     `candidate_exits`: (round, exit code, reasons) of every candidate run that exited non-zero."""
     why = []
     compared = sum(r.verdict in ("regressed", "improved", "unchanged") for r in results)
@@ -375,7 +380,8 @@ def overall(results: list[PairResult], candidate_exits: list[tuple[int, int, lis
                    f"{', '.join(map(str, rnds))}" + (f": {reasons}" if reasons else ""))
     if why:
         return "failed", list(dict.fromkeys(why))
-    return ("regressed" if any(r.verdict == "regressed" and r.decisive for r in results) else "unchanged"), []
+    decisive = {r.verdict for r in results if r.decisive}
+    return ("regressed" if "regressed" in decisive else "improved" if "improved" in decisive else "unchanged"), []
 
 
 def format_table(results: list[PairResult]) -> str:
@@ -558,7 +564,8 @@ def interleaved_rounds(args: argparse.Namespace, base: Side, cand: Side, overrid
 def report(args: argparse.Namespace, results: list[PairResult], candidate_exits: list[tuple[int, int, list[str]]],
            threshold: float, base_commit: str, cand_commit: str | None, overrides: list[str], out: Path,
            failure: str | None = None) -> int:
-    """Print the table and the verdict, write the verdict file; the exit code (0: unchanged).
+    """Print the table and the verdict, write the verdict file; the exit code (0: unchanged or
+    improved, 1: regressed or failed).
     `failure`: why the job as a whole failed (FAILED whatever the results)."""
     print(format_table(results))
     counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
@@ -585,7 +592,7 @@ def report(args: argparse.Namespace, results: list[PairResult], candidate_exits:
     verdict_file = Path(args.json) if args.json else out / "ab.json"
     atomic_write_text(verdict_file, json.dumps(doc, indent=2))
     print(f"verdict file: {verdict_file}")
-    return 0 if verdict_ == "unchanged" else 1
+    return 0 if verdict_ in PASSING else 1
 
 
 def _terminated(signum: int, frame: object) -> None:

@@ -117,7 +117,7 @@ def main() -> None:
         for ((frac, _), cpu), doc in zip(items, batch(jobs, hold)):
             results[frac].append(doc)
             label = "A/A" if not frac else f"+{frac:.0%}"
-            why = "" if doc["verdict"] in ("regressed", "unchanged") else \
+            why = "" if doc["verdict"] in ("regressed", "improved", "unchanged") else \
                 f"  ({'; '.join(doc.get('failed_because') or [])[:300]})"
             print(f"{time.strftime('%H:%M:%S')} {label:>5} {len(results[frac]):>2}: {doc['verdict']:<10} "
                   f"{decode_rows(doc)}  ({doc['seconds']:.0f} s, core {cpu}){why}", flush=True)
@@ -130,7 +130,7 @@ def main() -> None:
     for frac, n in conditions:
         docs = results[frac]
         reg = sum(d["verdict"] == "regressed" for d in docs)
-        failed = sum(d["verdict"] not in ("regressed", "unchanged") for d in docs)
+        failed = sum(d["verdict"] not in ("regressed", "improved", "unchanged") for d in docs)
         secs = sorted(d["seconds"] for d in docs)
         label = "A/A (same commit)" if not frac else f"handicap step_delay_frac={frac:g}"
         rate = f"false alarms {reg}/{len(docs)}" if not frac else f"detected {reg}/{len(docs)}"

@@ -1,12 +1,13 @@
 """infer-bench-ab's paired statistics, on synthetic rounds with known effects (our own logic; the
 real interleaved runs are in test_ab_e2e.py)."""
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from harness.ab import overall, paired, run_medians
+from harness.ab import overall, paired, parser, report, run_medians
 
 KEY = ("reference", 'sweep:{"batch_size":8}', "decode_step_latency_s")
 TPUT = ("reference", 'sweep:{"batch_size":8}', "output_tok_s")
@@ -99,6 +100,27 @@ def test_nothing_compared_or_a_failing_candidate_exit_fails():
     assert overall(ok, []) == ("unchanged", [])
     verdict, why = overall(ok, [(2, 1, ["1 point failed (reference)"])])
     assert verdict == "failed" and "exited 1 in round 2: 1 point failed" in why[0]
+
+
+def test_a_decisive_improvement_is_improved_and_exits_0(tmp_path, capsys):
+    # every compared row improved: the job used to print "verdict: UNCHANGED (3 improved)"
+    fast = paired(rounds_of([1.0, 1.02, 0.98, 1.01], [0.70, 0.72, 0.69, 0.71]), [KEY[2]], 0.1)
+    assert [r.verdict for r in fast] == ["improved"]
+    assert overall(fast, []) == ("improved", [])
+    args = parser().parse_args(["--baseline-ref", "HEAD", "--rounds", "4"])
+    assert report(args, fast, [], 0.1, "0" * 40, None, [], tmp_path) == 0
+    assert "verdict: IMPROVED" in capsys.readouterr().out
+    assert json.loads((tmp_path / "ab.json").read_text())["verdict"] == "improved"
+    # an improvement never hides a regression or a failure, and an unchanged row beside it is no loss
+    slow = paired(rounds_of([1.0] * 4, [1.3, 1.31, 1.29, 1.3], key=TPUT), [TPUT[2]], 0.1)
+    assert overall(fast + slow, []) == ("regressed", [])
+    assert report(args, fast + slow, [], 0.1, "0" * 40, None, [], tmp_path) == 1
+    same = paired(rounds_of([1.0] * 4, [1.0] * 4, key=TPUT), [TPUT[2]], 0.1)
+    assert overall(fast + same, []) == ("improved", [])
+    assert overall(fast, [(1, 1, [])])[0] == "failed"
+    assert report(args, fast, [(1, 1, [])], 0.1, "0" * 40, None, [], tmp_path) == 1
+    missing = paired([({KEY: (1.0, 1.0)}, {KEY: "failed"})] * 3, [KEY[2]], 0.1)
+    assert overall(fast + missing, [])[0] == "failed"
 
 
 def test_run_medians_reads_the_rows(tmp_path):

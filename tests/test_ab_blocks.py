@@ -81,6 +81,18 @@ def test_prefill_alone_beyond_the_threshold_is_shown_but_not_decisive():
     assert overall(res, [])[0] == "unchanged"
 
 
+def test_a_decisive_improvement_is_improved_and_prefill_alone_is_not():
+    res = block_results(synthetic(0.93, 21), 0.025)  # the candidate 7 % faster in every metric
+    assert {r.verdict for r in res if r.metric == "block_cpu_s"} == {"improved"}
+    assert overall(res, [])[0] == "improved"
+    data = synthetic(1.0, 7)
+    for key in (B1, B8):
+        data[key]["prefill_latency_s"] = [(a, b * 0.7) for a, b in data[key]["prefill_latency_s"]]
+    res = block_results(data, 0.025)
+    assert {r.verdict for r in res if r.metric == "prefill_latency_s"} == {"improved"}
+    assert overall(res, [])[0] == "unchanged"
+
+
 def test_the_wall_clock_step_decides_at_four_times_the_threshold():
     """The worker's CPU time decides at the threshold; the wall-clock decode step (where a
     regression that waits rather than computes shows) only beyond 4x it."""
