@@ -139,3 +139,22 @@ def test_conversation_bad_input_exit_2_naming_the_field(tmp_path, args, field):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and field in r.stderr, r.stderr
     assert not (out / "results.jsonl").exists()
+
+
+def test_system_tokens_with_a_dataset_exit_2_naming_the_field(tmp_path):
+    # a dataset's sessions bring their own system turns: workload.system_tokens (synthetic sessions'
+    # system turns) beside it is refused before anything runs
+    data = tmp_path / "sg.json"
+    data.write_text(json.dumps([{"id": "a", "conversations": [{"from": "system", "value": "w4"},
+                                                              {"from": "human", "value": "w10 w11"},
+                                                              {"from": "gpt", "value": "w50"}]}]))
+    args = ["engines=[reference]", "workload=conversation", f"workload.dataset={data}"]
+    assert check_jobs(args) == []  # the dataset alone is clean
+    (problem,) = check_jobs([*args, "workload.system_tokens=16"])
+    assert problem.startswith("workload.system_tokens=16") and "Set workload.system_tokens=0" in problem
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *args, "workload.system_tokens=16",
+                        f"hydra.run.dir={out}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "workload.system_tokens=16" in r.stderr, r.stderr
+    assert not (out / "results.jsonl").exists()
