@@ -193,6 +193,24 @@ def test_the_order_is_resolved_only_where_the_intervals_of_the_ratios_clear_1():
     assert all(t["ttft_between_resolved"] is None and t["ttft_over_full_ci"] is None for t in bare["turns"])
 
 
+def test_a_run_in_which_no_turn_reloaded_says_so_and_counts_no_resolved_turn():
+    """Every pool held the history (no turn's tokens came from the second tier): turn 2's
+    intervals clear 1 in order, but nothing was reloaded, so nothing is counted as resolved and
+    tier_comparison says that no turn was (it used to add nothing: a silent row read as a pass)."""
+    full = _with_requests(_row("full", [0] * 2, [64, 72]), {
+        1: [0.100 + 0.001 * i for i in range(11)], 2: [0.100 + 0.001 * i for i in range(11)]})
+    off = _with_requests(_row("off", [0] * 2, [64, 144]), {
+        1: [0.1001 + 0.001 * i for i in range(11)], 2: [0.3 + 0.001 * i for i in range(11)]})
+    tiered = _with_requests(_row(GIB, [0] * 2, [64, 72]), {
+        1: [0.10005 + 0.001 * i for i in range(11)], 2: [0.120 + 0.001 * i for i in range(11)]})
+    compare_tiers(tiered, [off, full], "conversation")
+    assert tiered["turns"][1]["ttft_between_resolved"] is True  # in order, but no reload made it so
+    assert (tiered["tier_turns_reloaded"], tiered["tier_turns_between_resolved"]) == (0, 0)
+    assert tiered["tier_comparison"].endswith(
+        "; no turn reloaded from the second tier: the order was not resolved at any turn")
+    assert "turns with reloads resolved between" not in tiered["tier_comparison"]
+
+
 def test_a_full_point_that_lost_cached_blocks_is_no_bound_and_no_turn_gets_a_verdict():
     """The `full` point is the engine's default pool, which need not hold every history (the
     reference engine's CPU default shrinks with max_num_seqs: with max_num_seqs=2 a run's full
