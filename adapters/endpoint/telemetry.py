@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from adapters import tiers
 from adapters.base import SpecDecodeStats
 from adapters.endpoint.kinds import KINDS, Speculation
+from adapters.prom_counters import read_counters
 
 # any other server: gauges and counters whose names say they are about these
 _GENERIC = re.compile(r"(kv_cache|cache_usage|token_usage|num_requests|running|waiting|queue|preempt|prefix_cache)")
@@ -98,22 +99,13 @@ def spec_counts(kind: str, text: str, sp: Speculation) -> SpecDecodeStats:
     m = KINDS[kind].spec_metrics
     if m is None:
         raise ValueError(f"the harness knows no speculative-decoding metrics of a kind={kind} server")
-    values: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    present: set[str] = set()
-    for fam in text_string_to_metric_families(text):
-        present.add(fam.name)
-        for smp in fam.samples:
-            present.add(smp.name)
-            if m.per_position and smp.name == m.per_position:
-                pos = smp.labels.get(m.position_label)
-                if pos is not None and str(pos).isdigit():
-                    per_pos[int(pos)] = per_pos.get(int(pos), 0.0) + float(smp.value)
-                continue
-            values[smp.name] = values.get(smp.name, 0.0) + float(smp.value)
 
-    def there(name: str) -> bool:  # a counter's family is its sample name without `_total`
-        return name in present or (name.endswith("_total") and name[: -len("_total")] in present)
+    def position(labels: dict[str, str]) -> int | None:
+        pos = labels.get(m.position_label)
+        return int(pos) if pos is not None and str(pos).isdigit() else None
+
+    c = read_counters(text, m.per_position, position)
+    values, per_pos, there = c.values, c.split, c.there
 
     needed = m.counters + (m.derived[0] if m.derived else ())
     missing = [n for n in needed if not there(n)]
