@@ -15,6 +15,7 @@ Real-GPU tests are marked `gpu` and skip without CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -28,7 +29,7 @@ import torch
 
 from adapters.base import ModelSpec, Request, now_ns
 from adapters.reference import llm_engine as engine_module
-from adapters.reference import cpu_decode, cpu_gemv, kernels, kernels_cpu
+from adapters.reference import cpu_decode, cpu_gemv, cpu_layer, kernels, kernels_cpu
 from adapters.reference.config import EngineConfig
 from adapters.reference.cuda_graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to
 from adapters.reference.engine import ReferenceEngine
@@ -303,9 +304,11 @@ def test_engine_decodes_batch_1_through_the_gemv_kernel(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(cpu_gemv.HalfGemv, "__call__", lambda self, x, *a: rows.append(x.shape[0]) or real_call(self, x, *a))
     prompts = make_prompts([23])
     fast = run(engine, prompts=prompts)
-    # every product of every decode step, and the prefill's on its last token (the last layer's
-    # output projection and MLP after the sampled row is picked, and the LM head)
-    assert rows == [1] * ((4 * len(engine.model.layers) + 1) * STEPS + 4)
+    # the LM head of every decode step (its layers' products run inside the fused decode layer,
+    # cpu_layer.py, which calls the same C code), and the prefill's on its last token (the last
+    # layer's output projection and MLP after the sampled row is picked, and the LM head)
+    assert "decode_layer_fallback_reason" not in details and "one C call" in details["decode_layer"]
+    assert rows == [1] * (STEPS + 4)
     engine.close()
     slow = run(spec, {"kernels": "plain"}, prompts=prompts)
     assert isinstance(slow[0].model.layers[0].qkv, Linear)
@@ -329,6 +332,76 @@ def test_gemv_falls_back_when_it_cannot_build(tiny_ckpt, monkeypatch, tmp_path):
     slow = run(spec, {"kernels": "plain"}, prompts=prompts)
     slow[0].close()
     assert_bf16_engines_agree(fast, slow, 1)
+
+
+# ---- the fused decode layer (cpu_layer.py) --------------------------------------------------
+
+@needs_cc
+def test_fused_decode_layer_matches_the_layer_op_by_op(tiny_ckpt, monkeypatch):
+    """bf16, batch 1, widened products on the C kernel: every layer of every decode step runs in
+    one C call (a spy counts them), and the engine gives the logits and tokens of the same engine
+    without it (its probe refused: each layer op by op through torch and the same C products),
+    to bf16 rounding of the RMS norm's sum (summed in another order)."""
+    force_widening(monkeypatch)
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
+    calls = []
+    real_call = cpu_layer.DecodeLayer.__call__
+    monkeypatch.setattr(cpu_layer.DecodeLayer, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
+    prompts = make_prompts([29])
+    engine = ReferenceEngine()
+    engine.load(spec, {})
+    calls.clear()  # the probe's call at load
+    fast = run(engine, prompts=prompts, steps=24)
+    layers = len(engine.model.layers)
+    assert len(calls) == layers * 24
+    fast[0].close()
+    monkeypatch.setattr(cpu_layer, "probe", lambda dtype: (None, "refused by the test"))
+    slow = run(spec, prompts=prompts, steps=24)
+    assert slow[0].kernels.details["decode_layer"] == "per operation (refused by the test)"
+    slow[0].close()
+    assert len(calls) == layers * 24  # not called again
+    assert fast[2].tokens == slow[2].tokens
+    assert fast[2].logits[-1].shape == slow[2].logits[-1].shape
+    errors = [rel_err(a, b) for a, b in zip(fast[2].logits, slow[2].logits)]
+    assert max(errors) < 2e-2, errors
+
+
+@needs_cc
+def test_fused_decode_layer_only_at_one_decode_token(tiny_ckpt, monkeypatch):
+    """Batch 2 decode steps and prefills run op by op (the spy sees no call); the layers a family
+    changes (qk-norm here) are refused by layer_takes."""
+    force_widening(monkeypatch)
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
+    calls = []
+    real_call = cpu_layer.DecodeLayer.__call__
+    monkeypatch.setattr(cpu_layer.DecodeLayer, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
+    engine = ReferenceEngine()
+    engine.load(spec, {})
+    calls.clear()  # the probe's call at load
+    run(engine, prompts=make_prompts([12, 20]), steps=3)
+    assert calls == []
+    model = engine.model
+    assert all(cpu_layer.layer_takes(model, i) for i in range(len(model.layers)))
+    model.layers[0] = dataclasses.replace(model.layers[0], q_norm=torch.ones(model.cfg.head_dim, dtype=torch.bfloat16))
+    assert not cpu_layer.layer_takes(model, 0) and cpu_layer.layer_takes(model, 1)
+    engine.close()
+
+
+@needs_cc
+@pytest.mark.parametrize("bug,fragment", [
+    ("x[i] = round_bf16(a + t[(i + d / 2) % d] * widen(sin[i]));", "x[i] = round_bf16(a + t[i] * widen(sin[i]));"),
+    ("int64_t row = ((int64_t)h * NB + block) * BS + pos % BS;", "int64_t row = ((int64_t)h * NB + block) * BS;"),
+    ("static float silu(float g) { return g / (1.f + expf(-g)); }", "static float silu(float g) { return g; }"),
+    ("gemv_rows(wo, hf, bo, x, 0, y, 1, H * hd, D);", "gemv_rows(wo, hf, bo, NULL, 0, y, 1, H * hd, D);"),
+])
+def test_decode_layer_probe_refuses_a_wrong_kernel(monkeypatch, tmp_path, bug, fragment):
+    """A rotation without its half turn, the new key written to the block's first slot, SiLU left
+    out, the residual left out: the probe catches each and the engine keeps the layer op by op."""
+    assert bug in cpu_layer.C_SOURCE
+    monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_layer, "C_SOURCE", cpu_layer.C_SOURCE.replace(bug, fragment))
+    kernel, why = cpu_layer.probe(torch.bfloat16)
+    assert kernel is None and ("disagrees" in why or "other keys" in why), why
 
 
 # ---- the fused CPU decode kernel (cpu_decode.py) -----------------------------------------

@@ -72,74 +72,82 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-/* q: [B, H, D] with strides (q_sb, q_sh, 1); k, v: one layer, [KV, NB, BS, D] contiguous;
-   tables: int64 [B, W]; lens: int64 [B]; out: [B, H, D] contiguous. bf16: 1 for bfloat16,
-   0 for float32 (q, k, v and out alike). Returns 0, or -1 for shapes it cannot take. */
+/* Attention of sequence b's G query heads that share KV head h (see the module's docstring),
+   written to out's rows of those heads. q: [B, H, D] with strides (q_sb, q_sh, 1); k, v: one
+   layer, [KV, NB, BS, D] contiguous; tables: int64 [B, W]; lens: int64 [B]; out: [B, H, D]
+   contiguous. bf16: 1 for bfloat16, 0 for float32 (q, k, v and out alike). G <= MAXG, D <= MAXD. */
+static void attend_head(int bf16, const void *q, int64_t q_sb, int64_t q_sh, const void *k, const void *v,
+                        const int64_t *tables, const int64_t *lens, void *out, int b, int h, int H, int KV,
+                        int D, int64_t NB, int BS, int W, float scale) {
+    int G = H / KV;
+    float qf[MAXG][MAXD], acc[MAXG][MAXD], m[MAXG], l[MAXG];
+    float kf[CHUNK][MAXD], vf[MAXD], s[MAXG][CHUNK];
+    for (int g = 0; g < G; g++) {
+        int64_t off = (int64_t)b * q_sb + (int64_t)(h * G + g) * q_sh;
+        for (int i = 0; i < D; i++)
+            qf[g][i] = bf16 ? bf16_to_f32(((const uint16_t *)q)[off + i]) : ((const float *)q)[off + i];
+        for (int i = 0; i < D; i++) acc[g][i] = 0.f;
+        m[g] = -1e30f;  /* no infinities: built with -ffast-math */
+        l[g] = 0.f;
+    }
+    int64_t len = lens[b];
+    for (int64_t t0 = 0; t0 < len;) {
+        int64_t block = tables[(int64_t)b * W + t0 / BS];
+        int off = (int)(t0 % BS);
+        int n = BS - off;
+        if (n > CHUNK) n = CHUNK;
+        if (n > len - t0) n = (int)(len - t0);
+        int64_t row0 = ((int64_t)h * NB + block) * BS + off;
+        for (int j = 0; j < n; j++) load_row(bf16, k, row0 + j, D, kf[j]);
+        for (int g = 0; g < G; g++) {
+            float mx = m[g];
+            for (int j = 0; j < n; j++) {
+                float x = dot(qf[g], kf[j], D) * scale;
+                s[g][j] = x;
+                mx = x > mx ? x : mx;
+            }
+            float alpha = expf(m[g] - mx);  /* 0 on the first chunk: m starts at -1e30 */
+            float sum = 0.f;
+            for (int j = 0; j < n; j++) {  /* vectorised exp (libmvec) */
+                float p = expf(s[g][j] - mx);
+                s[g][j] = p;
+                sum += p;
+            }
+            l[g] = l[g] * alpha + sum;
+            for (int i = 0; i < D; i++) acc[g][i] *= alpha;
+            m[g] = mx;
+        }
+        for (int j = 0; j < n; j++) {
+            load_row(bf16, v, row0 + j, D, vf);
+            for (int g = 0; g < G; g++) {
+                float p = s[g][j];
+                for (int i = 0; i < D; i++) acc[g][i] += p * vf[i];
+            }
+        }
+        t0 += n;
+    }
+    for (int g = 0; g < G; g++) {
+        int64_t o = ((int64_t)b * H + h * G + g) * D;
+        float inv = 1.f / l[g];
+        for (int i = 0; i < D; i++) {
+            float x = acc[g][i] * inv;
+            if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16(x);
+            else ((float *)out)[o + i] = x;
+        }
+    }
+}
+
+/* Every (sequence, KV head) pair of the batch, in parallel; arguments as attend_head's.
+   Returns 0, or -1 for shapes it cannot take. */
 int paged_decode(int bf16, const void *q, int64_t q_sb, int64_t q_sh, const void *k, const void *v,
                  const int64_t *tables, const int64_t *lens, void *out, int B, int H, int KV, int D,
                  int64_t NB, int BS, int W, float scale, int threads) {
     int G = H / KV;
     if (G > MAXG || D > MAXD || G * KV != H) return -1;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < KV; h++) {
-            float qf[MAXG][MAXD], acc[MAXG][MAXD], m[MAXG], l[MAXG];
-            float kf[CHUNK][MAXD], vf[MAXD], s[MAXG][CHUNK];
-            for (int g = 0; g < G; g++) {
-                int64_t off = (int64_t)b * q_sb + (int64_t)(h * G + g) * q_sh;
-                for (int i = 0; i < D; i++)
-                    qf[g][i] = bf16 ? bf16_to_f32(((const uint16_t *)q)[off + i]) : ((const float *)q)[off + i];
-                for (int i = 0; i < D; i++) acc[g][i] = 0.f;
-                m[g] = -1e30f;  /* no infinities: built with -ffast-math */
-                l[g] = 0.f;
-            }
-            int64_t len = lens[b];
-            for (int64_t t0 = 0; t0 < len;) {
-                int64_t block = tables[(int64_t)b * W + t0 / BS];
-                int off = (int)(t0 % BS);
-                int n = BS - off;
-                if (n > CHUNK) n = CHUNK;
-                if (n > len - t0) n = (int)(len - t0);
-                int64_t row0 = ((int64_t)h * NB + block) * BS + off;
-                for (int j = 0; j < n; j++) load_row(bf16, k, row0 + j, D, kf[j]);
-                for (int g = 0; g < G; g++) {
-                    float mx = m[g];
-                    for (int j = 0; j < n; j++) {
-                        float x = dot(qf[g], kf[j], D) * scale;
-                        s[g][j] = x;
-                        mx = x > mx ? x : mx;
-                    }
-                    float alpha = expf(m[g] - mx);  /* 0 on the first chunk: m starts at -1e30 */
-                    float sum = 0.f;
-                    for (int j = 0; j < n; j++) {  /* vectorised exp (libmvec) */
-                        float p = expf(s[g][j] - mx);
-                        s[g][j] = p;
-                        sum += p;
-                    }
-                    l[g] = l[g] * alpha + sum;
-                    for (int i = 0; i < D; i++) acc[g][i] *= alpha;
-                    m[g] = mx;
-                }
-                for (int j = 0; j < n; j++) {
-                    load_row(bf16, v, row0 + j, D, vf);
-                    for (int g = 0; g < G; g++) {
-                        float p = s[g][j];
-                        for (int i = 0; i < D; i++) acc[g][i] += p * vf[i];
-                    }
-                }
-                t0 += n;
-            }
-            for (int g = 0; g < G; g++) {
-                int64_t o = ((int64_t)b * H + h * G + g) * D;
-                float inv = 1.f / l[g];
-                for (int i = 0; i < D; i++) {
-                    float x = acc[g][i] * inv;
-                    if (bf16) ((uint16_t *)out)[o + i] = f32_to_bf16(x);
-                    else ((float *)out)[o + i] = x;
-                }
-            }
-        }
-    }
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < KV; h++)
+            attend_head(bf16, q, q_sb, q_sh, k, v, tables, lens, out, b, h, H, KV, D, NB, BS, W, scale);
     return 0;
 }
 """

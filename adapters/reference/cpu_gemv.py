@@ -90,17 +90,14 @@ static inline float dot_row(const uint16_t *restrict w, const float *restrict x,
     return a;
 }
 
-/* out[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n] + res[m, n]) for m < M, n < N.
-   w: [N, K] contiguous; x: M rows of K at stride ldx; bias: [N] or NULL; res: M rows of N at
-   stride ldr, or NULL; out: [M, N] contiguous; all bf16. Returns 0, or -1 without memory. */
-int bf16_gemv(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t *bias, const uint16_t *res,
-              int64_t ldr, uint16_t *out, int M, int K, int N, int threads) {
-    float *xf = malloc(sizeof(float) * (size_t)M * (size_t)K);
-    if (xf == NULL) return -1;
-    for (int m = 0; m < M; m++)
-        for (int k = 0; k < K; k++) xf[(int64_t)m * K + k] = widen(x[m * ldx + k]);
+/* out[m, n] = bf16(sum_k xf[m, k] * w[n, k] + bias[n] + res[m, n]) for m < M, n < N, xf in float32
+   ([M, K] contiguous), the rest as in bf16_gemv. An orphaned `omp for`: inside a parallel region
+   its threads share the output rows (the fused decode layer, cpu_layer.py, calls it so); outside
+   one, the calling thread does them all. */
+static void gemv_rows(const uint16_t *w, const float *xf, const uint16_t *bias, const uint16_t *res, int64_t ldr,
+                      uint16_t *out, int M, int K, int N) {
     int blocks = (N + ROWS - 1) / ROWS;
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp for schedule(static)
     for (int b = 0; b < blocks; b++) {
         int n0 = b * ROWS, n1 = n0 + ROWS < N ? n0 + ROWS : N;
         const uint16_t *wb = w + (int64_t)n0 * K;
@@ -117,6 +114,19 @@ int bf16_gemv(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t 
             }
         }
     }
+}
+
+/* out[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n] + res[m, n]) for m < M, n < N.
+   w: [N, K] contiguous; x: M rows of K at stride ldx; bias: [N] or NULL; res: M rows of N at
+   stride ldr, or NULL; out: [M, N] contiguous; all bf16. Returns 0, or -1 without memory. */
+int bf16_gemv(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t *bias, const uint16_t *res,
+              int64_t ldr, uint16_t *out, int M, int K, int N, int threads) {
+    float *xf = malloc(sizeof(float) * (size_t)M * (size_t)K);
+    if (xf == NULL) return -1;
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k++) xf[(int64_t)m * K + k] = widen(x[m * ldx + k]);
+    #pragma omp parallel num_threads(threads)
+    gemv_rows(w, xf, bias, res, ldr, out, M, K, N);
     free(xf);
     return 0;
 }

@@ -10,7 +10,9 @@ kv_cache_info().extra["kernels"]).
            decode attention by a fused C kernel that reads K/V through the block table
            (cpu_decode.py, compiled for this CPU at load), when it builds and agrees with the
            plain path; prefill attention through torch's scaled_dot_product_attention
-           (CpuStepAttention)
+           (CpuStepAttention); a 1-token decode step on those bf16 1-row products: each plain
+           pre-norm layer in one C call (cpu_layer.py), when it builds and agrees with the
+           layer's torch operations
     cuda   SDPA (flash) prefill and a paged decode kernel (Triton, else a PyTorch one) that reads
            K/V through the block table (kernels_cuda.py); decode steps replayed from CUDA graphs
            (cuda_graphs.py); no slicing of long prefills
@@ -20,6 +22,7 @@ kv_cache_info().extra["kernels"]).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adapters.reference import cpu_decode, cpu_gemv, kernels_cpu
+from adapters.reference import cpu_decode, cpu_gemv, cpu_layer, kernels_cpu
 from adapters.reference.attention import PrefillGroup, StepAttention
 from adapters.reference.config import EngineConfig
 from adapters.reference.model import ROWS, Linear
@@ -82,7 +85,13 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
     details["decode_attention"] = "fused C kernel (cpu_decode.py)" if decode else "plain (gather + batched matmul)"
     if why:
         details["decode_fallback_reason"] = why
-    return Kernels("cpu", make_linear, ROWS, partial(CpuStepAttention, decode_fn=decode), details=details)
+    layer_fn = None
+    if decode is not None and details.get("linear", "").startswith("widened") and "gemv_fallback_reason" not in details:
+        layer_fn, why_layer = cpu_layer.probe(dtype)
+        details["decode_layer"] = ("whole layers of 1-token decode steps in one C call (cpu_layer.py)" if layer_fn
+                                   else f"per operation ({why_layer})")
+    return Kernels("cpu", make_linear, ROWS, partial(CpuStepAttention, decode_fn=decode, layer_fn=layer_fn),
+                   details=details)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,11 +107,33 @@ class CpuStepAttention(StepAttention):
       (docs/reference-engine.md, "Prefill at the matrix limit", for what it saved).
     - decode chunks to the fused C kernel (cpu_decode.py), when it built (`decode_fn`).
 
-    A sliding window or attention sinks keep the plain path (the SDPA call has neither)."""
+    A sliding window or attention sinks keep the plain path (the SDPA call has neither).
 
-    def __init__(self, pool, chunks, num_heads, device, decode_fn=None, **kwargs):
+    A step of one decode token (batch 1) with bf16 weights on the C matrix-vector kernel offers
+    the model `decode_layer`: a whole layer in one C call (cpu_layer.py)."""
+
+    _takes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> per layer, cpu_layer.layer_takes
+
+    def __init__(self, pool, chunks, num_heads, device, decode_fn=None, layer_fn=None, **kwargs):
         super().__init__(pool, chunks, num_heads, device, **kwargs)
         self.decode_fn = decode_fn
+        self.layer_fn = None
+        if (layer_fn is not None and decode_fn is not None and len(chunks) == 1 and self.num_decode == 1
+                and not self.window and self.sinks is None and pool.kv_dtype == "auto"):
+            self.layer_fn, self.length = layer_fn, chunks[0].end
+
+    def decode_layer(self, model, i: int, x: torch.Tensor, position: int) -> torch.Tensor | None:
+        """Layer i of this 1-token decode step by the fused C kernel: the new x, or None where it
+        does not apply (the model then runs the layer op by op)."""
+        if self.layer_fn is None:
+            return None
+        takes = self._takes.get(model)
+        if takes is None:
+            takes = self._takes[model] = [cpu_layer.layer_takes(model, j) for j in range(len(model.layers))]
+        if not takes[i]:
+            return None
+        return self.layer_fn(x, model.layers[i], model.cos[position], model.sin[position], self.pool.k[i],
+                             self.pool.v[i], self.decode_tables[0], self.length, model.cfg.rms_norm_eps)
 
     def decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         if self.decode_fn is None:

@@ -720,7 +720,14 @@ class Model:
             for layer in self.layers:
                 if layer.moe is not None:
                     layer.moe.touched.clear()
+        fused = getattr(attend, "decode_layer", None) if t == 1 else None  # a whole layer in C (cpu_layer.py)
+        position = int(positions[0]) if fused is not None else 0
         for i, layer in enumerate(self.layers):
+            if fused is not None:
+                y = fused(self, i, x, position)
+                if y is not None:
+                    x = y
+                    continue
             if layer.mla is not None:
                 q, latent = self._mla_inputs(x, layer, cos, sin)
                 o = attend(i, q, latent, None)
