@@ -474,8 +474,12 @@ class Runner:
 def _ceilings(plan: Plan) -> Any:
     """The machine's roofline ceilings (cached); None if they cannot be measured."""
     try:
-        return cached_ceilings(plan.device, plan.dtype, model_cache_dir(plan.settings.model_cache_dir).parent
-                               / "roofline.json")
+        c = cached_ceilings(plan.device, plan.dtype, model_cache_dir(plan.settings.model_cache_dir).parent
+                            / "roofline.json")
     except Exception as e:  # never fail a run for it
         print(f"roofline: ceilings not measured ({type(e).__name__}: {e})")
         return None
+    if not plan.settings.quiet:
+        print(f"roofline: {c.mem_bw_bytes_s / 1e9:.1f} GB/s, {c.matmul_flops / 1e9:.1f} GFLOP/s "
+              f"({c.method}; measured {c.measured_at})")
+    return c

@@ -282,10 +282,11 @@ def test_roofline_uses_active_parameters_and_the_experts_a_batch_touches():
     per_expert = 3 * 4096 * 14336
     assert total - active == 32 * (8 - 2) * per_expert
     assert experts_touched(mix, 1) == 2 and abs(experts_touched(mix, 1000) - 8) < 1e-9
-    assert decode_weight_bytes(mix, "bfloat16", 1) == active * 2  # one token: its 2 experts per layer
-    assert decode_weight_bytes(mix, "bfloat16", 1000) == pytest.approx(total * 2)  # a big batch: all of them
+    unread = lambda b: (32000 - b) * 4096  # noqa: E731  untied: the embedding rows the batch does not look up
+    assert decode_weight_bytes(mix, "bfloat16", 1) == (active - unread(1)) * 2  # one token: its 2 experts per layer
+    assert decode_weight_bytes(mix, "bfloat16", 1000) == pytest.approx((total - unread(1000)) * 2)  # a big batch: all experts
     two = 8 * (1 - (1 - 2 / 8) ** 2)  # two tokens: 3.5 experts expected per layer
-    assert decode_weight_bytes(mix, "bfloat16", 2) == pytest.approx((active + 32 * (two - 2) * per_expert) * 2)
+    assert decode_weight_bytes(mix, "bfloat16", 2) == pytest.approx((active - unread(2) + 32 * (two - 2) * per_expert) * 2)
     # prefill: 2 x active non-embedding weights per token + the LM head once + causal attention
     embed = 32000 * 4096
     s = 512
@@ -304,6 +305,22 @@ def test_roofline_uses_active_parameters_and_the_experts_a_batch_touches():
     assert out["model_params_active"] < out["model_params_total"] == load_preset("tiny-mixtral").num_parameters()
     assert out["decode_bytes_per_step"] == decode_bytes_per_step(load_preset("tiny-mixtral"), "bfloat16", "bf16", 1,
                                                                  64 + 8 / 2)
+
+
+def test_decode_bytes_count_the_embedding_rows_a_step_looks_up():
+    """Untied embeddings: a decode step of b tokens reads b rows of the input table (the LM head
+    has its own matrix); tied: the LM head reads the whole table, counted once. (The whole table
+    was counted untied too: 49 of the `small` preset's 256 MB a step.)"""
+    from harness.core.roofline import decode_weight_bytes
+    small = load_preset("small")
+    assert not small.tie_word_embeddings
+    table = small.vocab_size * small.hidden_size
+    assert decode_weight_bytes(small, "bfloat16", 1) == (small.active_parameters() - table + small.hidden_size) * 2
+    assert (decode_weight_bytes(small, "bfloat16", 16) - decode_weight_bytes(small, "bfloat16", 1)
+            == 15 * small.hidden_size * 2)
+    tied = shape_from_mapping({**small.to_dict(), "tie_word_embeddings": True})
+    assert tied.active_parameters() == small.active_parameters() - table
+    assert decode_weight_bytes(tied, "bfloat16", 1) == decode_weight_bytes(tied, "bfloat16", 16) == tied.active_parameters() * 2
 
 
 def test_roofline_of_an_uncounted_family_says_why():

@@ -28,3 +28,23 @@ def test_a_measurement_past_its_time_raises_and_leaves_no_process():
     left = [c for c in _spawned_children() if c.pid not in before and c.is_running()
             and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"measurement process left running: {[c.pid for c in left]}"
+
+
+def test_the_cpu_product_is_sized_to_its_speed():
+    """_cpu_matmul_size halves n until one product should take at most the budget (n^3 from the
+    first size): a slow dtype is measured on a smaller product instead of past the time limit."""
+    fast = lambda n: 1e-4 * (n / 256) ** 3  # noqa: E731  float32-like: 2048 takes 0.05 s
+    slow = lambda n: 0.025 * (n / 256) ** 3  # noqa: E731  torch's bf16 product on an AVX2-only CPU
+    assert roofline._cpu_matmul_size(fast, 2048) == 2048
+    assert roofline._cpu_matmul_size(slow, 2048) == 512  # 0.2 s; 1024 would take 1.6 s
+    assert roofline._cpu_matmul_size(lambda n: 10.0, 2048) == 256  # never below the first size
+
+
+def test_half_precision_ceilings_on_this_cpu_finish_and_are_at_least_float32s_rate():
+    """bf16 ceilings on a CPU: measured within a minute (on an AVX2-only CPU torch's bf16 product
+    is a ~1 GFLOP/s loop and the n=2048 product ran past the 300 s limit: no roofline at all), and
+    never below what float32 multiplies at, which an engine can widen bf16 to."""
+    bf16 = roofline.measure("cpu", "bfloat16", timeout_s=60)
+    f32 = roofline.measure("cpu", "float32", timeout_s=60)
+    assert bf16.mem_bw_bytes_s > 0 and "bfloat16 matmul n=" in bf16.method
+    assert bf16.matmul_flops >= 0.5 * f32.matmul_flops, (bf16, f32)  # 0.5: two measurements of one rate vary

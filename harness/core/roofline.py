@@ -70,12 +70,42 @@ def _measure(device: str, dtype: str, out: Any) -> None:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).uniform_()
     dst = torch.empty_like(src)
     bw = 2 * nbytes / best(lambda: dst.copy_(src))
+    del src, dst
+
+    def matmul(dt: Any, n: int) -> float:
+        a = torch.randn(n, n, device=dev).to(dt)
+        b = torch.randn(n, n, device=dev).to(dt)
+        return 2 * n**3 / best(lambda: a @ b)
+
+    dt = getattr(torch, dtype)
     n = 8192 if dev.type == "cuda" else 2048
-    a = torch.randn(n, n, device=dev).to(getattr(torch, dtype))
-    b = torch.randn(n, n, device=dev).to(getattr(torch, dtype))
-    flops = 2 * n**3 / best(lambda: a @ b)
+    how = f"copy of a {nbytes >> 20} MiB tensor; square {dtype} matmul n={{n}}; best of 5"
+    if dev.type == "cpu":
+        n = _cpu_matmul_size(lambda m: 2 * m**3 / matmul(dt, m), n)
+    flops = matmul(dt, n)
+    how = how.format(n=n)
+    if dev.type == "cpu" and dt != torch.float32:
+        # A CPU without arithmetic in this dtype (bf16 or fp16 on an AVX2-only CPU) multiplies
+        # it in a generic loop, ~1 GFLOP/s on 2 cores, while an engine can widen the operands
+        # to float32 and multiply at float32's peak: the ceiling is the faster of the two.
+        f32 = matmul(torch.float32, 2048)
+        if f32 > flops:
+            how += f" ({flops / 1e9:.1f} GFLOP/s), below float32's n=2048 ({f32 / 1e9:.1f} GFLOP/s): float32's is the ceiling"
+            flops = f32
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
-    out.put({"device_name": name, "threads": torch.get_num_threads(), "mem_bw_bytes_s": bw, "matmul_flops": flops})
+    out.put({"device_name": name, "threads": torch.get_num_threads(), "mem_bw_bytes_s": bw, "matmul_flops": flops,
+             "method": how})
+
+
+def _cpu_matmul_size(seconds_at: Any, n: int, budget_s: float = 1.0, start: int = 256) -> int:
+    """The largest square size up to `n` (halving) whose product should take at most `budget_s`,
+    extrapolated (n^3) from one product of `start`: torch's bf16 product on an AVX2-only CPU took
+    2.3 s at n=1024 and would take ~20 s at 2048, six times over (the ceilings once ran past their
+    300 s limit and the run had no roofline)."""
+    t = seconds_at(start)
+    while n > start and t * (n / start) ** 3 > budget_s:
+        n //= 2
+    return n
 
 
 def measure(device: str, dtype: str, timeout_s: float = 300) -> Ceilings:
@@ -130,11 +160,16 @@ def experts_touched(shape: ModelShape, tokens: int) -> float:
 
 
 def decode_weight_bytes(shape: ModelShape, dtype: str, batch: int) -> float:
-    """Weights a decode step of `batch` sequences reads: everything but the routed experts, plus
-    the experts its tokens are expected to touch in each MoE layer."""
+    """Weights a decode step of `batch` sequences reads: everything but the routed experts and
+    the input embedding table, plus the experts its tokens are expected to touch in each MoE
+    layer and the table's rows of its `batch` tokens. (Tied embeddings: the LM head reads the
+    whole table, counted once. Before 2026-12-05 the whole table was counted untied too, which
+    overstated `decode_bw_fraction` by table / step bytes: 49 of 256 MB on the `small` preset.)"""
     per_expert = shape.expert_parameters()
     layers = shape.moe_layer_count()
     shared = shape.active_parameters() - layers * shape.num_experts_per_tok * per_expert  # never routed
+    if not shape.tie_word_embeddings:  # the lookup reads one row per token, not the table
+        shared -= (shape.vocab_size - min(batch, shape.vocab_size)) * shape.hidden_size
     return (shared + layers * experts_touched(shape, batch) * per_expert) * _ELEM[dtype]
 
 
