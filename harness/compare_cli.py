@@ -16,7 +16,7 @@ verdict then says "different machines". To gate CI on a machine that changes bet
 `--normalize-by ENGINE` divides each engine's metric by ENGINE's metric at the same point of
 the same run before comparing (the bootstrap resamples all four sample sets).
 
-Exit codes: 0 nothing regressed, 1 REGRESSED or FAILED (a point failed or lost a metric, a point
+Exit codes: 0 nothing regressed (verdict UNCHANGED, or IMPROVED when a metric improved), 1 REGRESSED or FAILED (a point failed or lost a metric, a point
 is found on one side only - unless `--allow-missing` - or no metric was compared), 2 unusable
 input (missing files, no matching rows at all, rows of another schema version, runs from
 different machines).
@@ -122,7 +122,7 @@ def run(argv: list[str]) -> int:
     print(f"verdict file: {args.json}")
     if args.html:
         print(f"report: {write_report(args.current, args.html, baseline=args.baseline, threshold=threshold)}")
-    return 0 if overall == "unchanged" else 1
+    return 0 if overall in ("unchanged", "improved") else 1
 
 
 def failure_reasons(comps: list, unmatched: dict[str, list[str]], allow_missing: bool) -> list[str]:

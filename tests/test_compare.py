@@ -120,6 +120,20 @@ def test_cli_exit_codes_and_outputs(tmp_path, capsys):
     assert "REGRESSED" in capsys.readouterr().out
 
 
+def test_an_improvement_alone_is_improved_and_exits_0(tmp_path, capsys):
+    """Every compared metric improved or unchanged, one improved: the overall verdict says
+    IMPROVED (it said UNCHANGED), exit 0; a regression beside the improvement still wins."""
+    rng = np.random.default_rng(1)
+    b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng), row("reference", 128, 1.0, rng)])
+    fast = write(tmp_path / "fast.jsonl", [row("reference", 64, 0.7, rng), row("reference", 128, 1.0, rng)])
+    mixed = write(tmp_path / "mixed.jsonl", [row("reference", 64, 0.7, rng), row("reference", 128, 1.3, rng)])
+    out = tmp_path / "v.json"
+    assert run(["--baseline", b, "--current", fast, "--json", str(out), "--threshold", "5%"]) == 0
+    assert json.loads(out.read_text())["verdict"] == "improved" and "verdict: IMPROVED" in capsys.readouterr().out
+    assert run(["--baseline", b, "--current", mixed, "--json", str(out), "--threshold", "5%"]) == 1
+    assert json.loads(out.read_text())["verdict"] == "regressed"
+
+
 def test_failed_point_is_a_regression(tmp_path):
     rng = np.random.default_rng(0)
     b = write(tmp_path / "b.jsonl", [row("reference", 64, 1.0, rng)])

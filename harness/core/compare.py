@@ -209,12 +209,13 @@ VERDICTS = ("regressed", "failed", "improved", "unchanged", "new", "no-data")
 
 
 def overall_verdict(comps: list[Comparison]) -> tuple[str, dict[str, int]]:
-    """failed (a point failed or lost a metric, or nothing was compared), regressed or unchanged."""
+    """failed (a point failed or lost a metric, or nothing was compared), regressed (a metric
+    regressed), improved (one improved and none regressed) or unchanged."""
     counts = {v: sum(c.verdict == v for c in comps) for v in VERDICTS}
     compared = counts["regressed"] + counts["improved"] + counts["unchanged"]
     if counts["failed"] or not compared:
         return "failed", counts
-    return ("regressed" if counts["regressed"] else "unchanged"), counts
+    return ("regressed" if counts["regressed"] else "improved" if counts["improved"] else "unchanged"), counts
 
 
 def format_table(comps: list[Comparison], interval: str = "95% CI") -> str:
