@@ -367,6 +367,42 @@ def test_fused_decode_layer_matches_the_layer_op_by_op(tiny_ckpt, monkeypatch):
 
 
 @needs_cc
+def test_fused_decode_layer_with_attention_biases(tmp_path, monkeypatch):
+    """Q/K/V and output-projection biases (LLaMA's attention_bias; Qwen 2 has the first three), set
+    to random values: the fused layer adds them where the op-by-op layer does (a spy counts its
+    calls), and the two engines agree."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    force_widening(monkeypatch)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, attention_bias=True)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "biased")
+    spec = ModelSpec(path=str(tmp_path / "biased"), name="biased", dtype="bfloat16", max_model_len=MAX_LEN)
+    calls = []
+    real_call = cpu_layer.DecodeLayer.__call__
+    monkeypatch.setattr(cpu_layer.DecodeLayer, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
+    engine = ReferenceEngine()
+    engine.load(spec, {})
+    assert engine.model.layers[0].o.bias is not None
+    calls.clear()
+    prompts = make_prompts([21], vocab=500)
+    fast = run(engine, prompts=prompts, steps=12)
+    assert len(calls) == 2 * 12
+    engine.close()
+    monkeypatch.setattr(cpu_layer, "probe", lambda dtype: (None, "refused by the test"))
+    slow = run(spec, prompts=prompts, steps=12)
+    slow[0].close()
+    assert fast[2].tokens == slow[2].tokens
+    assert max(rel_err(a, b) for a, b in zip(fast[2].logits, slow[2].logits)) < 2e-2
+
+
+@needs_cc
 def test_fused_decode_layer_only_at_one_decode_token(tiny_ckpt, monkeypatch):
     """Batch 2 decode steps and prefills run op by op (the spy sees no call); the layers a family
     changes (qk-norm here) are refused by layer_takes."""
