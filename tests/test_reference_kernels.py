@@ -429,10 +429,12 @@ def test_fused_decode_layer_only_at_one_decode_token(tiny_ckpt, monkeypatch):
     ("int64_t row = ((int64_t)h * NB + block) * BS + pos % BS;", "int64_t row = ((int64_t)h * NB + block) * BS;"),
     ("static float silu(float g) { return g / (1.f + expf(-g)); }", "static float silu(float g) { return g; }"),
     ("gemv_rows(wo, hf, bo, x, 0, y, 1, H * hd, D);", "gemv_rows(wo, hf, bo, NULL, 0, y, 1, H * hd, D);"),
+    ("gemv_rows(wo, hf, bo, x, 0, y, 1, H * hd, D);", "gemv_rows(wo, hf, NULL, x, 0, y, 1, H * hd, D);"),
 ])
 def test_decode_layer_probe_refuses_a_wrong_kernel(monkeypatch, tmp_path, bug, fragment):
     """A rotation without its half turn, the new key written to the block's first slot, SiLU left
-    out, the residual left out: the probe catches each and the engine keeps the layer op by op."""
+    out, the residual or the output bias left out: the probe catches each and the engine keeps the
+    layer op by op."""
     assert bug in cpu_layer.C_SOURCE
     monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_layer, "C_SOURCE", cpu_layer.C_SOURCE.replace(bug, fragment))

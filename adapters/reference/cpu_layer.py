@@ -206,7 +206,7 @@ def probe(dtype: torch.dtype) -> tuple[DecodeLayer | None, str | None]:
 
     w = SimpleNamespace(weight=rand((heads + 2 * kv_heads) * hd, d), bias=rand((heads + 2 * kv_heads) * hd))
     layer = SimpleNamespace(input_norm=1 + rand(d), post_norm=1 + rand(d), qkv=w,
-                            o=SimpleNamespace(weight=rand(d, heads * hd), bias=None, shape=(d, heads * hd)),
+                            o=SimpleNamespace(weight=rand(d, heads * hd), bias=rand(d), shape=(d, heads * hd)),
                             gate_up=SimpleNamespace(weight=rand(2 * inter, d)),
                             down=SimpleNamespace(weight=rand(d, inter), shape=(d, inter)))
     pool = KVPool(1, 6, 4, kv_heads, hd, "auto", dtype, torch.device("cpu"))
@@ -227,7 +227,7 @@ def probe(dtype: torch.dtype) -> tuple[DecodeLayer | None, str | None]:
     pool.write(0, pool.rows(table[[3]], torch.tensor([2])), k, v)
     kc, vc = pool.gather(0, table[None], length)
     o = decode_attention(q, kc, vc, length_mask(torch.tensor([length]), kc.shape[2]))
-    h = x + F.linear(o, layer.o.weight)
+    h = x + F.linear(o, layer.o.weight, layer.o.bias)
     gate, up = F.linear(F.rms_norm(h, (d,), layer.post_norm, eps), layer.gate_up.weight).chunk(2, dim=-1)
     want = h + F.linear(F.silu(gate).mul_(up), layer.down.weight)
     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
