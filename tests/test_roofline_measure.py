@@ -43,8 +43,13 @@ def test_the_cpu_product_is_sized_to_its_speed():
 def test_half_precision_ceilings_on_this_cpu_finish_and_are_at_least_float32s_rate():
     """bf16 ceilings on a CPU: measured within a minute (on an AVX2-only CPU torch's bf16 product
     is a ~1 GFLOP/s loop and the n=2048 product ran past the 300 s limit: no roofline at all), and
-    never below what float32 multiplies at, which an engine can widen bf16 to."""
+    where float32's product is faster (an engine can widen bf16 to it), the ceiling is float32's
+    and the method says so, with both rates. (One measurement: two would differ with the load.)"""
+    import re
+
     bf16 = roofline.measure("cpu", "bfloat16", timeout_s=60)
-    f32 = roofline.measure("cpu", "float32", timeout_s=60)
-    assert bf16.mem_bw_bytes_s > 0 and "bfloat16 matmul n=" in bf16.method
-    assert bf16.matmul_flops >= 0.5 * f32.matmul_flops, (bf16, f32)  # 0.5: two measurements of one rate vary
+    assert bf16.mem_bw_bytes_s > 0 and bf16.matmul_flops > 0 and "bfloat16 matmul n=" in bf16.method
+    m = re.search(r"\(([\d.]+) GFLOP/s\), below float32's n=2048 \(([\d.]+) GFLOP/s\)", bf16.method)
+    if m:  # a CPU without fast bf16 arithmetic
+        half, single = float(m.group(1)), float(m.group(2))
+        assert half < single and bf16.matmul_flops == pytest.approx(single * 1e9, abs=0.051e9)  # printed to 0.1
