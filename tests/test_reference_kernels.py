@@ -341,7 +341,8 @@ def test_fused_decode_layer_matches_the_layer_op_by_op(tiny_ckpt, monkeypatch):
     """bf16, batch 1, widened products on the C kernel: every layer of every decode step runs in
     one C call (a spy counts them), and the engine gives the logits and tokens of the same engine
     without it (its probe refused: each layer op by op through torch and the same C products),
-    to bf16 rounding of the RMS norm's sum (summed in another order)."""
+    to bf16 rounding of the RMS norm's sum (summed in another order): logits compared while the
+    tokens agree (a near tie may flip on another CPU)."""
     force_widening(monkeypatch)
     spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
     calls = []
@@ -360,10 +361,7 @@ def test_fused_decode_layer_matches_the_layer_op_by_op(tiny_ckpt, monkeypatch):
     assert slow[0].kernels.details["decode_layer"] == "per operation (refused by the test)"
     slow[0].close()
     assert len(calls) == layers * 24  # not called again
-    assert fast[2].tokens == slow[2].tokens
-    assert fast[2].logits[-1].shape == slow[2].logits[-1].shape
-    errors = [rel_err(a, b) for a, b in zip(fast[2].logits, slow[2].logits)]
-    assert max(errors) < 2e-2, errors
+    assert_bf16_engines_agree(fast, slow, 1)
 
 
 @needs_cc
@@ -398,8 +396,7 @@ def test_fused_decode_layer_with_attention_biases(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_layer, "probe", lambda dtype: (None, "refused by the test"))
     slow = run(spec, prompts=prompts, steps=12)
     slow[0].close()
-    assert fast[2].tokens == slow[2].tokens
-    assert max(rel_err(a, b) for a, b in zip(fast[2].logits, slow[2].logits)) < 2e-2
+    assert_bf16_engines_agree(fast, slow, 1)
 
 
 @needs_cc
