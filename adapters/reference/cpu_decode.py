@@ -210,6 +210,15 @@ def compile_library(name: str, source: str, argtypes: list | None = None) -> cty
     return lib
 
 
+def built(make, what: str) -> tuple[object | None, str | None]:
+    """(make(), None), or (None, why) when the kernel `make` builds cannot be built here (no
+    compiler, a build error): what every kernel's probe does first."""
+    try:
+        return make(), None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return None, f"the {what} could not be built ({e})"
+
+
 def build() -> ctypes.CDLL:
     """The compiled kernel for this machine (built on first use, then cached). Raises
     RuntimeError with the reason when it cannot be built."""
@@ -246,10 +255,9 @@ def probe(dtype: torch.dtype) -> tuple[PagedDecode | None, str | None]:
     """(the kernel, None) when it builds here and agrees with the plain decode; else (None, why)."""
     if dtype not in DTYPES:
         return None, f"no fused CPU decode kernel for {dtype}"
-    try:
-        kernel = PagedDecode(build())
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        return None, f"the fused CPU decode kernel could not be built ({e})"
+    kernel, why = built(lambda: PagedDecode(build()), "fused CPU decode kernel")
+    if kernel is None:
+        return None, why
     from adapters.reference.attention import decode_attention, length_mask
     from adapters.reference.kv_cache import KVPool
 

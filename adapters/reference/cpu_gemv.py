@@ -35,11 +35,10 @@ kernels.py records why. fp16 is refused: gcc does not vectorise _Float16 convers
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import torch
 
-from adapters.reference.cpu_decode import compile_library
+from adapters.reference.cpu_decode import built, compile_library
 
 C_SOURCE = r"""
 #include <stdint.h>
@@ -185,10 +184,9 @@ def probe(dtype: torch.dtype) -> tuple[HalfGemv | None, str | None]:
     included: many sums fall halfway between two bf16 numbers)."""
     if dtype != torch.bfloat16:
         return None, f"no C matrix-vector kernel for {dtype} (bf16 only: gcc does not vectorise fp16 widening on AVX2)"
-    try:
-        kernel = HalfGemv(build())
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        return None, f"the bf16 matrix-vector kernel could not be built ({e})"
+    kernel, why = built(lambda: HalfGemv(build()), "bf16 matrix-vector kernel")
+    if kernel is None:
+        return None, why
     g = torch.Generator().manual_seed(0)
 
     def ints(*shape):

@@ -37,13 +37,12 @@ the plain Python layer in the same step.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import torch
 import torch.nn.functional as F
 
 from adapters.reference import cpu_decode, cpu_gemv
-from adapters.reference.cpu_decode import compile_library
+from adapters.reference.cpu_decode import built, compile_library
 
 LAYER_SOURCE = r"""
 static float rms_scale(const uint16_t *x, int n, float eps) {
@@ -189,10 +188,9 @@ def probe(dtype: torch.dtype) -> tuple[DecodeLayer | None, str | None]:
     do (one bf16 unit in the last place at most); else (None, why)."""
     if dtype != torch.bfloat16:
         return None, f"no fused decode layer for {dtype} (bf16 only)"
-    try:
-        kernel = DecodeLayer(build())
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        return None, f"the fused decode layer could not be built ({e})"
+    kernel, why = built(lambda: DecodeLayer(build()), "fused decode layer")
+    if kernel is None:
+        return None, why
     from types import SimpleNamespace
 
     from adapters.reference.attention import decode_attention, length_mask

@@ -66,6 +66,7 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
     details = {"kernels": "cpu", "linear": "onednn-packed" if why is None else "torch", "cpu_flags": cpu_flags(),
                "prefill_attention": "sdpa (fresh chunks causal; after a cached prefix, row slices under a mask)"}
     make_linear = kernels_cpu.PackedLinear if why is None else Linear
+    gemv = None  # the bf16 matrix-vector kernel, where the products are widened
     if why:
         details["linear_fallback_reason"] = why
         # oneDNN works here but has no kernels for this half precision (an AVX2-only CPU): widen
@@ -86,7 +87,7 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
     if why:
         details["decode_fallback_reason"] = why
     layer_fn = None
-    if decode is not None and details.get("linear", "").startswith("widened") and "gemv_fallback_reason" not in details:
+    if decode is not None and gemv is not None:
         layer_fn, why_layer = cpu_layer.probe(dtype)
         details["decode_layer"] = ("whole layers of 1-token decode steps in one C call (cpu_layer.py)" if layer_fn
                                    else f"per operation ({why_layer})")

@@ -79,11 +79,10 @@ def _measure(device: str, dtype: str, out: Any) -> None:
 
     dt = getattr(torch, dtype)
     n = 8192 if dev.type == "cuda" else 2048
-    how = f"copy of a {nbytes >> 20} MiB tensor; square {dtype} matmul n={{n}}; best of 5"
     if dev.type == "cpu":
         n = _cpu_matmul_size(lambda m: 2 * m**3 / matmul(dt, m), n)
     flops = matmul(dt, n)
-    how = how.format(n=n)
+    how = f"copy of a {nbytes >> 20} MiB tensor; square {dtype} matmul n={n}; best of 5"
     if dev.type == "cpu" and dt != torch.float32:
         # A CPU without arithmetic in this dtype (bf16 or fp16 on an AVX2-only CPU) multiplies
         # it in a generic loop, ~1 GFLOP/s on 2 cores, while an engine can widen the operands
