@@ -89,6 +89,19 @@ class ServerFlag:
     def text(self, value: Any) -> str:
         return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
+    def args(self, value: Any) -> list[str]:
+        """The command-line arguments that pass `value` (none for null, or for a key of the
+        options file: `yaml`)."""
+        if value is None or self.passed == "yaml":
+            return []
+        if self.passed == "arg":
+            return [f"--{self.name}", self.text(value)]
+        if self.passed == "bool-pair":
+            return [f"--{self.name}" if value else f"--no-{self.name}"]
+        if self.passed == "switch":
+            return [f"--{self.name}"] if value else []
+        return [f"engine_options.{self.name}={self.text(value)}"]  # override
+
 
 def flag_problems(decl: tuple[ServerFlag, ...], flags: Any, where: str, version: str | None = None) -> list[str]:
     """Problems with a {flag: value} mapping for a server whose flags are `decl`, each naming
@@ -116,19 +129,42 @@ def flag_args(decl: tuple[ServerFlag, ...], flags: dict[str, Any]) -> tuple[list
     for name, value in flags.items():
         if value is None:
             continue
-        f = by[name]
-        if f.passed == "arg":
-            args += [f"--{name}", f.text(value)]
-        elif f.passed == "bool-pair":
-            args.append(f"--{name}" if value else f"--no-{name}")
-        elif f.passed == "switch":
-            if value:
-                args.append(f"--{name}")
-        elif f.passed == "override":
-            args.append(f"engine_options.{name}={f.text(value)}")
-        else:
+        if by[name].passed == "yaml":
             yaml_keys[name] = value
+        else:
+            args += by[name].args(value)
     return args, yaml_keys
+
+
+def flag_named(decl: tuple[ServerFlag, ...], name: str) -> ServerFlag:
+    """The record of flag `name` (KeyError: the kind declares no such flag)."""
+    for f in decl:
+        if f.name == name:
+            return f
+    raise KeyError(f"no server flag {name!r} among {', '.join(f.name for f in decl)}")
+
+
+def flag_of(decl: tuple[ServerFlag, ...], option: str) -> ServerFlag:
+    """The record whose value is the standard option `option` (`value_of`; KeyError: none)."""
+    for f in decl:
+        if f.value_of == option:
+            return f
+    raise KeyError(f"no server flag is the value of {option}")
+
+
+def option_args(decl: tuple[ServerFlag, ...], options: dict[str, Any], option: str) -> list[str]:
+    """The arguments that give standard option `option` of `options` (absent: none) by the
+    record that is its value: a kind's option mapping spells no flag its records spell."""
+    return flag_of(decl, option).args(options[option]) if option in options else []
+
+
+def set_dotted(doc: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set key `a.b.c` of a nested mapping (an options file's), making the parents it lacks."""
+    *parents, leaf = dotted.split(".")
+    node = doc
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
 
 
 def overridden_standards(decl: tuple[ServerFlag, ...], flags: dict[str, Any]) -> set[str]:

