@@ -72,13 +72,13 @@ def _split_argv(argv: list[str]) -> tuple[bool, list[str], bool]:
 
 # Open mappings: settings whose keys the user names (an endpoint and its options; where an engine's
 # worker runs). Hydra would want `+` to add such a key; these overrides get `++` (add or replace).
-_OPEN_KEYS = re.compile(r"^(endpoints\.[^=]+|engine_options\.[^.=]+\.(python|launch))=")
+_OPEN_KEYS = re.compile(r"^(endpoints\.[^=]+|engine_options\.[^.=]+\.(python|launch)|cost\.engines\.[^=]+)=")
 _ENGINE_OPTION = re.compile(r"^engine_options\.([^.=]+)\.[^=]+=")
 
 
 def open_mappings(argv: list[str]) -> list[str]:
     """The command line with `++` before every override of an open mapping (an endpoint's
-    options included: engine_options.<endpoint>.<option>)."""
+    options included: engine_options.<endpoint>.<option>; an engine's prices: cost.engines.<engine>.<key>)."""
     out = []
     for a in argv:
         m = _ENGINE_OPTION.match(a)

@@ -19,6 +19,8 @@ from typing import Any
 
 from adapters import engine_class, engine_names, unsupported_model
 from adapters.base import Engine, ModelSpec
+from harness.core.cost import CostConfig, Price, check_config, resolve_prices
+from harness.core.env import gpu_info
 from harness.core.errors import UserError
 from harness.core.hub import HubModel, hub_datasets, is_hub_model, register_hub_shorthands, resolve_model
 from harness.core.paths import CONF_DIR, REPO_ROOT
@@ -91,6 +93,8 @@ class Plan:
     hub: HubModel | None = None  # model=hub / model=ORG/NAME: the model as resolved on the Hub
     # checkpoints the workloads name besides the model (a draft), materialised: reference -> directory
     models: dict[str, str] = field(default_factory=dict)
+    # the run's prices (cost:, harness/core/cost.py): engine -> its price; empty when none was given
+    prices: dict[str, Price] = field(default_factory=dict)
     _redactor: Redactor | None = field(default=None, repr=False)
 
     @property
@@ -429,7 +433,7 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     problem found."""
     problems: list[str] = []
     top = {k: v for k, v in cfg.items() if k not in ("model", "workload", "engine_options", "endpoints", "hydra",
-                                                     "resume", "history")}
+                                                     "resume", "history", "cost")}
     settings, probs = check(Settings, top, "config")
     problems += [p.removeprefix("config.") for p in probs]
     if settings is None:
@@ -463,6 +467,8 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
                           max_model_len=max_len, seed=settings.seed, threads=len(cpus), cpus=tuple(cpus))
         _check_engine_options(engines, spec_, problems)
 
+    prices = _plan_prices(cfg.get("cost"), engines, device, planned, problems)
+
     if problems:
         raise UserError(list(dict.fromkeys(problems)))
     assert shape is not None and planned
@@ -470,5 +476,37 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     return Plan(settings=settings, engines=engines.names, unavailable=engines.unavailable, shape=shape,
                 model_cfg=model_cfg, dtype=dtype, device=device, workloads=planned, max_model_len=max_len, cpus=cpus,
                 engine_options=engines.options, engine_envs=engines.envs, endpoints=engines.endpoints,
-                max_batch=(max(b[0] for b in batch), max(b[1] for b in batch)), hub=hub)
+                max_batch=(max(b[0] for b in batch), max(b[1] for b in batch)), hub=hub, prices=prices)
+
+
+def _plan_prices(raw: Any, engines: _Engines, device: str, planned: list[PlannedWorkload],
+                 problems: list[str]) -> dict[str, Price]:
+    """Each engine's price (`cost:`), or the problems: a bad price, an unknown device of the price
+    table without a price of one's own, a currency mix; a workload that needs a price without one."""
+    cost, probs = check_config(raw if isinstance(raw, dict) else {})
+    problems += probs
+    if cost is None:
+        return {}
+    if not cost.given():
+        problems += [f"{what} needs a price: give one, e.g. cost.price_per_core_hour=0.05 (a CPU core-hour) or "
+                     "cost.device=h100-sxm (a GPU of the price table; docs/metrics.md, \"Cost\")."
+                     for w in planned if (what := w.workload.needs_price(w.cfg))]
+        return {}
+    gpus = gpu_names(device) if _needs_gpu_names(cost) else []
+    attached = {n for n, e in engines.endpoints.items() if e.get("url") and not e.get("launch")}
+    prices, probs = resolve_prices(cost, engines.names, device, gpus, attached)
+    problems += probs
+    return prices
+
+
+def _needs_gpu_names(cost: CostConfig) -> bool:
+    return cost.device == "auto" or any(isinstance(e, dict) and e.get("device") == "auto" for e in cost.engines.values())
+
+
+def gpu_names(device: str) -> list[str]:
+    """The NVML name of the run's GPU (cost.device=auto); none without a GPU."""
+    if not device.startswith("cuda"):
+        return []
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return [g["name"] for g in gpu_info() if g.get("index") == index]
 

@@ -35,6 +35,7 @@ import psutil
 from harness.bundle import ship
 from harness.config import Plan
 from harness.core.bootstrap import add_intervals
+from harness.core.cost import cost_fields
 from harness.core.energy import per_token_fields
 from harness.core.roofline import annotate, cached_ceilings
 from harness.core.paths import model_cache_dir
@@ -273,6 +274,7 @@ class Runner:
             wl.finalize_row(row, self.rows)
             if self.ceilings is not None and status == "ok" and wl.roofline:
                 row.update(annotate(row, self.plan.shape, self.ceilings))
+        row.update(cost_fields(row, self.plan.prices.get(engine)))  # after finalize_row: its verdicts count
         self.writer.write(row)
         self.rows.append(row)
         return row

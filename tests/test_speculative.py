@@ -17,6 +17,7 @@ import pytest
 
 from adapters.base import (Capabilities, Engine, KVCacheInfo, LoadInfo, RequestFailed, SpecDecodeStats, TokenEvent,
                            as_source, now_ns)
+from harness.core.cost import Price, cost_fields
 from harness.core.presets import load_preset
 from harness.core.specdecode import accepted_agreement, counters_delta, lossless, spec_fields
 from workloads.base import Point, RunContext
@@ -181,6 +182,33 @@ def test_an_injected_verifier_bug_fails_the_lossless_check(ctx):
     assert (m["expected"], m["got"]) == (exp[m["position"]], got[m["position"]])
     assert f"request {m['request']}" in row["error"] and f"token {m['position']}" in row["error"]
     assert str(m["expected"]) in row["error"] and str(m["got"]) in row["error"]
+
+
+def test_only_requests_that_passed_the_lossless_check_are_good_tokens(ctx):
+    # the cost per good million tokens counts what the verdict passed (harness.core.cost)
+    price = Price(1.0, "deployment", "USD", "user: cost.price_per_hour")
+    base = measure(FakeSpecEngine("none"), "none", 1, CFG, ctx)
+    wl = Speculative()
+    wl.finalize_row(base, [])
+    assert "good_verdict" not in base and base["good_requests"] == base["completed"]  # nothing to check it against
+    good = measure(FakeSpecEngine("draft", k=3), "draft", 1, CFG, ctx)
+    wl.finalize_row(good, [base])
+    assert good["good_verdict"] == "lossless check" and good["good_requests"] == good["completed"]
+    bad = measure(FakeSpecEngine("draft", k=3, bug=True), "draft", 1, CFG, ctx)
+    wl.finalize_row(bad, [base])
+    passed = [r for r, ids in bad["request_output_ids"].items() if ids == base["request_output_ids"][r]]
+    assert bad["status"] == "failed" and bad["good_requests"] == len(passed) < bad["completed"]
+    assert bad["good_output_tokens"] == sum(len(bad["request_output_ids"][r]) for r in passed)
+    cost = cost_fields(bad, price)
+    assert "passed the lossless check" in cost["cost_good_basis"]
+    if passed:
+        assert cost["cost_per_good_mtok_output"] == pytest.approx(
+            cost["cost_per_mtok_output"] * bad["total_output_tokens"] / bad["good_output_tokens"])
+    else:
+        assert cost["cost_per_good_mtok_output"] is None and "no good token" in cost["cost_note"]
+    unverified = dict(good)
+    wl.finalize_row(unverified, [])  # no baseline: fail closed, nothing is good
+    assert unverified["good_requests"] == 0 and unverified["good_output_tokens"] == 0
 
 
 def test_fail_closed_when_the_baseline_is_missing_failed_or_without_outputs(ctx):

@@ -17,6 +17,7 @@ from harness.core.presets import load_preset
 from harness.core.schema import spec
 from test_capacity import S, FakeQueueEngine
 from workloads.base import Point, RunContext
+from harness.core.cost import Price, cost_fields
 from workloads.tune import Tune, TuneConfig, confirm_ratio, engine_space
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,13 +69,15 @@ def config(**kw) -> TuneConfig:
 
 
 def tune_run(cfg: TuneConfig, ctx: RunContext, run_dir: Path, previous: list[dict] | None = None,
-             stop_after: int | None = None) -> list[dict]:
+             stop_after: int | None = None, engine_cls: type = None, price: Price | None = None) -> list[dict]:
     """What the runner does for one engine: planned points, follow-ups, points computed in the
     harness (their `status`/`error` fields set the row's), an engine reloaded per options, rows
-    of a previous run reused (resume); `stop_after` rows: the run is killed there."""
+    of a previous run reused (resume), each row costed at `price` (harness.core.cost); `stop_after`
+    rows: the run is killed there."""
+    engine_cls = engine_cls or FakeTunableEngine
     wl = Tune()
     wl.bind_run_dir(run_dir)
-    assert wl.check_engines(cfg, {"fake-tunable": FakeTunableEngine}) == []
+    assert wl.check_engines(cfg, {"fake-tunable": engine_cls}) == []
     rows = list(previous or [])
     done = {r["point_key"] for r in rows}
     queue = wl.plan(cfg)
@@ -88,7 +91,7 @@ def tune_run(cfg: TuneConfig, ctx: RunContext, run_dir: Path, previous: list[dic
             fields = wl.compute_in_harness(point, "fake-tunable", rows, cfg)
             status, error = "ok", None
             if fields is None:
-                engine = FakeTunableEngine()
+                engine = engine_cls()
                 try:
                     engine.load(None, {**wl.engine_overrides(point, None)})
                     fields = wl.run_point(engine, point, ctx, cfg)
@@ -98,6 +101,8 @@ def tune_run(cfg: TuneConfig, ctx: RunContext, run_dir: Path, previous: list[dic
                 status, error = fields.pop("status", "ok"), fields.pop("error", None)
             row = {"engine": "fake-tunable", "workload": wl.name, "point": point.params, "point_key": point.key,
                    "status": status, "error": error, **fields}
+            if price is not None:
+                row.update(cost_fields(row, price))
             rows.append(row)
             new += 1
         queue[:0] = wl.next_points(point, row, rows, cfg)
@@ -190,12 +195,62 @@ def test_space_problems_name_the_field():
     assert "takes no options the harness can set per trial" in " ".join(engine_space("plain", NoSpace, None)[1])
 
 
+@dataclass
+class FakeGpuOptions:
+    speed: int = spec(2, choices=(2, 4), tune=[2, 4], help="service time S / speed")
+    tensor_parallel_size: int = spec(1, choices=(1, 4), tune=[1, 4], help="GPUs held: 4 of them serve 1.5x faster")
+
+
+class FakeTensorParallelEngine(FakeTunableEngine):
+    """The fake queueing server with a GPU count: 4 GPUs (tensor_parallel_size) make it 1.5x as fast
+    and cost 4x as much, so the largest capacity is not the cheapest configuration."""
+
+    options_cls = FakeGpuOptions
+
+    def load(self, model, options):
+        out = super().load(model, options)
+        if options.get("tensor_parallel_size", 1) == 4:
+            self.speed = self.speed * 3 // 2  # 2 -> 3, 4 -> 6
+        return out
+
+
+def test_the_cost_objective_picks_the_cheapest_configuration_meeting_the_slo(ctx, tmp_path):
+    space = {"fake-tunable": {"speed": [2, 4], "tensor_parallel_size": [1, 4]}}
+    (tmp_path / "cost").mkdir()
+    (tmp_path / "cap").mkdir()
+    price = Price(2.0, "device", "USD", "user: cost.price_per_device_hour")
+    rows = tune_run(config(objective="cost", trials=8, confirm_rounds=2, space=space), ctx, tmp_path / "cost",
+                    engine_cls=FakeTensorParallelEngine, price=price)
+    conclusion = rows[-1]
+    assert conclusion["status"] == "ok" and conclusion["tune_metric"] == "cost_min_per_good_mtok_output"
+    # 1 GPU at speed 4 (capacity 4 / S for 2 per hour) is cheaper than 4 GPUs at speed 6 (6 / S for 8 per hour)
+    assert conclusion["tune_best_options"] == {"speed": 4, "tensor_parallel_size": 1}
+    met = [r for r in results(rows) if r["status"] == "ok" and r.get("tune_value") and "round" not in r["point"]]
+    assert conclusion["tune_best_value"] == min(r["tune_value"] for r in met)
+    best = next(r for r in met if r["tune_trial"] == conclusion["tune_best_trial"])
+    assert best["cost_currency"] == "USD" and best["tune_value"] == best["cost_min_per_good_mtok_output"]
+    # every probe the trial's value came from met the SLOs, and its price counted the GPUs it held
+    probes = [r for r in rows if r["point"].get("trial") == best["tune_trial"] and "value" in r["point"]
+              and r["point"].get("role") == "trial" and r.get("meets_slo")]
+    assert min(p["cost_per_good_mtok_output"] for p in probes) == best["tune_value"]
+    assert {p["cost_units"] for p in probes} == {1}
+    assert conclusion["tune_gain"] > 1  # default / best: how many times cheaper
+    assert conclusion["tune_confirm"]["verdict"] in ("gain confirmed", "no significant difference")
+    # the capacity objective, on the same engine and space, picks the largest capacity: the 4 GPUs
+    cap = tune_run(config(trials=8, confirm_rounds=0, space=space), ctx, tmp_path / "cap",
+                   engine_cls=FakeTensorParallelEngine, price=price)[-1]
+    assert cap["tune_best_options"] == {"speed": 4, "tensor_parallel_size": 4}
+
+
 def test_confirm_ratio_verdicts():
     assert confirm_ratio([(10, 20), (10, 21), (10, 19)])["verdict"] == "gain confirmed"
     assert confirm_ratio([(10, 9), (10, 9.1), (10, 8.95)])["verdict"] == "best < default"
     assert confirm_ratio([(10, 12), (10, 8), (10, 10)])["verdict"] == "no significant difference"
     one = confirm_ratio([(10, 20)])
     assert one["verdict"] == "not measured" and one["ratio"] == pytest.approx(2.0)
+    cheaper = confirm_ratio([(10, 5), (10, 5.2), (10, 4.9)], lower_better=True)  # a cost: default / best
+    assert cheaper["verdict"] == "gain confirmed" and cheaper["ratio"] == pytest.approx(2.0, rel=0.05)
+    assert cheaper["default"] == [10, 10, 10] and cheaper["best"] == [5, 5.2, 4.9]
     missing = confirm_ratio([(None, 20), (10, 20), (10, 22)])
     assert "1 of 3 rounds" in missing["note"] and missing["ratio"] == pytest.approx((2.0 * 2.2) ** 0.5)
 

@@ -242,6 +242,11 @@ class Workload(ABC):
         against its options' schema). Default: none."""
         return []
 
+    def needs_price(self, cfg: Any) -> str | None:
+        """The setting of `cfg` that needs the run to have a price (`cost:`, harness.core.cost), if
+        any: the plan refuses it without one (tune's objective=cost). Default: none."""
+        return None
+
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:
         """Why this engine cannot run this point (it is then recorded as skipped), or None."""
         return None
@@ -291,7 +296,9 @@ class Workload(ABC):
         """The terminal summary of this workload's rows: the table of `summary_columns` and the
         lines of `post_summary`."""
         mine = [r for r in rows if r.get("workload") == self.name or r.get("status") == "unavailable"]
-        return "\n".join(t for t in (summary_table(mine, self.summary_columns), self.post_summary(mine)) if t)
+        currency = next((r["cost_currency"] for r in mine if r.get("cost_per_good_mtok_output") is not None), None)
+        cost = [("cost_per_good_mtok_output", f"{currency}/good Mtok", ".4g")] if currency else []  # priced: cost:
+        return "\n".join(t for t in (summary_table(mine, self.summary_columns + cost), self.post_summary(mine)) if t)
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
         """Extra lines for the terminal summary (e.g. fitted slopes across points)."""

@@ -120,6 +120,28 @@ def next_value(probes: list[tuple[float, bool, bool]], cfg: CapacityConfig) -> f
     return None if nxt in tried else nxt
 
 
+COST_AT_CAPACITY = ("cost_currency", "cost_price_per_hour", "cost_price_basis", "cost_price_source",
+                    "cost_per_mtok_output", "cost_per_good_mtok_output", "cost_per_good_mtok_total")
+_PRICE_OF = COST_AT_CAPACITY[:4]  # the same for every probe of an engine
+
+
+def capacity_cost(probes: list[dict[str, Any]], capacity: float | None) -> dict[str, Any]:
+    """What a good million tokens cost at the capacity (the probe there: harness.core.cost's
+    fields), and the cheapest probe that met the SLOs (`cost_min_*`: its load and cost per good
+    Mtok of output); {} when the probes carry no cost (no price given)."""
+    priced = [r for r in probes if r.get("status") == "ok" and r.get("cost_currency")]
+    if not priced:
+        return {}
+    at = next((r for r in priced if r.get("meets_slo") and r["point"]["value"] == capacity), None)
+    out: dict[str, Any] = {k: priced[0].get(k) if k in _PRICE_OF else (at or {}).get(k) for k in COST_AT_CAPACITY}
+    met = [r for r in priced if r.get("meets_slo") and r.get("cost_per_good_mtok_output")]
+    cheapest = min(met, key=lambda r: r["cost_per_good_mtok_output"], default=None)
+    out.update(cost_min_per_good_mtok_output=cheapest["cost_per_good_mtok_output"] if cheapest else None,
+               cost_min_value=cheapest["point"]["value"] if cheapest else None,
+               cost_note=None if at else "no probed load met the SLOs: no cost at capacity")
+    return out
+
+
 class Capacity(Serving):
     name = WORKLOAD
     compared_metrics = ("capacity_rps", "capacity_concurrency")  # with the search's bracket
@@ -187,11 +209,13 @@ class Capacity(Serving):
             notes.append(f"the load generator did not keep up at {', '.join(f'{v:g}' for v in limited)} (client-limited "
                          "probes count as misses, never as capacity): the engine's capacity may be higher; raise "
                          "workload.client_processes")
+        search_rows = [r for r in mine if r.get("workload") == WORKLOAD and (r.get("point") or {}).get("search") == search
+                       and "value" in r["point"]]
         return {key: lo, "capacity_search": search, "capacity_bracket": [lo, hi], "capacity_slo": slo,
                 "capacity_probes": [[v, ok, sat] for v, ok, sat in probes],
                 "capacity_resolution": cfg.resolution if search == "rate" else 1,
                 "capacity_client_limited": limited or None,
-                "capacity_note": "; ".join(notes) or None}
+                "capacity_note": "; ".join(notes) or None, **capacity_cost(search_rows, lo)}
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
         lines = []
@@ -201,8 +225,11 @@ class Capacity(Serving):
                 value = r.get("capacity_rps", r.get("capacity_concurrency"))
                 unit = "requests/s" if r.get("capacity_search") == "rate" else "requests in flight"
                 lo, hi = r.get("capacity_bracket") or [None, None]
+                cost = r.get("cost_per_good_mtok_output")
                 lines.append(f"capacity  {r['engine']:<9} {('-' if value is None else f'{value:g}')} {unit} within "
-                             f"{slo or 'no SLO'} (bracket {lo} .. {hi}; {len(r.get('capacity_probes') or [])} probes)")
+                             f"{slo or 'no SLO'} (bracket {lo} .. {hi}; {len(r.get('capacity_probes') or [])} probes)"
+                             + (f"; {cost:.4g} {r.get('cost_currency')} per good Mtok of output there "
+                                f"({r.get('cost_price_basis')})" if cost is not None else ""))
                 if r.get("capacity_client_limited"):
                     lines.append(f"          {r['engine']:<9} {r['capacity_note']}")
         note = client_limited_note([r for r in rows if r.get("workload") == self.name])

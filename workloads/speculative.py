@@ -44,7 +44,7 @@ from harness.core.metrics import RequestTrace, serving_metrics
 from harness.core.presets import load_preset, preset_names, shape_from_hf_config
 from harness.core.schema import spec
 from harness.core.specdecode import (BASELINE, FAIL, UNVERIFIED, accepted_agreement, counters_delta, lossless,
-                                     spec_fields)
+                                     lossless_passed, spec_fields)
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
 from workloads.serving import ClosedLoopSource
 from workloads.spec_content import CONTENTS, Content, encoding_problems, load_content, prompts
@@ -387,6 +387,8 @@ class Speculative(Workload):
         result = lossless(base.get("request_output_ids"), row.get("request_output_ids"),
                           f"{row['engine']} without speculation")
         row.update(result.fields())
+        self._good_requests(row, lossless_passed(base.get("request_output_ids"), row.get("request_output_ids"),
+                                                 result.verdict))
         if result.verdict == FAIL:
             row["status"], row["error"] = "failed", f"lossless check failed: {result.detail}"
         elif result.verdict == UNVERIFIED:
@@ -395,7 +397,17 @@ class Speculative(Workload):
     def _unverified(self, row: dict[str, Any], why: str) -> None:
         row.update(lossless=UNVERIFIED, lossless_detail=why, lossless_requests=0, lossless_tokens=0,
                    lossless_mismatch=None)
+        self._good_requests(row, [])
         row["status"], row["error"] = "unverified", f"lossless check could not compare: {why}"
+
+    @staticmethod
+    def _good_requests(row: dict[str, Any], passed: list[str]) -> None:
+        """Only the requests that passed the lossless check are good (their tokens are what a cost
+        per good million tokens counts; harness.core.cost)."""
+        outputs = row.get("request_output_ids") or {}
+        row.update(good_verdict="lossless check", good_requests=len(passed),
+                   good_output_tokens=sum(len(outputs[r]) for r in passed),
+                   good_input_tokens=len(passed) * int((row.get("point") or {}).get("prompt_len") or 0))
 
     def _speedup(self, row: dict[str, Any], base: dict[str, Any]) -> None:
         """TPOT without / with speculation: medians over the requests both rows completed, the

@@ -68,11 +68,11 @@ from adapters.base import Capabilities, Engine
 from harness.core.schema import check, spec, tune_space
 from harness.core.shell import launch_script
 from workloads.base import Point, RunContext
-from workloads.capacity import (Capacity, CapacityConfig, bracket, next_value, probe_outcomes, round_load,
-                                slo_violations)
+from workloads.capacity import (Capacity, CapacityConfig, bracket, capacity_cost, next_value, probe_outcomes,
+                                round_load, slo_violations)
 
 WORKLOAD = "tune"
-OBJECTIVES = ("capacity", "goodput_at_rate")
+OBJECTIVES = ("capacity", "goodput_at_rate", "cost")
 SAMPLERS = ("tpe", "nsga2", "random")
 JOURNAL = "tune.journal"
 SEARCH_ROLES = ("default", "trial")
@@ -89,7 +89,9 @@ class TuneConfig(CapacityConfig):
                                       "besides the default")
     objective: str = spec("capacity", choices=OBJECTIVES,
                           help="capacity: a capacity search per trial | goodput_at_rate: one probe at `rate`, "
-                               "its goodput (requests/s within the SLOs)")
+                               "its goodput (requests/s within the SLOs) | cost: a capacity search per trial, "
+                               "minimising the cost per good million output tokens over its probes that met "
+                               "the SLOs (needs a price: cost.*)")
     rate: float | None = spec(None, gt=0, help="objective=goodput_at_rate: the probe's request rate (search=rate) "
                                                "or concurrency (search=concurrency)")
     sampler: str = spec("tpe", choices=SAMPLERS, help="tpe: one objective | nsga2: the Pareto front of output "
@@ -258,17 +260,30 @@ def _results(rows: list[dict[str, Any]], engine: str, roles: tuple[str, ...]) ->
             and (r.get("point") or {}).get("result") and r["point"].get("role") in roles]
 
 
+def lower_is_better(objective: str | None) -> bool:
+    """The objective's direction: a cost is minimised, a capacity or a goodput maximised."""
+    return objective == "cost"
+
+
 def best_result(rows: list[dict[str, Any]], engine: str) -> dict[str, Any] | None:
     """The default or trial row with the highest value (the earliest of equals), or None when no
     configuration met the SLOs."""
     good = [r for r in _results(rows, engine, SEARCH_ROLES) if r.get("status") == "ok" and r.get("tune_value")]
-    return max(good, key=lambda r: (r["tune_value"], -r["point"]["trial"]), default=None)
+    sign = -1 if any(lower_is_better(r.get("tune_objective")) for r in good) else 1
+    return max(good, key=lambda r: (sign * r["tune_value"], -r["point"]["trial"]), default=None)
 
 
-def confirm_ratio(pairs: list[tuple[float | None, float | None]], confidence: float = 0.95) -> dict[str, Any]:
-    """best/default over interleaved rounds (default, best): the geometric mean of the rounds'
-    ratios, its Student-t interval, and the verdict. A round where either side met nothing is
-    left out and said."""
+def _load_found(row: dict[str, Any], cfg: TuneConfig) -> float | None:
+    """The load a search found (its capacity), where the next search of the same options starts."""
+    return row.get("capacity_rps" if cfg.search == "rate" else "capacity_concurrency")
+
+
+def confirm_ratio(pairs: list[tuple[float | None, float | None]], confidence: float = 0.95,
+                  lower_better: bool = False) -> dict[str, Any]:
+    """How many times better best is than default over interleaved rounds (default, best):
+    best/default (a cost, `lower_better`: default/best, how many times cheaper), the geometric
+    mean of the rounds' ratios, its Student-t interval, and the verdict. A round where either
+    side met nothing is left out and said."""
     usable = [(d, b) for d, b in pairs if d and b]
     out: dict[str, Any] = {"rounds": len(pairs), "default": [d for d, _ in pairs], "best": [b for _, b in pairs],
                            "ratio": None, "interval": None, "verdict": "not measured", "confidence": confidence}
@@ -277,7 +292,7 @@ def confirm_ratio(pairs: list[tuple[float | None, float | None]], confidence: fl
                        "(no capacity to divide)")
     if not usable:
         return out
-    logs = np.log([b / d for d, b in usable])
+    logs = np.log([d / b if lower_better else b / d for d, b in usable])
     out["ratio"] = float(math.exp(logs.mean()))
     ci = mean_t_ci(logs, confidence)
     if ci is None:
@@ -316,6 +331,9 @@ class Tune(Capacity):
             problems.append("workload.sampler=nsga2 searches the front of throughput against per-user speed at "
                             "capacity; use objective=capacity.")
         return problems + super().check(cfg, shape)
+
+    def needs_price(self, cfg: TuneConfig) -> str | None:
+        return "workload.objective=cost" if cfg.objective == "cost" else None
 
     def check_engines(self, cfg: TuneConfig, engines: dict[str, type[Engine]]) -> list[str]:
         problems = [f"workload.space.{name}: {name} is not one of this run's engines ({', '.join(engines)})."
@@ -390,7 +408,8 @@ class Tune(Capacity):
             else:  # a third of the budget explores at random, then TPE models what it found
                 sampler = optuna.samplers.TPESampler(seed=cfg.sampler_seed, multivariate=True,
                                                      n_startup_trials=max(2, min(10, cfg.trials // 3)))
-            directions = ["maximize", "maximize"] if cfg.sampler == "nsga2" else ["maximize"]
+            directions = (["maximize", "maximize"] if cfg.sampler == "nsga2" else
+                          ["minimize"] if lower_is_better(cfg.objective) else ["maximize"])
             self._studies[engine] = optuna.create_study(study_name=engine, storage=storage, sampler=sampler,
                                                         directions=directions, load_if_exists=True)
         return self._studies[engine]
@@ -411,8 +430,8 @@ class Tune(Capacity):
         if len(asked) < trial or asked[trial - 1].state != TrialState.RUNNING:
             return  # told before this run was resumed
         number = asked[trial - 1].number
-        if row.get("status") != "ok":
-            study.tell(number, state=TrialState.PRUNED)
+        if row.get("status") != "ok" or (lower_is_better(cfg.objective) and not row.get("tune_value")):
+            study.tell(number, state=TrialState.PRUNED)  # a cost with nothing meeting the SLOs: no value at all
         elif cfg.sampler == "nsga2":
             study.tell(number, [row.get("output_tok_s") or 0.0, row.get("per_user_tok_s") or 0.0])
         else:
@@ -446,7 +465,7 @@ class Tune(Capacity):
             assert best is not None
             src = best if role == "confirm-best" else next(r for r in _results(rows, engine, ("default",)))
             return [self._first_probe(cfg, role, src["point"]["trial"], src["point"]["options"], round_,
-                                      start=src.get("tune_value"))]
+                                      start=_load_found(src, cfg))]
         return [Point(self.name, {"tune": "conclusion"})]
 
     def _trial_point(self, engine: str, cfg: TuneConfig, trial: int, rows: list[dict[str, Any]]) -> Point:
@@ -457,7 +476,7 @@ class Tune(Capacity):
             return self._result("trial", trial, options, None, repeat_of=earlier["point"]["trial"])
         default = next((r for r in _results(rows, engine, ("default",))), None)
         return self._first_probe(cfg, "trial", trial, options, None,
-                                 start=default.get("tune_value") if default else None)
+                                 start=_load_found(default, cfg) if default else None)
 
     def _confirm_sequence(self, rows: list[dict[str, Any]], engine: str,
                           cfg: TuneConfig) -> list[tuple[str, int]]:
@@ -478,7 +497,7 @@ class Tune(Capacity):
             earlier = next(r for r in _results(rows, engine, ("trial",))
                            if r["point"]["trial"] == p["repeat_of"] and not r["point"].get("repeat_of"))
             copy = {k: v for k, v in earlier.items() if k.startswith(("tune_value", "capacity_", "output_tok_s",
-                                                                       "per_user_tok_s"))}
+                                                                       "per_user_tok_s", "cost_"))}
             status = {"status": earlier["status"], "error": earlier.get("error")} if earlier["status"] != "ok" else {}
             return {**copy, **head, **status, "tune_repeat_of": p["repeat_of"], "tune_probes": 0}
         probes = _search_rows(rows, engine, p)
@@ -491,10 +510,12 @@ class Tune(Capacity):
         lo, hi = bracket(probe_outcomes(probes))
         top = next((r for r in ran if r.get("meets_slo") and r["point"]["value"] == lo), None)
         key = "capacity_rps" if cfg.search == "rate" else "capacity_concurrency"
-        value = lo if cfg.objective == "capacity" else (ran[-1].get("goodput_req_s") or 0.0)
+        cost = capacity_cost(ran, lo)
+        value = (lo if cfg.objective == "capacity" else cost.get("cost_min_per_good_mtok_output")
+                 if cfg.objective == "cost" else (ran[-1].get("goodput_req_s") or 0.0))
         return {**head, "tune_value": value, key: lo, "capacity_bracket": [lo, hi], "capacity_slo": cfg.slos(),
                 "output_tok_s": top.get("output_tok_s") if top else None,
-                "per_user_tok_s": top.get("per_user_tok_s") if top else None, "tune_probes": len(probes)}
+                "per_user_tok_s": top.get("per_user_tok_s") if top else None, "tune_probes": len(probes), **cost}
 
     def _conclusion(self, engine: str, rows: list[dict[str, Any]], cfg: TuneConfig) -> dict[str, Any]:
         trials = _results(rows, engine, ("trial",))
@@ -512,7 +533,7 @@ class Tune(Capacity):
         out: dict[str, Any] = {
             "tune_objective": cfg.objective, "tune_metric": ("capacity_rps" if cfg.search == "rate" else
                                                              "capacity_concurrency") if cfg.objective == "capacity"
-            else "goodput_req_s",
+            else "cost_min_per_good_mtok_output" if cfg.objective == "cost" else "goodput_req_s",
             "tune_budget": {"trials": cfg.trials, "seed": cfg.sampler_seed, "sampler": cfg.sampler,
                             "slos": cfg.slos(), "search": cfg.search, "space": cfg.space.get(engine),
                             "load": {"num_requests": cfg.num_requests, "input_len": cfg.input_len,
@@ -523,11 +544,12 @@ class Tune(Capacity):
             "tune_best_options": best["point"]["options"] if best else None,
             "tune_best_value": best.get("tune_value") if best else None,
             "tune_default_value": default_value,
-            "tune_gain": (best["tune_value"] / default_value) if best and default_value else None,
+            "tune_gain": ((default_value / best["tune_value"]) if lower_is_better(cfg.objective) else
+                          (best["tune_value"] / default_value)) if best and default_value else None,
             "best_output_tok_s": best.get("output_tok_s") if best else None,
             "best_per_user_tok_s": best.get("per_user_tok_s") if best else None,
-            "tune_confirm": confirm_ratio(pairs) if pairs else {"rounds": 0, "verdict": "not measured",
-                                                                "ratio": None, "interval": None},
+            "tune_confirm": confirm_ratio(pairs, lower_better=lower_is_better(cfg.objective)) if pairs else
+            {"rounds": 0, "verdict": "not measured", "ratio": None, "interval": None},
             "tune_importance": None, "tune_note": None,
             # (re)loads of the engine (launches of a server) and their time, none of it measured
             "tune_loads": len(loads), "tune_load_s_total": sum(loads) if loads else None,

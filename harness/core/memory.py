@@ -199,6 +199,8 @@ class MemorySampler:
         self._cpu_s = time.thread_time() - t0  # CPU time the sampling itself used
 
     def _sample(self) -> None:
+        if self.energy is not None:
+            self.energy.sample()  # the device's power, where its energy counter cannot be read
         value, device_used = self._read()
         self._timeline.append((time.perf_counter() - self._t0, value))
         self._peak = max(self._peak, value)

@@ -7,7 +7,8 @@ Per request, with t_a its scheduled arrival and t_1 ... t_N the times of its N o
     ITL  = every gap t_{k+1} - t_k, pooled over all requests (weighted by token)
 
 Throughputs divide by the duration from the first scheduled arrival to the last completion.
-Goodput counts the requests that meet every configured SLO.
+Goodput counts the requests that meet every configured SLO; their tokens are the good tokens
+(`good_input_tokens`, `good_output_tokens`) a cost per good million tokens counts.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
     tpot = [t.tpot_s for t in done if t.tpot_s is not None]
     itl = [g for t in done for g in t.itls_s]
     out_tokens = sum(t.n_out for t in done)
-    good = sum(1 for t in done if (slo or SLO()).met(t))
+    good_traces = [t for t in done if (slo or SLO()).met(t)]
+    good = len(good_traces)
     row: dict[str, Any] = {
         "num_requests": len(traces), "completed": len(done), "duration_s": duration,
         "failed_requests": sum(reasons.values()), "failed_request_reasons": dict(reasons),
@@ -115,6 +117,9 @@ def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
         "output_tok_s": out_tokens / duration if duration > 0 else None,
         "goodput_req_s": good / duration if duration > 0 else None,
         "slo_attained_frac": good / len(traces) if traces else None,
+        # the good requests' tokens: what a good token costs (harness.core.cost)
+        "good_requests": good, "good_input_tokens": sum(t.prompt_len for t in good_traces),
+        "good_output_tokens": sum(t.n_out for t in good_traces),
     }
     for name, samples in (("ttft_s", ttft), ("tpot_s", tpot), ("itl_s", itl), ("e2el_s", e2el)):
         row.update(_stat_fields(name, samples))

@@ -128,6 +128,17 @@ def lossless(baseline: dict[str, list[int]] | None, outputs: dict[str, list[int]
                     requests=len(baseline), tokens=tokens)
 
 
+def lossless_passed(baseline: dict[str, list[int]] | None, outputs: dict[str, list[int]] | None,
+                    verdict: str) -> list[str]:
+    """The requests whose output is, token for token, the baseline's (each request judged on its
+    own, unlike `lossless`, which stops at the first difference): the ones a cost per good token
+    counts. None pass a verdict that could not compare (`unverified`: fail closed)."""
+    if verdict == UNVERIFIED or not baseline or not outputs:
+        return []
+    return [rid for rid, got in outputs.items() if rid in baseline and all(t >= 0 for t in [*got, *baseline[rid]])
+            and _first_difference(baseline[rid], got) is None]
+
+
 # ---- the same accepted counts on every engine ---------------------------------------------
 
 def agreement_key(row: dict[str, Any]) -> tuple | None:
