@@ -179,9 +179,9 @@ def main() -> int:
         for i in range(args.rounds):
             rounds["harness"].append(harness_round(engine, model_path, shape, args, f"h{i}"))
             print("harness   ", json.dumps(rounds["harness"][-1]), flush=True)
-            rounds["vllm_bench"].append(vllm_round(engine.root, engine.model_name, model_path, args, out_dir, f"v{i}"))
+            rounds["vllm_bench"].append(vllm_round(engine.server.root, engine.model_name, model_path, args, out_dir, f"v{i}"))
             print("vllm bench", json.dumps(rounds["vllm_bench"][-1]), flush=True)
-        server_version = engine.server_version
+        server_version = engine.server.version
     finally:
         engine.close()
 

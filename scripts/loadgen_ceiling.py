@@ -137,9 +137,9 @@ def harness_run(eng, streams: int, tokens: int, processes: int, key: str) -> dic
                         client_processes=processes)
     ctx = RunContext(shape=shape, dtype="float32", device="cpu", max_model_len=tokens + 8, memory_sample_hz=0,
                      token_low=4, token_high=shape.vocab_size)
-    server_stats(eng.base)
+    server_stats(eng.server.base)
     row = Serving().measure(eng, cfg, ctx, {"concurrency": streams, "num_requests": streams}, f"ceiling:{key}")
-    server = server_stats(eng.base)
+    server = server_stats(eng.server.base)
     return {"cpu_us_per_token": row["client_cpu_s"] / max(1, row["total_output_tokens"]) * 1e6,
             "server_gap_p99_ms": server["gap_ms"]["p99"], "server_gap_max_ms": server["gap_ms"]["max"],
             "server_late_max_ms": server["late_ms"]["max"],"output_tok_s": row["output_tok_s"], "itl_p50_ms": row["itl_s"] * 1e3, "itl_p99_ms": row["itl_s_p99"] * 1e3,
@@ -187,12 +187,12 @@ def profile_run(url: str, streams: int, tokens: int) -> str:
     """cProfile of the client's loop thread (where every stream is read) during one gap-0 point."""
     eng = engine_at(url)
     prof = cProfile.Profile()
-    eng._loop.submit(_enable(prof)).result()  # the profiler runs in the loop's thread
+    eng.server.loop.submit(_enable(prof)).result()  # the profiler runs in the loop's thread
     t0 = time.perf_counter()
     try:
         r = harness_run(eng, streams, tokens, 1, "profile")
     finally:
-        eng._loop.submit(_disable(prof)).result()
+        eng.server.loop.submit(_disable(prof)).result()
         eng.close()
     wall = time.perf_counter() - t0
     s = io.StringIO()

@@ -227,7 +227,7 @@ def test_key_from_a_variable_reaches_a_real_server_and_no_file_holds_it(tiny_ckp
         fields = eng.end_point()
         # the wrong key (another client attached to the same server): a failed load that says 401
         monkeypatch.setenv("IB_WRONG_KEY", "wrong-" + key)
-        wrong_cfg, problems = check_endpoint("wrong", {"url": eng.base, "kind": "infer-bench",
+        wrong_cfg, problems = check_endpoint("wrong", {"url": eng.server.base, "kind": "infer-bench",
                                                        "api_key_env": "IB_WRONG_KEY"})
         assert not problems
         wrong = endpoint_engine_class("wrong", wrong_cfg)()

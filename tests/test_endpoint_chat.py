@@ -54,8 +54,8 @@ def fake_vllm(tiny_ckpt, tmp_path_factory):
 
 def test_chat_over_the_vllm_fake_counts_the_templated_prompt(fake_vllm, tiny_ckpt):
     eng = fake_vllm
-    assert any(a.startswith("--chat-template=") for a in eng.server_argv)
-    assert "--enable-prompt-tokens-details" in eng.server_argv
+    assert any(a.startswith("--chat-template=") for a in eng.server.argv)
+    assert "--enable-prompt-tokens-details" in eng.server.argv
     row = conversation(eng, tiny_ckpt)
     assert row["completed"] == 6 and not row["failed_requests"]
     assert row["input_token_count_mismatches"] is None
@@ -89,8 +89,8 @@ def test_vllm_fake_refuses_chat_without_a_template(tiny_ckpt, tmp_path):
     eng = faked("vllm-serve")()
     eng.load(ModelSpec(str(tiny_ckpt), "tiny", "float32", "cpu", 256, run_dir=str(tmp_path)), {})
     try:
-        assert not any(a.startswith("--chat-template") for a in eng.server_argv)
-        r = httpx.post(eng.base + "/chat/completions", json={"model": eng.model_name, "max_tokens": 2,
+        assert not any(a.startswith("--chat-template") for a in eng.server.argv)
+        r = httpx.post(eng.server.base + "/chat/completions", json={"model": eng.model_name, "max_tokens": 2,
                                                             "messages": [{"role": "user", "content": "w5"}]})
         assert r.status_code == 400 and "chat template" in r.text
     finally:
@@ -124,7 +124,7 @@ def test_infer_bench_serve_chat_counts_and_caches(tiny_ckpt, tmp_path):
     eng = preset_engine("ibs-chat", api="chat", chat_separator=" ")()
     eng.load(ModelSpec(str(tiny_ckpt), "tiny", "float32", "cpu", 256, run_dir=str(tmp_path)), {})
     try:
-        assert any(a.startswith("chat_template=") for a in eng.server_argv)
+        assert any(a.startswith("chat_template=") for a in eng.server.argv)
         row = conversation(eng, tiny_ckpt)
     finally:
         eng.close()

@@ -111,9 +111,9 @@ def test_sglang_version_prefix_counters_and_flush(sglang):
     """Audit item 12: no /version (the version is in /server_info); the prefix-cache hit series
     (cached_tokens / prompt_tokens); /flush_cache between points."""
     eng, _, _, _ = sglang
-    assert eng.server_version == "0.5.23-fake"
+    assert eng.server.version == "0.5.23-fake"
     eng.reset_prefix_cache()
-    assert eng.prefix_reset == "yes"
+    assert eng.server.prefix_reset == "yes"
     eng.begin_point()
     list(eng.serve([Request("a", [5, 6, 7, 8], 2)], now_ns()))
     list(eng.serve([Request("b", [5, 6, 7, 8], 2)], now_ns()))  # the same prompt again: a hit
@@ -131,7 +131,7 @@ def test_sglang_standard_options_land_where_they_mean(tmp_path):
             "max_num_seqs": 16}
     try:
         eng.load(spec("/models/tiny", tmp_path, max_len=64), opts)
-        info = eng._get(eng.root + "/server_info").json()
+        info = eng.server.get(eng.server.root + "/server_info").json()
         assert info["max_prefill_tokens"] == 512 and info["chunked_prefill_size"] == 512 and info["enable_mixed_chunk"]
         assert info["mem_fraction_static"] == 0.85 and info["tp_size"] == 1 and info["max_running_requests"] == 16
         eng.begin_point()
@@ -204,7 +204,7 @@ def test_trtllm_pool_in_bytes_is_at_the_kv_dtype_and_the_dtype_is_given(trtllm, 
 def test_trtllm_metrics_are_read_from_its_prometheus_path(trtllm):
     """Audit item 12: trtllm-serve's /metrics is JSON; its Prometheus text is /prometheus/metrics."""
     eng, _ = trtllm
-    assert eng.metrics_on
+    assert eng.server.metrics_on
     eng.begin_point()
     list(eng.serve([Request("m", [1, 2], 12)], now_ns()))
     series = eng.end_point()["server_metrics"]
@@ -256,7 +256,7 @@ def test_vllm_on_cpu_launches_as_before_and_counts_multi_token_chunks(tmp_path):
         assert "--enforce-eager" in argv and argv[argv.index("--gpu-memory-utilization") + 1] == "0.3"
         assert fields["server_settings"]["cuda_graphs"] is False
         assert fields["options_differing_from_defaults"]["gpu_memory_utilization"]["value"] == 0.3
-        assert eng.server.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        assert eng.server.process.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
         body = eng.bodies.completion([1], 3)
         assert "min_tokens" not in body and body["ignore_eos"] is True
     finally:
@@ -268,12 +268,12 @@ def test_vllm_on_a_gpu_runs_with_its_own_defaults():
     plan of the shipped preset); the new options map onto vLLM's flags."""
     eng = faked("vllm-serve")()
     plan = eng.launch_plan(spec("/models/m", device="cuda", dtype="bfloat16"), {}, port=8000)
-    assert "--enforce-eager" not in plan["command"] and "0.3" not in plan["command"]
-    assert "VLLM_CPU_KVCACHE_SPACE" not in plan["env"] and plan["differing"] == {}
+    assert "--enforce-eager" not in plan.command and "0.3" not in plan.command
+    assert "VLLM_CPU_KVCACHE_SPACE" not in plan.env and plan.differing == {}
     plan = eng.launch_plan(spec("/models/m", device="cuda"), {"gpu_memory_utilization": 0.85,
                                                               "tensor_parallel_size": 2, "chunked_prefill": False},
                            port=8000)
-    c = plan["command"]
+    c = plan.command
     assert c[c.index("--gpu-memory-utilization") + 1] == "0.85" and c[c.index("--tensor-parallel-size") + 1] == "2"
     assert "--no-enable-chunked-prefill" in c
 
@@ -283,7 +283,7 @@ def test_dry_run_prints_the_command_and_starts_nothing(tmp_path, capsys):
     eng = faked("vllm-serve", dry_run=True)()
     with pytest.raises(EndpointError, match="dry run"):
         eng.load(spec("/models/tiny", tmp_path), {})
-    assert eng.server is None and "--enforce-eager" in capsys.readouterr().out
+    assert eng.server.process is None and "--enforce-eager" in capsys.readouterr().out
     eng.close()
 
 
@@ -323,7 +323,7 @@ def test_vllm_own_parser_takes_every_mapped_flag():
             "gpu_memory_utilization": 0.8, "tensor_parallel_size": 2, "chunked_prefill": False, "max_num_seqs": 64,
             "max_num_batched_tokens": 4096}
     plan = faked("vllm-serve")().launch_plan(spec("/models/m", device="cuda", dtype="bfloat16"), opts, port=8000)
-    ns = vllm_parse(py, plan["command"][plan["command"].index("--model"):])
+    ns = vllm_parse(py, plan.command[plan.command.index("--model"):])
     assert {k: ns[k] for k in ("kv_cache_dtype", "block_size", "enable_prefix_caching", "kv_cache_memory_bytes",
                                "gpu_memory_utilization", "tensor_parallel_size", "enable_chunked_prefill",
                                "max_num_seqs", "max_num_batched_tokens", "enforce_eager")} == {
@@ -340,7 +340,7 @@ def test_sglang_flush_is_refused_while_a_request_runs_and_the_row_says_why(sglan
     next(gen)  # a token arrived: the request is running
     eng.reset_prefix_cache()
     list(gen)
-    assert eng.prefix_reset.startswith("no: POST /flush_cache answered HTTP 400") and "SGLang refuses" in eng.prefix_reset
+    assert eng.server.prefix_reset.startswith("no: POST /flush_cache answered HTTP 400") and "SGLang refuses" in eng.server.prefix_reset
 
 
 def test_servers_each_at_their_own_defaults_raise_no_settings_warning(tmp_path):
@@ -353,7 +353,7 @@ def test_servers_each_at_their_own_defaults_raise_no_settings_warning(tmp_path):
 
     def rows_of(name, options):
         plan = faked(name)().launch_plan(spec("/models/m", device="cuda", dtype="bfloat16"), options, port=8000)
-        return http_serving_rows(engine=name, server_settings=plan["settings"])
+        return http_serving_rows(engine=name, server_settings=plan.settings)
 
     base = rows_of("vllm-serve", {}) + rows_of("trtllm-serve", {})
     assert not notes(page(tmp_path, base + rows_of("sglang-serve", {}), name="fair"), "http-settings-differ")

@@ -212,11 +212,11 @@ def test_vllm_counters_from_metrics_equal_what_the_server_did_and_a_relaunch_dro
     try:
         eng.load(spec("/models/tiny", tmp_path), NGRAM)
         assert eng.capabilities().speculative_methods == ("ngram", "draft", "eagle", "mtp")
-        assert "--speculative-config" in eng.server_argv
+        assert "--speculative-config" in eng.server.argv
         before = eng.spec_decode_stats()
         assert (before.drafts, before.accepted_tokens) == (0, 0)
         fields = _serve(eng)
-        truth = eng._get(eng.root + "/fake/spec_truth").json()
+        truth = eng.server.get(eng.server.root + "/fake/spec_truth").json()
         s = eng.spec_decode_stats()
         assert (s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_pos) == (
             truth["drafts"], truth["proposed"], truth["accepted"], truth["per_pos"])
@@ -224,9 +224,9 @@ def test_vllm_counters_from_metrics_equal_what_the_server_did_and_a_relaunch_dro
         assert fields["server_options"]["speculative_method"] == "ngram"
         assert fields["options_differing_from_defaults"]["speculative_method"] == {"value": "ngram", "default": "none"}
         assert "vllm:spec_decode_num_drafts_total" in fields["server_metrics"]
-        first = eng.server.proc.pid
+        first = eng.server.process.proc.pid
         eng.load(spec("/models/tiny", tmp_path), {"speculative_method": "none"})
-        assert "--speculative-config" not in eng.server_argv and eng.server.proc.pid != first
+        assert "--speculative-config" not in eng.server.argv and eng.server.process.proc.pid != first
         fields = _serve(eng)
         assert eng.spec_decode_stats() is None and "spec_decode_aggregates" not in fields
     finally:
@@ -241,10 +241,10 @@ def test_sglang_counts_are_derived_from_its_finished_request_counters(tmp_path, 
     try:
         eng.load(spec("/models/tiny", tmp_path, max_len=64),
                  {"speculative_method": "draft", "num_speculative_tokens": 3, "draft_model": draft_dir})
-        argv = eng.server_argv
+        argv = eng.server.argv
         assert argv[argv.index("--speculative-algorithm") + 1] == "STANDALONE"
         fields = _serve(eng)
-        truth = eng._get(eng.root + "/fake/spec_truth").json()
+        truth = eng.server.get(eng.server.root + "/fake/spec_truth").json()
         s = eng.spec_decode_stats()
         assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (truth["drafts"], truth["proposed"], truth["accepted"])
         assert s.source == "derived" and s.aggregate_only == ["accepted_per_pos"] and s.accepted_per_pos == []
@@ -262,14 +262,14 @@ def test_trtllm_counts_tokens_not_drafts_and_needs_its_metrics_options(tmp_path)
     eng = faked("trtllm-serve")()
     try:
         eng.load(spec("/models/tiny", tmp_path, max_len=64), o)
-        (text,) = eng.server_extra_options.values()
+        (text,) = eng.server.extra_options.values()
         doc = yaml.safe_load(text)
         assert doc["return_perf_metrics"] and doc["enable_iter_perf_stats"]
         assert doc["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 3,
                                              "is_public_pool": False}
         assert eng.spec_decode_stats().draft_tokens == 0  # declared, not incremented yet
         fields = _serve(eng)
-        truth = eng._get(eng.root + "/fake/spec_truth").json()
+        truth = eng.server.get(eng.server.root + "/fake/spec_truth").json()
         s = eng.spec_decode_stats()
         assert (s.draft_tokens, s.accepted_tokens) == (truth["proposed"], truth["accepted"])
         assert s.aggregate_only == ["drafts", "accepted_per_pos"]
@@ -280,7 +280,7 @@ def test_trtllm_counts_tokens_not_drafts_and_needs_its_metrics_options(tmp_path)
     off = faked("trtllm-serve", metrics=False)()
     try:
         off.load(spec("/models/tiny", tmp_path / "off", max_len=64), o)
-        assert "return_perf_metrics" not in yaml.safe_load(next(iter(off.server_extra_options.values())))
+        assert "return_perf_metrics" not in yaml.safe_load(next(iter(off.server.extra_options.values())))
         assert off.spec_decode_stats() is None and "metrics=false" in off.spec_error
     finally:
         off.close()
@@ -302,7 +302,7 @@ def test_vllm_own_parser_takes_the_speculative_config(method, draft_dir):
     o = {**NGRAM, "draft_model": draft_dir} if method == "ngram" else \
         {"speculative_method": "draft", "num_speculative_tokens": 3, "draft_model": draft_dir}
     plan = faked("vllm-serve")().launch_plan(spec("/models/m", device="cuda", dtype="bfloat16"), o, port=8000)
-    ns = vllm_parse(VLLM_PYTHON, plan["command"][plan["command"].index("--model"):])
+    ns = vllm_parse(VLLM_PYTHON, plan.command[plan.command.index("--model"):])
     want = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} \
         if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3, "model": draft_dir}
     assert ns["speculative_config"] == want

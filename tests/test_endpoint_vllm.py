@@ -48,7 +48,7 @@ def test_vllm_server_takes_token_ids_and_gives_the_reference_engines_tokens(tiny
     try:
         eng.load(spec, {})
         eng.reset_prefix_cache()
-        assert eng.prefix_reset == "yes"
+        assert eng.server.prefix_reset == "yes"
         eng.begin_point()
         events = list(eng.serve([Request(f"r{i}", p, 10) for i, p in enumerate(prompts)], now_ns()))
         fields = eng.end_point()
@@ -92,7 +92,7 @@ def test_vllm_server_chat_counts_the_templated_prompt_and_reports_cached_tokens(
     try:
         eng.load(ModelSpec(str(tiny_ckpt), "tiny", "float32", "cpu", 256, run_dir=str(tmp_path)),
                  {"prefix_caching": True, "block_size": 32})
-        assert "--enable-prompt-tokens-details" in eng.server_argv
+        assert "--enable-prompt-tokens-details" in eng.server.argv
         eng.begin_point()
         row = Conversation().run_point(eng, Point("conversation", {"prefix_caching": True, "sessions": 2}), ctx,
                                        ConversationConfig(sessions=2, turns=3, user_tokens=30, output_tokens=4,

@@ -53,7 +53,7 @@ def test_vllm_server_speculates_with_ngram_and_its_acceptance_comes_from_metrics
     try:
         assert cls.check_options(NGRAM, spec) == []
         eng.load(spec, NGRAM)
-        argv = eng.server_argv
+        argv = eng.server.argv
         assert argv[argv.index("--speculative-config") + 1] == \
             '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2,"prompt_lookup_max":4}'
         s0 = eng.spec_decode_stats()
@@ -76,7 +76,7 @@ def test_vllm_server_speculates_with_ngram_and_its_acceptance_comes_from_metrics
         assert rate > 0.3  # held-out code repeats itself: n-gram lookup finds a lot
 
         eng.load(spec, {"speculative_method": "none"})  # the same endpoint, relaunched without speculation
-        assert "--speculative-config" not in eng.server_argv
+        assert "--speculative-config" not in eng.server.argv
         without, fields = _serve(eng, prompts, 64)
         assert eng.spec_decode_stats() is None and "spec_decode_error" not in fields
     finally:

@@ -380,7 +380,7 @@ def test_a_launched_server_serves_the_id_and_an_attached_one_is_sent_it(tmp_path
     raw = yaml.safe_load((REPO_ROOT / "conf" / "endpoint" / "vllm-serve.yaml").read_text())
     cfg, problems = check_endpoint("vllm-serve", raw)
     assert not problems, problems
-    command = endpoint_engine_class("vllm-serve", cfg)().launch_plan(spec, {}, port=8000)["command"]
+    command = endpoint_engine_class("vllm-serve", cfg)().launch_plan(spec, {}, port=8000).command
     assert command[command.index("--model") + 1] == snap and command[command.index("--served-model-name") + 1] == \
         "org/served"
 

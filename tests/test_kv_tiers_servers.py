@@ -130,7 +130,7 @@ def test_tier_counters_from_metrics_equal_what_the_server_did(tmp_path, name, bl
         _conversation(eng, block or 32)
         got = eng.kv_cache_info().extra["kv_tiers"]
         fields = eng.end_point()
-        truth = eng._get(eng.root + "/fake/tier_truth").json()
+        truth = eng.server.get(eng.server.root + "/fake/tier_truth").json()
     finally:
         eng.close()
     assert truth["hit_tokens"]["2"] > 0 and truth["tokens_written"] > 0, truth
@@ -177,7 +177,7 @@ def test_vllm_own_parser_takes_the_offloading_flags():
     if VLLM_PYTHON is None:
         pytest.skip("no Python environment with vLLM here (make venv builds .venv-vllm)")
     plan = faked("vllm-serve")().launch_plan(spec("/models/m", device="cuda", dtype="bfloat16"), TIERED, port=8000)
-    ns = vllm_parse(VLLM_PYTHON, plan["command"][plan["command"].index("--model"):])
+    ns = vllm_parse(VLLM_PYTHON, plan.command[plan.command.index("--model"):])
     assert round(ns["kv_offloading_size"] * GIB) == 3 * 10**9 and ns["kv_offloading_backend"] == "native"
 
 

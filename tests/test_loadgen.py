@@ -87,7 +87,7 @@ def test_tokens_are_stamped_when_their_bytes_came_off_the_socket():
 
     import httpx
 
-    from adapters.endpoint.client import ClientSpec
+    from adapters.endpoint.loadgen import ClientSpec
     from adapters.endpoint.stream import ReqState, stream_completion
     hog_s = 0.02
 
@@ -166,7 +166,7 @@ def test_one_short_loop_stall_does_not_void_a_point_but_a_long_one_does():
 
 def _loop_fields(late_ms: list[float]) -> dict:
     """The row's loop-lag fields from the lateness of each 2 ms tick, as the client records them."""
-    from adapters.endpoint.client import lag_samples
+    from adapters.endpoint.loadgen import lag_samples
     from harness.core.stats import summarize
     lags = summarize([x for ms in late_ms for x in lag_samples(round(ms * 1e6), 2_000_000)])
     return {"send_lag_s_p99": 0.0004, "loop_lag_s_p99": lags["p99"], "loop_lag_s_max": lags["max"],
@@ -329,7 +329,7 @@ def test_a_closed_loop_finds_its_connections_open_when_the_point_starts(processe
 # ---- several client processes -----------------------------------------------------------------------
 
 def test_split_deals_the_schedule_and_the_slots_deterministically():
-    from adapters.endpoint.client import ClientSpec, Item, Job, split_job
+    from adapters.endpoint.loadgen import ClientSpec, Item, Job, split_job
     items = [Item(f"r{i}", b"{}", 4, 2, arrival_s=0.1 * (9 - i)) for i in range(10)]
     open_jobs = split_job(Job(ClientSpec("u"), items, 0, max_concurrency=5), 2)
     assert [[it.request_id for it in j.items] for j in open_jobs] == [
@@ -392,7 +392,7 @@ def test_clients_as_ray_actors_on_a_local_ray_instance():
 
 
 def test_a_client_clock_offset_beyond_its_bound_is_corrected_else_left_alone():
-    from adapters.endpoint.client import correction, shift_states
+    from adapters.endpoint.clients import correction, shift_states
     from adapters.endpoint.stream import ReqState
     assert correction(40_000, 50_000) == 0 and correction(-3_000_000, 50_000) == -3_000_000
     st = ReqState("r", 4, 2, scheduled_ns=1_000, ready_ns=1_000, sent_ns=1_100, token_times=[2_000, 2_500],

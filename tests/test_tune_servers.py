@@ -92,9 +92,9 @@ def test_every_flag_of_a_kinds_record_lands_where_its_server_puts_it(preset_name
     assert not cls.check_options({"server_flags": flags}, SPEC)
     plan = cls().launch_plan(ModelSpec("/models/m", "m", "bfloat16", "cuda", 4096, run_dir=str(tmp_path)),
                              {"server_flags": flags}, port=8000)
-    got = parsed(kind, plan["command"], plan["files"], tmp_path)
+    got = parsed(kind, plan.command, plan.files, tmp_path)
     wrong = {n: v for n, v in flags.items() if not lands(kind, n, v, got)}
-    assert not wrong, (wrong, plan["command"], plan["files"])
+    assert not wrong, (wrong, plan.command, plan.files)
 
 
 @pytest.mark.vllm
@@ -106,7 +106,7 @@ def test_vllm_own_parser_takes_every_flag_of_its_record():
         pytest.skip("no Python environment with vLLM here (make venv builds .venv-vllm)")
     flags = {f.name: a_value(f) for f in KINDS["vllm"].flags}
     plan = engine_class("vllm-serve")().launch_plan(SPEC, {"server_flags": flags}, port=8000)
-    ns = vllm_parse(py, plan["command"][plan["command"].index("--model"):])
+    ns = vllm_parse(py, plan.command[plan.command.index("--model"):])
     dest = {"scheduling-policy": "scheduling_policy"}
     assert {n: ns[dest.get(n, n.replace("-", "_"))] for n in flags} == flags
 
@@ -143,13 +143,13 @@ def test_a_yaml_flag_wins_over_the_harness_default_it_replaces(tmp_path):
              "kv_cache_config.tokens_per_block": 64}
     plan = cls().launch_plan(ModelSpec("/m", "m", "bfloat16", "cuda", 4096, run_dir=str(tmp_path)),
                              {"server_flags": flags, "prefix_caching": False}, port=8000)
-    (text,) = plan["files"].values()
+    (text,) = plan.files.values()
     doc = yaml.safe_load(text)
     assert doc["enable_chunked_prefill"] is False and doc["dtype"] == "bfloat16"
     assert doc["kv_cache_config"] == {"enable_block_reuse": False, "free_gpu_memory_fraction": 0.8,
                                       "tokens_per_block": 64}
-    assert "--kv_cache_free_gpu_memory_fraction" not in plan["command"]
-    assert plan["settings"]["chunked_prefill"] is False and plan["settings"]["gpu_memory_utilization"] == 0.8
+    assert "--kv_cache_free_gpu_memory_fraction" not in plan.command
+    assert plan.settings["chunked_prefill"] is False and plan.settings["gpu_memory_utilization"] == 0.8
 
 
 def test_the_space_of_a_server_is_its_records_flags():

@@ -184,7 +184,7 @@ def client_limited(client: dict[str, Any], slo: SLO, lag_limit_s: float = CLIENT
     """Why the load generator did not keep up during a point (empty: it did): its send lag p99 or
     loop lag p99 above the limit (or above 5 % of the tightest SLO), one loop stall above
     CLIENT_STALL_FACTOR times that, or a client process near a full core. The loop lag is judged on
-    its p99 over time (adapters.endpoint.client.lag_samples), so one short stall (a collection, a
+    its p99 over time (adapters.endpoint.loadgen.lag_samples), so one short stall (a collection, a
     page fault) does not void a point whose client kept up the rest of the time; a starved client
     is late much of the time and still fails."""
     bounds = [b for b in (slo.ttft_s, slo.tpot_s, slo.e2el_s) if b]

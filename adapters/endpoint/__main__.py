@@ -71,8 +71,7 @@ def main(argv: list[str]) -> int:
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 2
-    eng = cls()
-    print(eng._dry_run_text(eng.launch_plan(spec, options)))
+    print(cls().dry_run_text(spec, options))
     return 0
 
 

@@ -11,7 +11,12 @@ the engine does the HTTP. Every body asks for exactly the tokens the workload wa
   chat_completion(messages, n) POST /v1/chat/completions (api=chat): the messages' roles and texts
   payload(ids, n, messages)    either, by the endpoint's `api`, with the prompt tokens as the client
                                counts them (api=chat: the chat-templated prompt's)
-  scores(seq, top_k)           a non-streamed completion asking for `prompt_logprobs` (score())
+  scores(seq, top_k)           a non-streamed completion asking for `prompt_logprobs` (score());
+                               its answer read by `prompt_logprobs_scores`
+
+A new request field (a LoRA adapter's name, a response format, tools) goes into these bodies,
+and into the kind's record where only some servers take it (kinds.py: `accepted_fields`,
+`token_ids`, `continuous_usage`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from adapters.base import TokenScores
 from adapters.endpoint.config import EndpointConfig, chat_prompt_ids, chat_template_text
 from adapters.endpoint.kinds import KINDS, ServerKind
 
@@ -134,3 +140,33 @@ def max_tokens(prompt: list[int], max_new_tokens: int | None, max_model_len: int
     if room < 1:
         raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room below max_model_len={max_model_len}")
     return room
+
+
+def prompt_logprobs_scores(seq: list[int], start: int, top_k: int, plp: list[Any]) -> TokenScores:
+    """TokenScores from vLLM-format `prompt_logprobs` (one entry per prompt position: None for the
+    first, else {token id: {"logprob": x, "rank": r, ...}} holding the top_k and the actual token)."""
+    top_ids, top_lps, target = [], [], []
+    for p in range(start, len(seq)):
+        entry = plp[p]
+        if not isinstance(entry, dict):
+            raise RuntimeError(f"prompt_logprobs has no entry for position {p}")
+        items = [(int(k), v) for k, v in entry.items()]
+        ranked = sorted((it for it in items if _rank(it[1]) is not None and _rank(it[1]) <= top_k),
+                        key=lambda it: _rank(it[1]))
+        if len(ranked) < top_k:  # no ranks given: the most likely first
+            ranked = sorted(items, key=lambda it: -_lp(it[1]))[:top_k]
+        top_ids.append([i for i, _ in ranked[:top_k]])
+        top_lps.append([_lp(v) for _, v in ranked[:top_k]])
+        actual = entry.get(str(seq[p]), entry.get(seq[p]))  # type: ignore[call-overload]
+        if actual is None:
+            raise RuntimeError(f"prompt_logprobs at position {p} lacks the prompt's own token {seq[p]}")
+        target.append(_lp(actual))
+    return TokenScores(top_ids, top_lps, target)
+
+
+def _lp(v: Any) -> float:
+    return float(v["logprob"] if isinstance(v, dict) else v)
+
+
+def _rank(v: Any) -> int | None:
+    return int(v["rank"]) if isinstance(v, dict) and v.get("rank") is not None else None

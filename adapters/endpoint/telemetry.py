@@ -1,6 +1,13 @@
 """A server's Prometheus `/metrics`: which series to keep, a scraper that samples them during a
 point (`{sample name: [[seconds since the point started, value], ...]}`), and speculative
-decoding's counters read by the names of the kind's record (`spec_counts`)."""
+decoding's counters read by the names of the kind's record (`spec_counts`).
+
+`ServerMetrics` reads one server's text for the engine (adapters/endpoint/engine.py): the KV
+cache's state (`kv_cache_info`, with the KV tiers' counters while a second tier runs),
+speculative decoding's counters (`spec_decode_stats`), and the scraper of each point. A new
+metric a kind exports goes into its record (kinds.py: `Metrics`, `SpecMetrics`, adapters/tiers.py)
+and is read here.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters import tiers
-from adapters.base import SpecDecodeStats
+from adapters.base import KVCacheInfo, SpecDecodeStats
 from adapters.endpoint.kinds import KINDS, Speculation
 from adapters.prom_counters import read_counters
 
@@ -139,3 +147,107 @@ def tier_counts(kind: str, text: str) -> dict[str, Any] | None:
     if k is None or k.tier_metrics is None:
         return None
     return tiers.tier_counts(k.tier_metrics, text, k.metrics.path if k.metrics else "/metrics")
+
+
+class ServerMetrics:
+    """The /metrics of one server of kind `kind`: `fetch()` returns its text (raises when it
+    cannot), `path` is where it is, `readable()` says whether it is read at all (the server
+    answered Prometheus text at load, metrics not false), `redact` hides credentials in errors."""
+
+    def __init__(self, kind: str, fetch: Callable[[], str], path: str, readable: Callable[[], bool],
+                 redact: Callable[[str], str]):
+        self.kind, self.fetch, self.path, self.readable, self.redact = kind, fetch, path, readable, redact
+        self.spec_error: str | None = None  # why spec_decode_stats() could not read the counters
+        self.scraper: Scraper | None = None
+
+    def kv_cache_info(self, offloading: bool) -> KVCacheInfo:
+        """What the server's /metrics says of its KV cache (usage, blocks, prefix-cache counters,
+        preemptions, the cache config), by its kind's record; `offloading`: it runs a second tier
+        (then the tiers' counters too)."""
+        if not self.readable():
+            return KVCacheInfo(extra={"source": "none (the server has no /metrics, or metrics=false)"})
+        try:
+            text = self.fetch()
+            values, infos = parse(text)
+        except Exception as e:
+            return KVCacheInfo(extra={"source": f"/metrics failed: {type(e).__name__}"})
+        m = KINDS[self.kind].metrics
+        extra: dict[str, Any] = {"source": self.path}
+        if m is None or m.usage is None:
+            extra["metrics"] = wanted(self.kind, values)
+            return KVCacheInfo(extra=extra)
+        usage, hits, queries, preempt = m.usage, m.hits, m.queries, m.preemptions
+        tiers_ = self.tier_counts(text) if offloading else None
+        if tiers_ is not None:
+            extra["kv_tiers"] = tiers_
+        info = infos.get(m.info, {}) if m.info else {}
+        num_blocks = _int(info.get("num_gpu_blocks") or info.get("num_blocks"))
+        block_size = _int(info.get("block_size"))
+        used = values.get(usage)
+        extra.update(kv_usage_frac=used, prefix_counts_in=m.prefix_counts_in, cache_config=info or None)
+        pool = _int(info.get("kv_cache_memory_bytes") or info.get("pool_bytes"))
+        return KVCacheInfo(
+            kv_dtype=info.get("cache_dtype") or info.get("kv_dtype") or None, block_size=block_size,
+            num_blocks=num_blocks, pool_bytes=pool,
+            bytes_per_block=pool // num_blocks if pool and num_blocks else None,
+            blocks_in_use=round(used * num_blocks) if used is not None and num_blocks else None,
+            prefix_cache_hits=_int(values.get(hits)) if hits else None,
+            prefix_cache_queries=_int(values.get(queries)) if queries else None,
+            preemptions=_int(values.get(preempt)) if preempt else None, extra=extra)
+
+    def tier_counts(self, text: str) -> dict[str, Any] | None:
+        """The server's KV-tier counters in its /metrics `text` (`tier_counts`, by the kind's
+        record); None where the kind has none. A text that does not parse says so instead of
+        giving numbers."""
+        if KINDS[self.kind].tier_metrics is None:
+            return None
+        try:
+            return tier_counts(self.kind, text)
+        except ValueError as e:
+            return {"source": f"{self.path} unreadable: {type(e).__name__}"}
+
+    def spec_decode_stats(self, sp: Speculation | None) -> SpecDecodeStats | None:
+        """The server's speculative-decoding counters since it started (cumulative; the workload
+        takes a point's difference) while it speculates as `sp` says, read until two reads 0.1 s
+        apart agree (a server may add a step's counts just after its tokens went out). None where
+        it does not speculate, or the counters cannot be read (`spec_error` says why)."""
+        if sp is None or KINDS[self.kind].spec_metrics is None:
+            return None
+        if not self.readable():
+            self.spec_error = (f"no counters: the server's {self.path} is not read (metrics=false, or it "
+                               "did not answer Prometheus text at load)")
+            return None
+        last: SpecDecodeStats | None = None
+        for _ in range(10):
+            try:
+                now = spec_counts(self.kind, self.fetch(), sp)
+            except (httpx.HTTPError, ValueError) as e:
+                self.spec_error = f"{self.path}: {self.redact(str(e)) or type(e).__name__}"
+                return None
+            if now == last:
+                break
+            last = now
+            time.sleep(0.1)
+        self.spec_error = None
+        return last
+
+    def begin_point(self, interval_s: float) -> None:
+        """Scrape the point's time series (every `interval_s`) where the text is read."""
+        if self.readable():
+            self.scraper = Scraper(self.fetch, self.kind, interval_s).start()
+
+    def end_point(self) -> tuple[dict[str, Any] | None, int]:
+        """(the point's series, or None where none was scraped; the scrapes that failed)."""
+        if self.scraper is None:
+            return None, 0
+        series = self.scraper.stop()
+        errors = self.scraper.errors
+        self.scraper = None
+        return series, errors
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return int(float(v)) if v is not None else None
+    except (TypeError, ValueError):
+        return None

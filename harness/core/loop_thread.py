@@ -63,3 +63,18 @@ class LoopThread:
         if not self.thread.is_alive():
             self.loop.close()
         return error
+
+
+def cancel_and_wait(futures: list[Future], keep: Callable[[int], bool] | None = None,
+                    timeout_s: float = 30.0) -> None:
+    """Cancel the futures of coroutines running on a loop thread (all, or those whose index
+    `keep(i)` is false: they end on their own) and wait (each at most `timeout_s`) until every
+    one has ended, whatever it ended with: a stream cancelled mid-way closes its connection."""
+    for i, f in enumerate(futures):
+        if keep is None or not keep(i):
+            f.cancel()
+    for f in futures:
+        try:
+            f.result(timeout=timeout_s)
+        except BaseException:
+            pass
