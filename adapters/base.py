@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -466,6 +466,38 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Free everything. Safe to call twice."""
+
+    # -- optional: what only some engines have (the defaults say "not supported") -------------
+    # True where the engine serves a whole point with a load generator of its own (`serve_load`:
+    # an HTTP endpoint); the serving workloads then hand it the point instead of calling serve().
+    load_generator: ClassVar[bool] = False
+
+    def serve_load(self, requests: list[Request], *, closed: bool, concurrency: int = 1,
+                   max_concurrency: int | None = None, ramp_up_s: float = 0.0, processes: int = 1,
+                   should_stop: Callable[[list[tuple[int, int]], int], bool] | None = None,
+                   backend: str = "local", ray_address: str | None = None) -> dict[str, Any]:
+        """One serving point's requests through the engine's own load generator (engines with
+        `load_generator`): open loop at their arrival offsets (`max_concurrency` caps those in
+        flight) or closed loop (`concurrency` in flight, the slots started over `ramp_up_s`), over
+        `processes` client processes (`backend` local, or ray at `ray_address`). `should_stop(
+        [(scheduled, first token)], start_ns)` is asked every 0.1 s; True stops the point (its
+        streams close). Returns {"start_ns", "traces" (harness.core.metrics.RequestTrace per
+        request sent), "client" (row fields: send lag, loop lag, client CPU, achieved rate)}."""
+        raise NotImplementedError(f"{self.name} has no load generator of its own (load_generator is False): "
+                                  "it serves a point with serve()")
+
+    @classmethod
+    def tuning_flags(cls) -> tuple[dict[str, Any], str | None]:
+        """For an engine without `options_cls` (a launched server): the flags workload=tune may
+        search ({name: adapters.endpoint.flags.ServerFlag}), or none and why."""
+        return {}, (f"{cls.name} takes no options the harness can set per trial; tune the engine in-process, or "
+                    "run it per configuration with workload=capacity.")
+
+    @classmethod
+    def declared_version(cls) -> str | None:
+        """The version that version-dependent checks go by (a server's may be declared in its
+        config); default: `version()`."""
+        return cls.version()
 
 
 def is_pos_int(v: Any) -> bool:

@@ -385,7 +385,7 @@ class Conversation(Workload):
         collector.source = source
         # in-process engines: the KV blocks in use at each turn's first token (a server's /metrics is
         # scraped on its own, endpoints.<name>.metrics_interval_s: server_metrics)
-        sample_kv = getattr(engine, "serve_load", None) is None
+        sample_kv = not engine.load_generator
         occupancy: dict[str, int] = {}
         sampler = ctx.sampler().start()
         events = engine.serve(source, start)

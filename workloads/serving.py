@@ -346,7 +346,7 @@ class Serving(Workload):
         check_saturation = not closed and cfg.stop_when_saturated and not math.isinf(rate)
         slo = cfg.goodput_slo()
         sampler = ctx.sampler().start()
-        if getattr(engine, "serve_load", None) is not None:  # an endpoint: the load generator
+        if engine.load_generator:  # an endpoint: its load generator
             traces, sent, is_saturated, client = self._serve_load(engine, reqs, cfg, params, check_saturation)
         else:
             traces, sent, is_saturated = self._serve_in_process(engine, reqs, cfg, params, check_saturation)
@@ -394,7 +394,7 @@ class Serving(Workload):
                 is_saturated = True
             return is_saturated
 
-        out = engine.serve_load(reqs, closed=closed, concurrency=params.get("concurrency") or 1,  # type: ignore[attr-defined]
+        out = engine.serve_load(reqs, closed=closed, concurrency=params.get("concurrency") or 1,
                                 max_concurrency=None if closed else cfg.max_concurrency, ramp_up_s=cfg.ramp_up_s,
                                 processes=cfg.client_processes, should_stop=should_stop,
                                 backend=cfg.client_backend, ray_address=cfg.ray_address)

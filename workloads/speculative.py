@@ -286,7 +286,7 @@ class Speculative(Workload):
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         p = point.params
         b, n = p["batch_size"], p["num_requests"]
-        endpoint = getattr(engine, "serve_load", None) is not None
+        endpoint = engine.load_generator
         # warm-up: one round of B requests of the same category (prompts the point does not serve)
         self._serve(engine, self.requests(p, ctx, b, first=100_000), b, endpoint)
         reqs = self.requests(p, ctx, n)
@@ -331,7 +331,7 @@ class Speculative(Workload):
         from the engine's counters read as each request ends - only at concurrency 1, where one
         request runs at a time, and only in-process)."""
         if endpoint:
-            out = engine.serve_load(reqs, closed=True, concurrency=concurrency)  # type: ignore[attr-defined]
+            out = engine.serve_load(reqs, closed=True, concurrency=concurrency)
             return out["traces"], None
         start = now_ns() + 5_000_000
         source = ClosedLoopSource(reqs, start, concurrency)

@@ -189,16 +189,11 @@ def engine_space(name: str, cls: type[Engine], given: dict[str, Any] | None) -> 
     with it, each naming `workload.space.<engine>.<option>`; a launched server's space is over
     its own flags (`cls.tuning_flags()`)."""
     where = f"workload.space.{name}"
-    if cls.options_cls is None:
-        hook = getattr(cls, "tuning_flags", None)  # an HTTP endpoint (adapters/endpoint/engine.py)
-        if hook is None:
-            return {}, [f"workload=tune: {name} takes no options the harness can set per trial; tune the engine "
-                        "in-process, or run it per configuration with workload=capacity."]
-        flags, why = hook()
+    if cls.options_cls is None:  # a launched server (adapters/endpoint/checks.py): its own flags
+        flags, why = cls.tuning_flags()
         if why:
             return {}, [f"{where if given is not None else 'workload=tune'}: {why}"]
-        version = getattr(cls, "declared_version", lambda: None)()
-        return flag_space(name, flags, given, version)
+        return flag_space(name, flags, given, cls.declared_version())
     space = dict(given) if given is not None else tune_space(cls.options_cls)
     if not space:
         return {}, [f"{where}: the space is empty: {name} marks no option to tune by default. Give some, e.g. "
