@@ -92,3 +92,18 @@ def test_kv_dtype_of_takes_what_the_engine_reported_unless_it_said_auto():
     from harness.core.kvcalc import kv_dtype_of
     assert kv_dtype_of("bfloat16") == "bf16" and kv_dtype_of("float32", "auto") == "fp32"
     assert kv_dtype_of("bfloat16", "fp8_e4m3") == "fp8" and kv_dtype_of("float16", "int8") == "int8"
+
+
+def test_llama_cpp_block_types_count_whole_blocks_of_a_token_row():
+    """q8_0 stores 32 values in 34 bytes, q4_0 in 18, each row of K (or V) being KV heads x head_dim
+    values: tiny (4 layers, 4 KV heads of 32) holds 2 x 4 x (128 / 32) x 34 = 1,088 bytes per token in
+    q8_0 and 576 in q4_0, against 1,024 in int8 + 4-byte scales per head = 1,152."""
+    from harness.core.kvcalc import dense_bytes_per_token, element_bytes, row_bytes
+    tiny = load_preset("tiny")
+    assert bytes_per_token(tiny, "q8_0") == 2 * 4 * 4 * 34 == 1088
+    assert bytes_per_token(tiny, "q4_0") == 2 * 4 * 4 * 18 == 576
+    assert dense_bytes_per_token(tiny, "q8_0") == 1088
+    assert bytes_per_token(tiny, "int8") == 2 * 4 * 4 * (32 + 4)
+    assert row_bytes(40, "q8_0") == 2 * 34  # a partial block is a whole block
+    with pytest.raises(ValueError, match="block type"):
+        element_bytes("q4_0")

@@ -70,9 +70,10 @@ class KVMemory(Workload):
     def check(self, cfg: KVMemoryConfig, shape: Any) -> list[str]:
         _, problems = parse_length(cfg.prompt_len, "workload.prompt_len")
         bad = [d for d in cfg.kv_dtypes if d != "auto" and d.lower() not in
-               ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")]
-        problems += [f"workload.kv_dtypes: unknown KV dtype '{d}'. Use auto, fp8 or int8 (or fp16/bf16/fp32)."
-                     for d in bad]
+               ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+                "q8_0", "q4_0")]
+        problems += [f"workload.kv_dtypes: unknown KV dtype '{d}'. Use auto, fp8 or int8 (or fp16/bf16/fp32; "
+                     "llama.cpp's block types q8_0 and q4_0)." for d in bad]
         return problems or super().check(cfg, shape)
 
     def max_model_len(self, cfg: KVMemoryConfig) -> int:

@@ -37,7 +37,12 @@ _ELEMENT_BYTES = {
 # Quantised caches that keep a scale per token and per KV head (for K and for V), as float32.
 # fp8 caches use one scale per tensor (a few bytes per layer), which is not per-token memory.
 INT8_SCALE_BYTES = 4
-KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
+# llama.cpp's block types (ggml): (values per block, bytes per block), each block's scale inside it. A
+# row of K (or V) of one token, all its KV heads together (KV heads x head_dim values), is a run of
+# such blocks: q8_0 holds 32 int8 values and an fp16 scale in 34 bytes, q4_0 32 4-bit values and an
+# fp16 scale in 18 (ggml/src/ggml-common.h: block_q8_0, block_q4_0).
+BLOCK_FORMATS = {"q8_0": (32, 34), "q4_0": (32, 18)}
+KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "q8_0", "q4_0")
 
 
 def kv_dtype_of(dtype: str, reported: str | None = None) -> str:
@@ -49,6 +54,8 @@ def kv_dtype_of(dtype: str, reported: str | None = None) -> str:
 
 def canonical_kv_dtype(kv_dtype: str) -> str:
     name = str(kv_dtype).lower()
+    if name in BLOCK_FORMATS:
+        return name
     if name not in _ELEMENT_BYTES:
         raise UserError(f"kv_dtype={kv_dtype}: unknown KV-cache dtype. Use one of {', '.join(KV_DTYPES)}.")
     nbytes = _ELEMENT_BYTES[name]
@@ -60,7 +67,20 @@ def canonical_kv_dtype(kv_dtype: str) -> str:
 
 
 def element_bytes(kv_dtype: str) -> int:
-    return _ELEMENT_BYTES[canonical_kv_dtype(kv_dtype)]
+    kv = canonical_kv_dtype(kv_dtype)
+    if kv in BLOCK_FORMATS:
+        raise ValueError(f"{kv} is a block type: {BLOCK_FORMATS[kv][1]} bytes per {BLOCK_FORMATS[kv][0]} values, "
+                         "no whole bytes per element (use row_bytes)")
+    return _ELEMENT_BYTES[kv]
+
+
+def row_bytes(values: int, kv_dtype: str) -> int:
+    """Bytes of `values` consecutive values of one row in `kv_dtype` (block types: whole blocks)."""
+    kv = canonical_kv_dtype(kv_dtype)
+    if kv in BLOCK_FORMATS:
+        n, b = BLOCK_FORMATS[kv]
+        return math.ceil(values / n) * b
+    return values * _ELEMENT_BYTES[kv]
 
 
 def scale_bytes_per_head(kv_dtype: str) -> int:
@@ -72,10 +92,15 @@ def _scale(kv_dtype: str) -> int:
 
 
 def layer_bytes_per_token(shape: ModelShape, kind: str, kv_dtype: str) -> int:
-    """Bytes one layer of this kind keeps per cached token (0 for linear layers)."""
-    e, s = element_bytes(kv_dtype), _scale(kv_dtype)
+    """Bytes one layer of this kind keeps per cached token (0 for linear layers). A block type
+    (llama.cpp's q8_0, q4_0) stores each of K and V as one row of KV heads x head_dim values."""
     if kind == "linear":
         return 0
+    if canonical_kv_dtype(kv_dtype) in BLOCK_FORMATS:
+        if kind == "latent":
+            return row_bytes(int(shape.kv_lora_rank or 0) + int(shape.qk_rope_head_dim or 0), kv_dtype)
+        return 2 * row_bytes(shape.num_key_value_heads * shape.head_dim, kv_dtype)
+    e, s = element_bytes(kv_dtype), _scale(kv_dtype)
     if kind == "latent":
         return (int(shape.kv_lora_rank or 0) + int(shape.qk_rope_head_dim or 0)) * e + s
     return 2 * shape.num_key_value_heads * (shape.head_dim * e + s)
@@ -125,6 +150,8 @@ def bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
 def dense_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
     """What the dense-attention formula says: 2 x every layer x KV heads x head_dim x element
     bytes, whatever the layers really keep (shown beside the estimate, never used as it)."""
+    if canonical_kv_dtype(kv_dtype) in BLOCK_FORMATS:
+        return 2 * shape.num_hidden_layers * row_bytes(shape.num_key_value_heads * shape.head_dim, kv_dtype)
     return 2 * shape.num_hidden_layers * shape.num_key_value_heads * (
         shape.head_dim * element_bytes(kv_dtype) + _scale(kv_dtype))
 
@@ -202,6 +229,12 @@ class KVGroup:
 
 
 def _group_formula(shape: ModelShape, kind: str, layers: int, kv_dtype: str) -> str:
+    kv = canonical_kv_dtype(kv_dtype)
+    if kv in BLOCK_FORMATS and kind != "linear":
+        n, b = BLOCK_FORMATS[kv]
+        vals = (int(shape.kv_lora_rank or 0) + int(shape.qk_rope_head_dim or 0) if kind == "latent"
+                else shape.num_key_value_heads * shape.head_dim)
+        return f"{1 if kind == 'latent' else 2} x {layers} x ceil({vals} / {n}) x {b} ({kv}: {b} bytes per {n} values)"
     e, s = element_bytes(kv_dtype), _scale(kv_dtype)
     if kind == "latent":
         core = f"{layers} x ({shape.kv_lora_rank} + {shape.qk_rope_head_dim}) x {e}"
