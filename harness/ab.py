@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = run(sys.argv[1:] if argv is None else argv)
     except UserError as e:
-        print(e.render().replace("infer-bench:", "infer-bench-ab:", 1), file=sys.stderr)
+        print(e.render("infer-bench-ab"), file=sys.stderr)
         code = EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("infer-bench-ab: interrupted; the finished runs are kept, the worktrees removed", file=sys.stderr)

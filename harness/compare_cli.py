@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = run(sys.argv[1:] if argv is None else argv)
     except UserError as e:
-        print(e.render().replace("infer-bench:", "infer-bench-compare:", 1), file=sys.stderr)
+        print(e.render("infer-bench-compare"), file=sys.stderr)
         code = EXIT_BAD_INPUT
     sys.exit(code)
 

@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = run(sys.argv[1:] if argv is None else argv)
     except UserError as e:
-        print(e.render().replace("infer-bench:", f"{PROG}:", 1), file=sys.stderr)
+        print(e.render(PROG), file=sys.stderr)
         code = EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; what was ingested is kept (backfill resumes where it stopped)", file=sys.stderr)

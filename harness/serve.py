@@ -748,7 +748,7 @@ def serve(plan: ServePlan, sock: socket.socket) -> int:
         try:
             path = plan.hub.download()
         except UserError as e:
-            print(e.render().replace("infer-bench:", "infer-bench-serve:", 1), file=sys.stderr)
+            print(e.render("infer-bench-serve"), file=sys.stderr)
             return EXIT_BAD_INPUT
     elif plan.model_cfg.get("path"):
         path = str(Path(plan.model_cfg["path"]).expanduser().resolve())
@@ -827,7 +827,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = build_plan(cfg)
         sock = bind(plan.settings.host, plan.settings.port)
     except UserError as e:
-        print(e.render().replace("infer-bench:", "infer-bench-serve:", 1), file=sys.stderr)
+        print(e.render("infer-bench-serve"), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     sys.exit(serve(plan, sock))
 

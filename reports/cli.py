@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e.render(), file=sys.stderr)
         return EXIT_BAD_INPUT
     except UserError as e:   # from the threshold's parser
-        print(e.render().replace("infer-bench:", "infer-bench-report:", 1), file=sys.stderr)
+        print(e.render("infer-bench-report"), file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:
         print(f"infer-bench-report: error: -o {args.output}: cannot write ({e.strerror or e}).", file=sys.stderr)

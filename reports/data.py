@@ -28,11 +28,7 @@ VARIANT_FIELDS = ("model", "dtype", "device")
 class ReportInputError(UserError):
     """Input the report cannot use (missing files, no rows): one clear message, exit 2."""
 
-    def render(self) -> str:
-        if len(self.problems) == 1:
-            return f"infer-bench-report: error: {self.problems[0]}"
-        return "\n".join([f"infer-bench-report: {len(self.problems)} problems in the input:"]
-                         + [f"  - {p}" for p in self.problems])
+    prog = "infer-bench-report"
 
 
 @dataclass
