@@ -826,6 +826,20 @@ def test_gpu_memory_utilization_budget(monkeypatch, tiny_ckpt):
         engine_module._cuda_kv_budget(torch.device("cuda"), cfg, mcfg, torch.bfloat16)
 
 
+def test_gpu_budget_counts_the_allocators_cached_free_memory_as_free(monkeypatch, tiny_ckpt):
+    """An engine closed in this process leaves its pool in torch's cache: the driver reports it
+    in use, but the next pool reuses it (scripts/gpu_check.py's second engine was refused)."""
+    cfg, mcfg = EngineConfig(), ModelConfig.from_dir(tiny_ckpt)
+    reserve = activation_reserve(cfg, mcfg, torch.bfloat16)
+    total, cached = 100 << 30, 70 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - cached - (1 << 30), total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: cached + (1 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)  # the new weights
+    budget, _, info = engine_module._cuda_kv_budget(torch.device("cuda"), cfg, mcfg, torch.bfloat16)
+    assert info["used_before_pool_bytes"] == 1 << 30
+    assert budget == int(total * 0.9) - (1 << 30) - reserve
+
+
 def test_gpu_memory_utilization_option_is_checked(spec):
     problems = ReferenceEngine.check_options({"gpu_memory_utilization": 0}, spec)
     assert problems and "gpu_memory_utilization" in problems[0]

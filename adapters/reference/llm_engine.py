@@ -104,8 +104,11 @@ def _cuda_kv_budget(device: torch.device, cfg: EngineConfig, mcfg: ModelConfig,
                     dtype: torch.dtype) -> tuple[int, str, dict[str, Any]]:
     """KV pool bytes on a GPU, as vLLM's gpu_memory_utilization means it: the engine may fill
     that share of the device's total memory; what is in use now (our weights, other processes)
-    and an activation reserve come off it. Errors name the option and the fix."""
+    and an activation reserve come off it. Errors name the option and the fix. Memory that torch's
+    caching allocator holds but no tensor uses (an engine closed in this process) counts as free:
+    the pool's allocation reuses it, and the driver sees it as taken."""
     free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     used, u = total - free, cfg.gpu_memory_utilization
     reserve = activation_reserve(cfg, mcfg, dtype)
     budget = int(total * u) - used - reserve
