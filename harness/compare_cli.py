@@ -7,6 +7,11 @@
 B and C are results files or run directories (single runs or multiruns). The comparison itself
 (matching, bootstrap intervals, verdicts) is `harness.core.compare`.
 
+Where both runs were priced (`cost.*`), the cost per Mtok and per good Mtok of output of every
+point priced on both sides are shown as ratios current / baseline after the verdict (a note where
+the two were priced differently: the ratio then mixes the price with the engine). They inform and
+are not gated on. Runs priced in different currencies: exit 2, unless `--no-cost`.
+
 Baseline and current must come from the same kind of machine (CPU model and ISA, cores, GPUs,
 torch and engine versions, as each run's environment.json and rows record them): otherwise the
 command refuses, naming what differs (exit 2). `--allow-other-machine` compares anyway and the
@@ -32,8 +37,9 @@ from typing import Any
 
 from harness.core.compare import (
     METHOD, METRICS, compare, format_table, machine_differences, machine_kind, overall_verdict,
-    parse_threshold,
+    parse_threshold, row_key,
 )
+from harness.core.cost import compare_costs, format_cost_ratios
 from harness.core.errors import EXIT_BAD_INPUT, UserError
 from harness.core.results import SCHEMA_VERSION, RunFile, atomic_write_text, load_results
 from reports import write_report
@@ -71,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-missing", action="store_true",
                     help="points found on one side only are listed but do not fail the comparison (a deliberate "
                          "change of points)")
+    ap.add_argument("--no-cost", action="store_true",
+                    help="leave out the cost ratios (runs priced in different currencies)")
     ap.add_argument("--json", default="compare.json", help="verdict file (default compare.json)")
     ap.add_argument("--html", help="also write the report's comparison section to this HTML file")
     return ap
@@ -96,6 +104,9 @@ def run(argv: list[str]) -> int:
     if not comps:
         raise UserError("no matching rows: baseline and current share no (engine, model, workload, point, dtype) "
                         "with a metric to compare. Compare runs of the same config.")
+    costs, problems = ([], []) if args.no_cost else compare_costs(base, cur, row_key)
+    if problems:
+        raise UserError(problems)
     print(format_table(comps))
     for side, keys in unmatched.items():
         for k in keys:
@@ -113,11 +124,15 @@ def run(argv: list[str]) -> int:
         print(f"  FAILED: {w}")
     for d in differences:
         print(f"different machines: {d}")
+    if costs:  # informational: a cost is the price over the throughput, and is not gated on
+        print("\ncost ratios (current / baseline; below 1 is cheaper; not part of the verdict):\n"
+              + format_cost_ratios(costs))
     doc = {"verdict": overall, "failed_because": why, "counts": counts, "threshold": threshold,
            "confidence": args.confidence, "allow_missing": args.allow_missing,
            "normalize_by": args.normalize_by, "method": METHOD, "machines": machines,
            "machine_differences": differences, "schema_version": SCHEMA_VERSION, "baseline": args.baseline,
-           "current": args.current, "comparisons": [asdict(c) for c in comps], "unmatched": unmatched}
+           "current": args.current, "comparisons": [asdict(c) for c in comps], "unmatched": unmatched,
+           "cost_ratios": [asdict(c) for c in costs]}
     atomic_write_text(args.json, json.dumps(doc, indent=2))
     print(f"verdict file: {args.json}")
     if args.html:

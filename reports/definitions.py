@@ -111,8 +111,24 @@ CLIENT = [
 ]
 
 ENERGY = [
-    ("energy", "energy the device used while the point ran: NVML's energy counter on a GPU, RAPL on a CPU"),
+    ("energy", "energy the device used while the point ran: NVML's energy counter on a GPU (a GPU without it: its "
+               "power sampled and integrated by the trapezoid rule, refused over a 3 s gap), RAPL on a CPU"),
     ("J per output token", "energy / output tokens of the point (its inverse: output tokens per J)"),
+]
+
+COST = [
+    ("price used", "per engine: one price per hour for its whole deployment, or a price per GPU-hour or per "
+                   "core-hour times the GPUs or cores the point held; your cost.* settings, or the price table's "
+                   "(harness/core/prices.yaml: each price with its vendor page, date and how far it was checked)"),
+    ("cost per Mtok", "price per hour × the point's wall time / 3600, over its input, output or input + output "
+                      "tokens × 10^6: each the whole cost, three views of it (1,000 output tok/s at 2.00/h: 0.5556 per "
+                      "million output tokens)"),
+    ("cost per good Mtok", "the same over the good tokens only: those of requests that met every SLO the point was "
+                           "judged on (per request) and passed its correctness check (speculative decoding's lossless "
+                           "check); half the requests missing the SLO doubles it. No good token: none (unbounded), "
+                           "never 0"),
+    ("energy cost", "energy (measured; else modelled from a rated power, labelled) / 3.6 MJ per kWh × the price per "
+                    "kWh, per output token; shown beside the hourly price, not added to it"),
 ]
 
 QUALITY = [

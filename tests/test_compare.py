@@ -300,3 +300,33 @@ def test_two_kv_memory_runs_compare_bytes_per_token_and_waste(tmp_path):
     comps = {c["metric"]: c for c in json.loads(out.read_text())["comparisons"]}
     assert comps["kv_bytes_per_token"]["ratio"] == pytest.approx(2.0)
     assert comps["kv_bytes_per_token"]["verdict"] == comps["kv_waste_frac"]["verdict"] == "regressed"
+
+
+def priced(rows, per_good, currency="USD", per_hour=0.1):
+    """FAKE cost fields (harness.core.cost's) on a capacity search's conclusion row."""
+    rows[-1].update(cost_currency=currency, cost_price_per_hour=per_hour, cost_price_source="user: fake",
+                    cost_per_mtok_output=per_good / 2, cost_per_good_mtok_output=per_good)
+    return rows
+
+
+def test_cost_ratios_are_shown_beside_the_verdict_and_a_currency_mix_exits_2(tmp_path, capsys):
+    base = write(tmp_path / "b.jsonl", priced(capacity_rows("reference", 8.0, 9.0), 2.0))
+    cheaper = write(tmp_path / "c.jsonl", priced(capacity_rows("reference", 8.0, 9.0), 1.5))
+    out = tmp_path / "v.json"
+    assert run(["--baseline", base, "--current", cheaper, "--json", str(out)]) == 0   # informational, not gated
+    text = capsys.readouterr().out
+    assert "cost ratios (current / baseline" in text and "0.750" in text
+    ratios = {c["metric"]: c for c in json.loads(out.read_text())["cost_ratios"]}
+    assert ratios["cost_per_good_mtok_output"]["ratio"] == pytest.approx(0.75)
+    assert ratios["cost_per_good_mtok_output"]["note"] is None
+    repriced = write(tmp_path / "r.jsonl", priced(capacity_rows("reference", 8.0, 9.0), 3.0, per_hour=0.15))
+    assert run(["--baseline", base, "--current", repriced, "--json", str(out)]) == 0
+    assert "priced differently (price per hour: 0.1 -> 0.15" in capsys.readouterr().out
+    euros = write(tmp_path / "e.jsonl", priced(capacity_rows("reference", 8.0, 9.0), 1.5, currency="EUR"))
+    with pytest.raises(SystemExit) as e:
+        main(["--baseline", base, "--current", euros, "--json", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--baseline is priced in USD and --current in EUR" in err and "--no-cost" in err
+    assert run(["--baseline", base, "--current", euros, "--json", str(out), "--no-cost"]) == 0
+    assert json.loads(out.read_text())["cost_ratios"] == []

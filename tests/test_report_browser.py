@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from harness.core.cost import Price
 from reports import browser, write_report
 from reports.blocks import fmt_num
 from test_report_fakes import (FAKE_ENV, capacity_rows, conversation_rows, conversation_tier_rows, http_serving_rows,
-                               other_workload_rows,
+                               other_workload_rows, priced,
                                parity_rows_teacher_forced, serving_load_rows, status_row, sweep_rows, write_results)
 
 pytestmark = pytest.mark.browser
@@ -145,8 +146,9 @@ def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
     rows = (sweep_rows({"hf": 1.0, "reference": 1.6}, decode_bw_fraction=0.3, prefill_compute_fraction=0.2)
             + other_workload_rows() + conversation_rows()
             + serving_load_rows({"hf": 1.0, "reference": 1.5}, mode="closed", loads=(1, 2, 4, 8, 16))
-            + capacity_rows("hf") + capacity_rows("reference", speed=1.5, capacity=12,
-                                                  probes=((4, True, False), (16, False, True), (12, True, False)))
+            + priced(capacity_rows("hf") + capacity_rows("reference", speed=1.5, capacity=12,
+                                                         probes=((4, True, False), (16, False, True), (12, True, False))),
+                     Price(0.05, "core", "USD", "user: cost.price_per_core_hour"))
             + http_serving_rows(server_tokens=(400, 398), failed=(0, 2), tls_verify=False)
             + [r for r in parity_rows_teacher_forced() if r["engine"] != "reference"]
             + [status_row("vllm", "unavailable", "vllm is not installed"),
@@ -164,14 +166,14 @@ def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
     assert console_errors(driver) == []
     sections = driver.execute_script("return Array.from(document.querySelectorAll('section')).map(s => s.id)")
     assert sections == ["run", "summary", "baseline", "prefill", "decode", "memory", "kv-ablation", "prefix-sharing",
-                        "conversation", "serving", "capacity", "http-endpoints", "energy", "kv-fragmentation", "roofline", "parity",
-                        "definitions"]
+                        "conversation", "serving", "capacity", "cost", "http-endpoints", "energy", "kv-fragmentation",
+                        "roofline", "parity", "definitions"]
     figs = drawn_figures(driver)
     assert len(figs) >= 25
     for f in figs:
         assert f["plotted"] and f["traces"] > 0 and f["drawn"] > 0, f
     names = {f["name"] for f in figs}
-    assert {"capacity-pareto", "http-telemetry", "serving-closed-ttft", "parity", "conversation-ttft",
+    assert {"capacity-pareto", "capacity-cost-pareto", "http-telemetry", "serving-closed-ttft", "parity", "conversation-ttft",
             "conversation-hit-rate"} <= names
     conv = table(driver, "conversation-values")
     assert len(conv["rows"]) == 2 * 2 * 2 * 4  # engines x pools x caching x turns
@@ -188,6 +190,11 @@ def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
     capacity = table(driver, "capacity")
     assert [r[0]["text"] for r in capacity["rows"]] == ["hf", "reference"]
     assert [r[2]["text"] for r in capacity["rows"]] == ["8 concurrent", "12 concurrent"]
+    # the cost at the capacity, in the capacity table; the price and every priced probe in the cost section
+    assert all(r[-3]["text"].endswith(" USD") for r in capacity["rows"]), capacity["rows"]
+    prices = table(driver, "cost-prices")
+    assert [r[1]["text"] for r in prices["rows"]] == ["2 cores × 0.05 USD/core-hour = 0.1 USD/h"] * 2
+    assert len(table(driver, "cost")["rows"]) == 4 + 3
     # the memory timeline's and the server telemetry's selectors switch the point shown
     switched = driver.execute_script("""
         const el = document.querySelector('figure[data-figure="memory-timeline"] .js-plotly-plot');

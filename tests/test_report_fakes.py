@@ -285,6 +285,32 @@ def capacity_rows(engine: str, search: str = "concurrency",
     return rows
 
 
+def priced(rows: list[dict[str, Any]], price: Any, duration_s: float = 10.0,
+           good_when_missed: float = 0.5) -> list[dict[str, Any]]:
+    """FAKE served-token fields on `capacity_rows`' probes (the duration, prompt and output tokens
+    from their fake throughput; every token good on a probe that met its SLOs, `good_when_missed`
+    of them on one that missed), then costed at `price` by harness.core.cost itself, and each
+    conclusion given the cost at its capacity by workloads.capacity.capacity_cost."""
+    from harness.core.cost import cost_fields
+    from workloads.capacity import capacity_cost
+    out = []
+    for r in rows:
+        if "value" in r["point"]:
+            tokens = int(r["output_tok_s"] * duration_s)
+            good = tokens if r["meets_slo"] else int(tokens * good_when_missed)
+            r = {**r, "duration_s": duration_s, "total_output_tokens": tokens, "total_input_tokens": 4 * tokens,
+                 "good_output_tokens": good, "good_input_tokens": 4 * good, "measured_output_tokens": tokens,
+                 "slo": {"ttft_s": 0.5, "tpot_s": 0.05, "e2el_s": None}}
+            r.update(cost_fields(r, price))
+        out.append(r)
+    for r in out:
+        if r["point"].get("result"):
+            probes = [q for q in out if q["engine"] == r["engine"] and q["workload"] == r["workload"]
+                      and "value" in q["point"]]
+            r.update(capacity_cost(probes, r.get("capacity_concurrency", r.get("capacity_rps"))))
+    return out
+
+
 def http_serving_rows(engine: str = "vllm-http", server_tokens=(400, 400), client_tokens=(400, 400),
                       failed=(0, 0), tls_verify: bool = True, auth: Any = "none",
                       launch_command: str | None = "vllm serve /models/tiny --port 8000",

@@ -416,8 +416,8 @@ def cost_fields(row: dict[str, Any], price: Price | None) -> dict[str, Any]:
     if tokens.good_output is None:
         out["cost_note"] = "the row does not say which requests were good (written before good_output_tokens existed)"
     elif tokens.good_output == 0:
-        out["cost_note"] = (f"no good token ({tokens.good_basis}: none): the cost per good Mtok is unbounded, "
-                            "so it is null")
+        out["cost_note"] = (f"no good token: no request counted as good ({tokens.good_basis}), so the cost per "
+                            "good Mtok is unbounded: null")
     out.update(energy_cost_fields(row, price, tokens, units))
     return out
 
@@ -457,3 +457,58 @@ def energy_cost_fields(row: dict[str, Any], price: Price, tokens: Tokens, units:
             "energy_cost_per_good_mtok_output": per_m / share if per_m is not None and share else None,
             "energy_cost_note": None, "energy_price_per_kwh": price.price_per_kwh}
 
+
+
+# ---- two runs' costs (infer-bench-compare) -------------------------------------------------------
+COMPARED_COSTS = ("cost_per_mtok_output", "cost_per_good_mtok_output")
+
+
+@dataclass
+class CostRatio:
+    engine: str
+    workload: str
+    point: str
+    metric: str
+    baseline: float
+    current: float
+    ratio: float  # current / baseline: below 1 is cheaper
+    currency: str
+    note: str | None = None  # the prices differ: the ratio is not the engine's alone
+
+
+def compare_costs(base_rows: list[dict[str, Any]], cur_rows: list[dict[str, Any]],
+                  key: Any) -> tuple[list[CostRatio], list[str]]:
+    """Current / baseline of the cost per Mtok and per good Mtok of output, for every point priced
+    on both sides (matched by `key(row)`), each noting when the two were priced differently; and
+    the problems that forbid a ratio: the two sides priced in different currencies."""
+    base = {key(r): r for r in base_rows if r.get("cost_currency") and r.get("point_key")}
+    cur = {key(r): r for r in cur_rows if r.get("cost_currency") and r.get("point_key")}
+    currencies = ({r["cost_currency"] for r in base.values()}, {r["cost_currency"] for r in cur.values()})
+    if base and cur and currencies[0] != currencies[1]:
+        return [], [f"--baseline is priced in {', '.join(sorted(currencies[0]))} and --current in "
+                    f"{', '.join(sorted(currencies[1]))}: a cost ratio across currencies means nothing. Price both runs "
+                    "in one currency (cost.currency, cost.price_*), or pass --no-cost to compare without costs."]
+    out = []
+    for k in sorted(base.keys() & cur.keys(), key=str):
+        b, c = base[k], cur[k]
+        differ = [f"{what}: {b.get(f)} -> {c.get(f)}" for f, what in (("cost_price_per_hour", "price per hour"),
+                                                                      ("cost_price_source", "source"))
+                  if b.get(f) != c.get(f)]
+        note = ("priced differently (" + "; ".join(differ) + "): the ratio mixes the price change with the engine's"
+                if differ else None)
+        for m in COMPARED_COSTS:
+            if b.get(m) and c.get(m):
+                out.append(CostRatio(str(c.get("engine")), str(c.get("workload")),
+                                     str(c.get("point_key") or "").split(":", 1)[-1], m, float(b[m]), float(c[m]),
+                                     float(c[m]) / float(b[m]), str(c["cost_currency"]), note))
+    return out, []
+
+
+def format_cost_ratios(ratios: list[CostRatio]) -> str:
+    head = ["engine", "workload", "point", "metric", "baseline", "current", "ratio", "note"]
+    body = [[r.engine, r.workload, r.point, r.metric, f"{r.baseline:.4g} {r.currency}", f"{r.current:.4g} {r.currency}",
+             f"{r.ratio:.3f}", r.note or ""] for r in ratios]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)).rstrip() for b in body]
+    return "\n".join(lines)

@@ -87,6 +87,8 @@ def pareto_frame(rows: pd.DataFrame) -> pd.DataFrame:
                     f"trace {'?' if load is None else f'{load:.3g}'} req/s",
                     "source": source, "per_user_tok_s": per_user, "per_user_derived": derived,
                     "output_tok_s": thr, "saturated": _bool(r.get("saturated")),
+                    "cost_per_good_mtok_output": _f(r.get("cost_per_good_mtok_output")),
+                    "cost_currency": r.get("cost_currency") if isinstance(r.get("cost_currency"), str) else None,
                     "client_limited": _bool(r.get("client_limited")),
                     "meets_slo": _bool(r.get("meets_slo")),
                     "slo_violations": "; ".join(map(str, viol)) if isinstance(viol, list) and viol else None})
@@ -107,11 +109,13 @@ def curve_of(kind: str, source: str) -> str:
     return f"capacity probes ({KIND[kind][0]})" if source.startswith("capacity") else f"{KIND[kind][0]} sweep"
 
 
-def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.Figure:
-    """One model: x per-user speed, y device throughput; one curve per series and sweep (rates,
-    concurrencies, the capacity search's probes) in load order, each point labelled with its load;
-    saturated points drawn as a red ✕, client-limited ones (not saturated) as an orange ✚. A series
-    with one curve is named by the series alone."""
+def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str, y: str = "output_tok_s",
+                  y_title: str = "throughput per device: output tok/s",
+                  title: str = "throughput per device vs per-user speed") -> go.Figure:
+    """One model: x per-user speed, y device throughput (or `y`: the cost per good Mtok); one curve
+    per series and sweep (rates, concurrencies, the capacity search's probes) in load order, each
+    point labelled with its load; saturated points drawn as a red ✕, client-limited ones (not
+    saturated) as an orange ✚. A series with one curve is named by the series alone."""
     fig = go.Figure()
     styles = series_styles(df, colours)
     curves_per_series = df.groupby("series", sort=False)["curve"].nunique()
@@ -123,7 +127,7 @@ def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.F
         sat = [v is True for v in d["saturated"]]
         lim = [v is True and not x for v, x in zip(d["client_limited"], sat)]
         fig.add_trace(go.Scatter(
-            x=list(d["per_user_tok_s"]), y=list(d["output_tok_s"]), name=esc(name), legendgroup=esc(name),
+            x=list(d["per_user_tok_s"]), y=list(d[y]), name=esc(name), legendgroup=esc(name),
             mode="lines+markers+text", showlegend=True,
             text=[esc(v) for v in d["load_label"]], texttemplate="%{text}",
             textposition="top right", textfont=dict(size=10, color=st["color"]), cliponaxis=False,
@@ -140,15 +144,14 @@ def pareto_figure(df: pd.DataFrame, colours: dict[str, str], model: str) -> go.F
                         for lbl, src, s_, m, der, c in zip(d["load_label"], d["source"], d["saturated"], d["meets_slo"],
                                                            d["per_user_derived"], d["client_limited"])],
             hovertemplate=(f"<b>{esc(name)}</b> at %{{customdata[0]}} (%{{customdata[1]}})<br>"
-                           "per-user: %{x:.4~g} tok/s%{customdata[4]}<br>device: %{y:.5~g} tok/s<br>"
+                           f"per-user: %{{x:.4~g}} tok/s%{{customdata[4]}}<br>{esc(y_title)}: %{{y:.5~g}}<br>"
                            "saturated: %{customdata[2]}<br>client-limited: %{customdata[5]}<br>"
                            "meets SLO: %{customdata[3]}<extra></extra>")))
     log = lambda col: (df[col] > 0).all() and df[col].max() / df[col].min() > 50  # noqa: E731
     fig.update_xaxes(title_text="per-user speed: output tok/s per request (1 / median TPOT)",
                      type="log" if log("per_user_tok_s") else None, rangemode="tozero")
-    fig.update_yaxes(title_text="throughput per device: output tok/s", type="log" if log("output_tok_s") else None,
-                     rangemode="tozero")
-    return base_layout(fig, height=440, title=f"{model}: throughput per device vs per-user speed")
+    fig.update_yaxes(title_text=esc(y_title), type="log" if log(y) else None, rangemode="tozero")
+    return base_layout(fig, height=440, title=f"{model}: {title}")
 
 
 def capacity_frame(rows: pd.DataFrame) -> pd.DataFrame:
@@ -179,6 +182,10 @@ def capacity_frame(rows: pd.DataFrame) -> pd.DataFrame:
                     "resolution": _f(r.get("capacity_resolution")),
                     "probes": len(probes) if probes else None, "probes_met": len(met), "probes_saturated": len(sat),
                     "client_limited": limited,
+                    "cost": _f(r.get("cost_per_good_mtok_output")), "cost_min": _f(r.get("cost_min_per_good_mtok_output")),
+                    "cost_min_value": _f(r.get("cost_min_value")),
+                    "cost_currency": r.get("cost_currency") if isinstance(r.get("cost_currency"), str) else None,
+                    "cost_basis": r.get("cost_price_basis") if isinstance(r.get("cost_price_basis"), str) else None,
                     "status": r.get("status"), "error": r.get("error")})
     return pd.DataFrame(out)
 
@@ -232,9 +239,20 @@ def bracket_text(bracket: Any, search: str) -> str:
     return f"[{fmt_num(nice(lo)) if lo is not None else '–'}, {fmt_num(nice(hi)) if hi is not None else '–'}] {KIND[search][1]}"
 
 
+def cost_cells(r: dict[str, Any]) -> list[Cell]:
+    """The cost per good Mtok of output at the capacity, and the cheapest probe that met the SLOs."""
+    cur = r["cost_currency"] or ""
+    at = (Cell(f"{fmt_num(r['cost'])} {cur}", r["cost"], cls="num", title=r["cost_basis"] or "")
+          if r["cost"] is not None else Cell("–" if not cur else "no load met the SLOs", None, cls="muted"))
+    cheapest = (Cell(f"{fmt_num(r['cost_min'])} {cur} at {fmt_num(nice(r['cost_min_value']))} {KIND[r['search']][1]}",
+                     r["cost_min"], cls="num") if r["cost_min"] is not None else Cell("–", None, cls="muted"))
+    return [at, cheapest]
+
+
 def capacity_table(cap: pd.DataFrame) -> Table:
     rows, classes = [], []
     several_models = cap["model"].nunique() > 1
+    priced = "cost_currency" in cap and cap["cost_currency"].notna().any()
     for r in cap.to_dict("records"):
         ok = r["status"] == "ok"
         rows.append([
@@ -250,13 +268,18 @@ def capacity_table(cap: pd.DataFrame) -> Table:
                                                  f"{r['probes_saturated']} saturated"
                                                  + (f", {len(r['client_limited'])} client-limited" if r["client_limited"]
                                                     else "") + ")", r["probes"], cls="num"),
+            *(cost_cells(r) if priced else []),
             Cell("" if ok else str(r["error"] or ""), cls="error" if not ok else ""),
         ])
         classes.append("" if ok else "bad")
     return Table(["engine", *(["model"] if several_models else []), "search", "capacity", "SLOs it was found under",
-                  "bracket [meets, misses]", "resolution", "probes", "error"], rows,
+                  "bracket [meets, misses]", "resolution", "probes",
+                  *(["cost per good Mtok of output at the capacity", "cheapest probe that met the SLOs"] if priced else []),
+                  "error"], rows,
                  "The largest load at which every SLO held, found by the capacity search: the bracket is the last "
-                 "load that met the SLOs and the first that missed them, searched down to the resolution.",
+                 "load that met the SLOs and the first that missed them, searched down to the resolution."
+                 + (" The cost per good million output tokens counts only the tokens of requests that met the SLOs, at "
+                    "the price in the Cost section (hover a cost for the price it used)." if priced else ""),
                  "capacity", classes)
 
 
@@ -295,10 +318,41 @@ def capacity(data: ReportData) -> list[Block]:
                              + (" Orange ✚: client-limited (the load generator did not keep up; its latencies are "
                                 "partly the client's, and a probe there is a miss, never the engine's capacity)."
                                 if any_limited else ""), table))
+    blocks += cost_pareto_blocks(pf, data.colours)
     if pf.empty and cap.empty:
         return []
     if not pf.empty and pf["per_user_derived"].any():
         blocks.append(Note("Rows without per_user_tok_s (older serving rows): per-user speed is 1 / their median TPOT."))
+    return blocks
+
+
+def cost_pareto_blocks(pf: pd.DataFrame, colours: dict[str, str]) -> list[Block]:
+    """Per model and currency: the cost per good Mtok of output against per-user speed, the same
+    curves as the throughput figure (points with no good token have no cost and are left out)."""
+    if pf.empty or "cost_per_good_mtok_output" not in pf or not pf["cost_per_good_mtok_output"].notna().any():
+        return []
+    blocks: list[Block] = []
+    priced = pf[pf["cost_currency"].notna()]
+    for (model, cur), d in priced.groupby(["model", "cost_currency"], sort=False):
+        shown = d[d["cost_per_good_mtok_output"].notna()]
+        if shown.empty:
+            continue
+        label = f"cost per good Mtok of output ({cur})"
+        table = values_table(shown.assign(meets_text=shown["meets_slo"].map(_yes_no)),
+                             [Col("engine", "series", text=True), Col("load", "load_label", text=True),
+                              Col("from", "source", text=True), Col("per-user tok/s", "per_user_tok_s"),
+                              Col(label, "cost_per_good_mtok_output"), Col("meets SLOs", "meets_text", text=True)],
+                             "capacity-cost-pareto-values")
+        left = len(d) - len(shown)
+        blocks.append(Figure(pareto_figure(shown, colours, str(model), y="cost_per_good_mtok_output", y_title=label,
+                                           title="cost per good million tokens vs per-user speed"),
+                             "capacity-cost-pareto",
+                             f"{model}: the same loads as the throughput figure, priced: down is cheaper per good "
+                             "million output tokens (tokens of requests that met the SLOs, at the price in the Cost "
+                             "section), right is faster for each user. A point where no request met the SLOs has no "
+                             "cost per good token"
+                             + (f" ({left} such point{'s' if left != 1 else ''}, left out)" if left else "") + ".",
+                             table))
     return blocks
 
 

@@ -51,6 +51,8 @@ def definitions(data: ReportData) -> list[Block]:
         blocks.append(_table(d.QUALITY, "Quality (teacher-forced, on held-out text).", "definitions-quality"))
     if "energy_j" in data.rows.columns or "energy_note" in data.rows.columns:
         blocks.append(_table(d.ENERGY, "Energy.", "definitions-energy"))
+    if "cost_currency" in data.rows.columns and data.rows["cost_currency"].notna().any():
+        blocks.append(_table(d.COST, "Cost.", "definitions-cost"))
     blocks.append(_table(statistics_items(), "Statistics.", "definitions-statistics"))
     blocks.append(_table(d.CLOCKS, "Clocks, token counts and repeats.", "definitions-clocks"))
     return blocks

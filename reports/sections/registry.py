@@ -17,7 +17,7 @@ PAGE_ORDER = [
     "header", "summary", "baseline", "sweep", "memory", "kv_ablation_section", "prefix", "conversation", "serving_load",
     "speculative",
     "capacity",
-    "tuning", "endpoints", "energy", "kv_fragmentation", "roofline_section", "parity_section", "quality", "history_links",
+    "tuning", "cost", "endpoints", "energy", "kv_fragmentation", "roofline_section", "parity_section", "quality", "history_links",
     "definitions",
 ]
 

@@ -58,13 +58,22 @@ def options_text(options: Any) -> str:
     return " · ".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in options.items())
 
 
-def unit_of(metric: Any, objective: Any) -> str:
-    """The objective's unit: concurrent requests for a concurrency search, else requests/s."""
+def unit_of(metric: Any, objective: Any, currency: Any = None) -> str:
+    """The objective's unit: concurrent requests for a concurrency search, a currency per good Mtok
+    for a cost, else requests/s."""
+    if objective == "cost":
+        return f"{currency if isinstance(currency, str) else ''} per good Mtok".strip()
     return "concurrent" if "concurrency" in str(metric or "") else "req/s"
 
 
 def objective_label(objective: Any, unit: str) -> str:
+    if objective == "cost":
+        return f"cost of the cheapest SLO-meeting load ({unit})"
     return f"goodput at the rate ({unit})" if objective == "goodput_at_rate" else f"capacity ({unit})"
+
+
+def lower_better(objective: Any) -> bool:
+    return objective == "cost"
 
 
 def tune_rows(rows: pd.DataFrame) -> pd.DataFrame:
@@ -111,6 +120,7 @@ def trials_frame(rows: pd.DataFrame) -> pd.DataFrame:
                     "options": _dict(r.get("tune_options")) or _dict(p.get("options")),
                     "value": _num(r.get("tune_value")) if ok else None,
                     "objective": r.get("tune_objective"), "search": search,
+                    "currency": r.get("cost_currency") if isinstance(r.get("cost_currency"), str) else None,
                     "bracket": bracket_text(bracket, search) if bracket else "–",
                     "output_tok_s": _num(r.get("output_tok_s")), "per_user_tok_s": _num(r.get("per_user_tok_s")),
                     "probes": int(_num(r.get("tune_probes"))) if _num(r.get("tune_probes")) is not None else None,
@@ -124,9 +134,10 @@ def trials_frame(rows: pd.DataFrame) -> pd.DataFrame:
     for s, g in tf.groupby("series", sort=False):
         want = best.get(s)
         hit = g.index[(g["trial"] == want) & (g["status"] == "ok")] if want is not None else g.index[:0]
-        if not len(hit):                             # no conclusion (yet): the largest value
+        if not len(hit):                             # no conclusion (yet): the best value (a cost: the smallest)
             vals = pd.to_numeric(g["value"], errors="coerce").dropna()
-            hit = vals.index[vals == vals.max()] if len(vals) else hit
+            top = vals.min() if lower_better(g["objective"].iloc[0]) else vals.max()
+            hit = vals.index[vals == top] if len(vals) else hit
         tf.loc[hit, "best"] = True
     return _in_page_order(tf, ["trial"])
 
@@ -305,7 +316,7 @@ def budget_text(b: dict[str, Any]) -> str:
 def conclusion_table(conc: pd.DataFrame, tf: pd.DataFrame) -> Table:
     rows, classes = [], []
     for c in conc.to_dict("records"):
-        unit = unit_of(c["metric"], c["objective"])
+        unit = unit_of(c["metric"], c["objective"], series_currency(tf, c["series"]))
         best_row = tf[(tf["series"] == c["series"]) & tf["best"]] if not tf.empty else tf
         bracket = best_row["bracket"].iloc[0] if len(best_row) else "–"
         ratio = num_cell(c["ratio"], ci=c["interval"])
@@ -331,17 +342,30 @@ def conclusion_table(conc: pd.DataFrame, tf: pd.DataFrame) -> Table:
             Cell(note, cls="wrap"),
         ])
         classes.append("bad" if c["status"] != "ok" or verdict == "best < default" else "")
+    cost = not conc.empty and any(lower_better(o) for o in conc["objective"])
     conf = {c for c in conc["confidence"] if c is not None} if not conc.empty else set()
     level = f"{next(iter(conf)):.0%} " if len(conf) == 1 else ""
     return Table(["engine", "objective", "budget", "SLOs", "trials", "best trial", "best options", "best",
-                  "bracket of the best", "default", "gain (best / default)", "confirmation rounds",
+                  "bracket of the best", "default",
+                  "gain (best / default; a cost: default / best)" if cost else "gain (best / default)",
+                  "confirmation rounds",
                   f"confirmed ratio [{level}interval]", "verdict", "note"], rows,
                  "Each engine's best configuration against its defaults, both measured in this run under the same "
                  "budget and SLOs (trial 0 is the defaults). The confirmation measures best and default again, "
                  "interleaved, round by round: the ratio best / default over the rounds comes with its interval, and "
                  "the verdict says whether the gain held (gain confirmed: the interval lies above 1; best < default: "
-                 "below 1; no significant difference: it contains 1).",
+                 "below 1; no significant difference: it contains 1)."
+                 + (" A cost is minimised: its ratio and gain are default / best, how many times cheaper the best is, "
+                    "so above 1 is a gain as for the others." if cost else ""),
                  "tuning-conclusion", classes)
+
+
+def series_currency(tf: pd.DataFrame, series: Any) -> str | None:
+    """The currency a series' trials were costed in (objective cost)."""
+    if tf.empty or "currency" not in tf:
+        return None
+    cur = tf[(tf["series"] == series) & tf["currency"].notna()]["currency"]
+    return str(cur.iloc[0]) if len(cur) else None
 
 
 def budget_differences(conc: pd.DataFrame) -> list[str]:
@@ -402,7 +426,7 @@ def trials_figure(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str],
     fig.update_xaxes(title_text="trial (0: the engine's configured options)", dtick=1, rangemode="tozero")
     fig.update_yaxes(title_text=esc(f"{label} under the SLOs"), rangemode="tozero")
     return base_layout(fig, height=380, title="Capacity per trial" if label.startswith("capacity") else
-                       "Goodput per trial")
+                       "Cost per trial" if label.startswith("cost") else "Goodput per trial")
 
 
 # ---- the section -------------------------------------------------------------------------------
@@ -459,9 +483,11 @@ def trials_blocks(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str])
     req/s, in concurrent requests, or goodput)."""
     if tf.empty:
         return []
-    labels = {c["series"]: objective_label(c["objective"], unit_of(c["metric"], c["objective"]))
+    labels = {c["series"]: objective_label(c["objective"], unit_of(c["metric"], c["objective"],
+                                                                    series_currency(tf, c["series"])))
               for c in conc.to_dict("records")} if not conc.empty else {}
-    fallback = {s: objective_label(o, "req/s") for s, o in zip(tf["series"], tf["objective"])}
+    fallback = {s: objective_label(o, unit_of(None, o, series_currency(tf, s)))
+                for s, o in zip(tf["series"], tf["objective"])}
     labels = {s: labels.get(s, fallback[s]) for s in dict.fromkeys(tf["series"])}
     blocks: list[Block] = [trials_table(tf, s, labels[s]) for s in labels]
     for label in dict.fromkeys(labels.values()):
