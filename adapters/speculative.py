@@ -107,9 +107,10 @@ def option_problems(engine: str, opts: Any, methods: tuple[str, ...], target_pat
 
 @dataclass
 class SpecCounter:
-    """Counts drafts as an adapter sees them: `observe(proposed, accepted)` once per sequence per
-    speculative step. A step that proposed nothing (n-gram lookup without a match) is no draft,
-    as in vLLM's counters."""
+    """Counts drafts as an engine sees them (the reference engine's speculator, the hf adapter's
+    candidate generator): `observe(proposed, accepted)` once per sequence per speculative step.
+    A step that proposed nothing (n-gram lookup without a match) is no draft, as in vLLM's
+    counters. `source` is what its SpecDecodeStats say they come from."""
 
     drafts: int = 0
     draft_tokens: int = 0
@@ -117,6 +118,7 @@ class SpecCounter:
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    source: str = "derived"
 
     def observe(self, proposed: int, accepted: int) -> None:
         if not 0 <= accepted <= proposed:
@@ -137,4 +139,4 @@ class SpecCounter:
             per_pos += [0] * (k - len(per_pos))
         return SpecDecodeStats(drafts=self.drafts, draft_tokens=self.draft_tokens,
                                accepted_tokens=self.accepted_tokens, accepted_per_pos=per_pos,
-                               draft_time_s=self.draft_time_s, verify_time_s=self.verify_time_s, source="derived")
+                               draft_time_s=self.draft_time_s, verify_time_s=self.verify_time_s, source=self.source)

@@ -501,7 +501,7 @@ class LLMEngine:
 
     # ---- statistics ------------------------------------------------------------------------
     def spec_decode_stats(self) -> SpecDecodeStats | None:
-        """Speculative decoding's counters since load (speculative.SpecCounters); None without it."""
+        """Speculative decoding's counters since load (adapters.speculative.SpecCounter); None without it."""
         return self.speculator.counters.stats() if self.speculator is not None else None
 
     def kv_cache_info(self) -> KVCacheInfo:

@@ -21,8 +21,8 @@ engine (llm_engine.run_step) sets `num_computed` to T + a, so the rejected slots
 (the next step overwrites them), and `BlockManager.shrink` gives back every block past them; the
 prefix cache registers only blocks of computed tokens, so never one holding a rejected token.
 
-The counters (`SpecCounters`, adapters.base.SpecDecodeStats): one draft per sequence and step
-that proposed at least one token; accepted tokens exclude the bonus token, so a step emits
+The counters (adapters/speculative.py `SpecCounter`, as the hf adapter's): one draft per sequence
+and step that proposed at least one token; accepted tokens exclude the bonus token, so a step emits
 accepted + 1 tokens per draft, and 1 per sequence that did not speculate.
 """
 
@@ -30,17 +30,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from adapters.base import SpecDecodeStats
 from adapters.reference.block_manager import BlockManager
 from adapters.reference.kv_cache import KVPool
 from adapters.reference.runner import ModelRunner, Sampled
 from adapters.reference.scheduler import Chunk, Sequence
+from adapters.speculative import SpecCounter
 
 OPT = "engine_options.reference"
 
@@ -247,27 +246,13 @@ def draft_problems(draft: str | None, target_vocab: int | None, target_dir: str 
 
 # ---- the counters and the wiring --------------------------------------------------------------
 
-@dataclass
-class SpecCounters:
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-
-    def stats(self) -> SpecDecodeStats:
-        return SpecDecodeStats(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_pos),
-                               self.draft_time_s, self.verify_time_s, source="engine")
-
-
 class Speculator:
     """The engine's hooks (llm_engine.run_step): `propose` before the target's pass, `accept`
     for each verified chunk after it, `after_step` once the sequences are updated."""
 
     def __init__(self, proposer: Any, k: int, sync: Any):
         self.proposer, self.k, self.sync = proposer, k, sync
-        self.counters = SpecCounters(accepted_per_pos=[0] * k)
+        self.counters = SpecCounter(accepted_per_pos=[0] * k, source="engine")
 
     def propose(self, chunks: list[Chunk]) -> bool:
         """Fill the drafts of the chunks with room for some; True when any was proposed."""
@@ -290,12 +275,7 @@ class Speculator:
         target's own next token), counted."""
         draft = s.chunk.seq.draft
         a = accept_length(draft, s.greedy)
-        c = self.counters
-        c.drafts += 1
-        c.draft_tokens += len(draft)
-        c.accepted_tokens += a
-        for i in range(a):
-            c.accepted_per_pos[i] += 1
+        self.counters.observe(len(draft), a)
         return draft[:a] + [s.greedy[a]]
 
     def after_step(self, chunks: list[Chunk]) -> None:
