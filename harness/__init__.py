@@ -1,3 +1,5 @@
 """infer-bench: the driver (CLI entry points, runner, metrics, memory sampling, results)."""
 
-__version__ = "0.1.0"
+from harness.core.version import __version__
+
+__all__ = ["__version__"]

@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from adapters.base import Request as EngineRequest
 from adapters.endpoint.config import chat_prompt_ids
-from harness import __version__
+from harness.core.version import __version__
 from harness.core.errors import EXIT_BAD_INPUT, UserError
 from harness.core.hub import is_hub_model, register_hub_shorthands, resolve_model
 from harness.core.paths import CONF_DIR

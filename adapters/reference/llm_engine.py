@@ -53,7 +53,7 @@ from adapters.reference.scheduler import Scheduler, Sequence
 from adapters.reference.speculative import (
     DraftModelProposer, NgramProposer, Speculator, draft_bytes_per_token, draft_problems, load_draft,
 )
-from harness import __version__
+from harness.core.version import __version__
 from harness.core.kvcalc import canonical_kv_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
