@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.core.cost import Price
+from reports.blocks import fmt_num
 from reports.data import frame
 from reports.sections.cost import cost_frame, prices_frame
 from reports.sections.tuning import objective_label, trials_frame, unit_of
@@ -34,10 +35,15 @@ def test_the_cost_section_states_the_price_and_costs_every_priced_point(tmp_path
     costs = by_header(html, "cost")
     assert len(costs) == 7                             # every probe (4 + 3); the conclusions are in the capacity table
     cf = cost_frame(frame(rows()))
-    missed = cf[cf["point_label"].str.contains("value 16")]
+    assert set(cf["point_label"]) == {"c=4", "c=8", "c=12", "c=16"}
+    missed = cf[cf["point_label"] == "c=16"]
     # a probe that missed its SLOs has half its tokens good: twice the cost per good Mtok (test_report_fakes.priced)
     assert (missed["cost_per_good_mtok_output"] == 2 * missed["cost_per_mtok_output"]).all()
     assert {c["J per output token"] for c in costs} == {"unavailable"}      # no energy in these rows, never 0
+    # a point where no request was good: "none good", never a number
+    none = priced(capacity_rows("vllm", capacity=None, probes=((4, False, False),)), CORE, good_when_missed=0)
+    costs = by_header(page(tmp_path / "none", rows() + none), "cost")
+    assert [c["per good Mtok output (USD)"] for c in costs if c["engine"] == "vllm"] == ["none good"]
     assert "definitions-cost" in html
 
 
@@ -54,8 +60,13 @@ def test_the_capacity_section_has_a_cost_axis_and_the_cost_at_capacity(tmp_path:
     assert "cost per good Mtok of output at the capacity" in heads
     cap = {r["engine"]: r for r in by_header(html, "capacity")}
     at = next(r for r in rows() if r["engine"] == "hf" and r["point"].get("result"))
-    assert cap["hf"]["cost per good Mtok of output at the capacity"].endswith(" USD")
-    assert at["cost_per_good_mtok_output"] is not None
+    assert cap["hf"]["cost per good Mtok of output at the capacity"] == f"{fmt_num(at['cost_per_good_mtok_output'])} USD"
+    # an engine whose search found no capacity: said so, never a number
+    none = priced(capacity_rows("vllm", capacity=None, probes=((4, False, False), (2, False, False))), CORE)
+    html = page(tmp_path / "none", rows() + none)
+    cap = {r["engine"]: r for r in by_header(html, "capacity")}
+    assert cap["vllm"]["cost per good Mtok of output at the capacity"] == "no load met the SLOs"
+    assert cap["vllm"]["cheapest probe that met the SLOs"] == "–"
 
 
 def test_unpriced_rows_show_no_cost_and_unverified_prices_are_warned(tmp_path: Path) -> None:

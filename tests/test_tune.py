@@ -229,6 +229,8 @@ def test_the_cost_objective_picks_the_cheapest_configuration_meeting_the_slo(ctx
     assert conclusion["tune_best_value"] == min(r["tune_value"] for r in met)
     best = next(r for r in met if r["tune_trial"] == conclusion["tune_best_trial"])
     assert best["cost_currency"] == "USD" and best["tune_value"] == best["cost_min_per_good_mtok_output"]
+    # each trial a capacity search, as objective=capacity's (a repeat measures nothing)
+    assert all(r["tune_probes"] > 1 for r in met if r["point"].get("repeat_of") is None)
     # every probe the trial's value came from met the SLOs, and its price counted the GPUs it held
     probes = [r for r in rows if r["point"].get("trial") == best["tune_trial"] and "value" in r["point"]
               and r["point"].get("role") == "trial" and r.get("meets_slo")]

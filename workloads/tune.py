@@ -73,6 +73,7 @@ from workloads.capacity import (Capacity, CapacityConfig, bracket, capacity_cost
 
 WORKLOAD = "tune"
 OBJECTIVES = ("capacity", "goodput_at_rate", "cost")
+SEARCHED = ("capacity", "cost")  # the objectives whose trials are capacity searches (goodput_at_rate: one probe)
 SAMPLERS = ("tpe", "nsga2", "random")
 JOURNAL = "tune.journal"
 SEARCH_ROLES = ("default", "trial")
@@ -438,7 +439,7 @@ class Tune(Capacity):
         if p.get("tune"):
             return []
         if "value" in p:  # a probe: the next of its search, or the search's result
-            if cfg.objective == "capacity" and row.get("status") == "ok":
+            if cfg.objective in SEARCHED and row.get("status") == "ok":
                 nxt = next_value(probe_outcomes(_search_rows(rows, engine, p)), cfg)
                 if nxt is not None:
                     return [Point(self.name, {**p, "value": nxt, "probe": p["probe"] + 1})]

@@ -241,11 +241,12 @@ def bracket_text(bracket: Any, search: str) -> str:
 
 def cost_cells(r: dict[str, Any]) -> list[Cell]:
     """The cost per good Mtok of output at the capacity, and the cheapest probe that met the SLOs."""
-    cur = r["cost_currency"] or ""
-    at = (Cell(f"{fmt_num(r['cost'])} {cur}", r["cost"], cls="num", title=r["cost_basis"] or "")
-          if r["cost"] is not None else Cell("–" if not cur else "no load met the SLOs", None, cls="muted"))
-    cheapest = (Cell(f"{fmt_num(r['cost_min'])} {cur} at {fmt_num(nice(r['cost_min_value']))} {KIND[r['search']][1]}",
-                     r["cost_min"], cls="num") if r["cost_min"] is not None else Cell("–", None, cls="muted"))
+    cur = r["cost_currency"] if isinstance(r["cost_currency"], str) else ""
+    cost, low, load = _f(r["cost"]), _f(r["cost_min"]), _f(r["cost_min_value"])    # NaN in a frame: none
+    at = (Cell(f"{fmt_num(cost)} {cur}", cost, cls="num", title=r["cost_basis"] or "") if cost is not None else
+          Cell("no load met the SLOs" if cur else "–", None, cls="muted"))
+    cheapest = (Cell(f"{fmt_num(low)} {cur} at {fmt_num(nice(load))} {KIND[r['search']][1]}", low, cls="num")
+                if low is not None else Cell("–", None, cls="muted"))
     return [at, cheapest]
 
 

@@ -11,12 +11,29 @@ import pandas as pd
 
 from reports.blocks import Block, Cell, Note, Table, fmt_num, num_cell
 from reports.data import ReportData
+from reports.sections.capacity import KIND, _f, load_label
 from reports.sections.common import column, point_label, present
 from reports.sections.registry import section
 
 
 def _text(v: Any) -> str | None:
     return v if isinstance(v, str) and v else None
+
+
+def cost_point_label(point: Any) -> str:
+    """A capacity or tune probe by its load ('0.5 req/s', 'c=8'; a tune trial's and a confirmation
+    round's number after it), any other point by its parameters."""
+    p = point if isinstance(point, dict) else {}
+    if p.get("search") in KIND and "value" in p:
+        label = load_label(p["search"], p["value"])
+        extra = [f"{p['role']} {p['trial']}" if p.get("role") and "trial" in p else "",
+                 f"round {p['round']}" if "round" in p else ""]
+        return " · ".join([label, *[e for e in extra if e]])
+    return point_label(point)
+
+
+COSTS = ("cost_per_mtok_input", "cost_per_mtok_output", "cost_per_mtok_total", "cost_per_good_mtok_output",
+         "cost_per_good_mtok_total", "energy_cost_per_mtok_output")
 
 
 def prices_frame(rows: pd.DataFrame) -> pd.DataFrame:
@@ -48,13 +65,10 @@ def cost_frame(rows: pd.DataFrame) -> pd.DataFrame:
     for r in df.to_dict("records"):
         measured = present(r.get("joules_per_output_token")) and r.get("energy_valid") is not False
         energy = (r.get("joules_per_output_token") if measured else r.get("joules_per_output_token_modelled"))
-        out.append({"series": r["series"], "workload": r.get("workload"), "point_label": point_label(r.get("point")),
+        out.append({"series": r["series"], "workload": r.get("workload"), "point_label": cost_point_label(r.get("point")),
                     "point_key": r.get("point_key"), "status": r.get("status"),
                     "currency": r.get("cost_currency"),
-                    **{k: r.get(k) if present(r.get(k)) else None for k in (
-                        "cost_per_mtok_input", "cost_per_mtok_output", "cost_per_mtok_total",
-                        "cost_per_good_mtok_output", "cost_per_good_mtok_total", "cost_good_output_share",
-                        "energy_cost_per_mtok_output")},
+                    **{k: r.get(k) if present(r.get(k)) else None for k in (*COSTS, "cost_good_output_share")},
                     "good_basis": _text(r.get("cost_good_basis")) or "–",
                     "note": _text(r.get("cost_note")),
                     "energy_per_token": energy if present(energy) else None,
@@ -90,11 +104,12 @@ def cost_table(cf: pd.DataFrame) -> Table:
     rows, classes = [], []
     for r, b, n in zip(cf.to_dict("records"), best, peers):
         cur = f" {r['currency']}" if several else ""
+        r.update({k: _f(r[k]) for k in (*COSTS, "cost_good_output_share", "energy_per_token")})  # NaN: none
         good = r["cost_per_good_mtok_output"]
         rows.append([
             Cell(str(r["series"])), Cell(str(r["workload"])), Cell(str(r["point_label"]), cls="wrap"),
             *[Cell(fmt_num(r[k]) + cur, r[k], cls="num") if r[k] is not None else Cell("–", None, cls="muted")
-              for k in ("cost_per_mtok_input", "cost_per_mtok_output", "cost_per_mtok_total")],
+              for k in COSTS[:3]],
             (Cell(fmt_num(good) + cur, good, cls="num", best=good == b and n > 1)
              if good is not None else Cell("none good", None, cls="muted", title=r["note"] or "")),
             num_cell(r["cost_good_output_share"]),
