@@ -15,7 +15,8 @@ def sweep_run(tmp_path_factory, tiny_ckpt):
     out = tmp_path_factory.mktemp("run")
     cmd = [sys.executable, "-m", "harness.cli", "engines=[hf]", "model=local", f"model.path={tiny_ckpt}",
            "workload.batch_sizes=[1,2]", "workload.prompt_lens=[16]", "workload.output_len=4",
-           "workload.min_repeats=2", "workload.min_duration_s=0", "quiet=true", f"hydra.run.dir={out}"]
+           "workload.min_repeats=2", "workload.min_duration_s=0", "quiet=true", f"hydra.run.dir={out}",
+           "cost.price_per_core_hour=0.05", "cost.source=fake price of the schema test"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return out, r.stdout
@@ -43,6 +44,11 @@ def test_rows_written_and_documented(sweep_run):
         assert r["prefill_tok_s"] == pytest.approx(r["batch_size"] * 16 / r["prefill_latency_s"])
         assert r["output_tok_s"] == pytest.approx(r["batch_size"] * 4 / r["e2e_latency_s"])
         assert r["kv_est_bytes"] == r["batch_size"] * (16 + 4 - 1) * 2 * 4 * 4 * 32 * 4
+        # priced (cost.*): the cores the engine held × the price, over one iteration's tokens
+        assert r["cost_units"] == len(r["cpu_affinity"]) and r["cost_price_per_hour"] == pytest.approx(0.05 * r["cost_units"])
+        assert r["cost_per_mtok_output"] == pytest.approx(r["cost_price_per_hour"] / (r["output_tok_s"] * 3600 / 1e6))
+        assert r["cost_price_source"] == "user: cost.price_per_core_hour (fake price of the schema test)"
+        assert r["energy_cost_basis"] == "unavailable" or r["energy_cost_basis"].startswith("measured")
     env = json.loads((out / "environment.json").read_text())
     assert env["packages"]["torch"] and env["cpu"]["logical_cores"] >= 1 and "commit" in env["git"]
     assert (out / "config.resolved.yaml").exists()
