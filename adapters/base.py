@@ -80,6 +80,11 @@ class Request:
     # An endpoint with api=chat sends these (as text) to /v1/chat/completions; other engines
     # take `prompt_ids`. None: a plain prompt.
     messages: list[dict[str, Any]] | None = None
+    # Structured output (harness.core.constraints): {"kind": json | regex | choice | grammar,
+    # "value": the schema / regex / choices / EBNF, "name", "disable_any_whitespace"}. The engine
+    # must only produce what it allows, and may stop before max_new_tokens once the reply is
+    # complete (its last event `finished`); None: free text, the length forced as always.
+    constraint: dict[str, Any] | None = None
 
 
 class RequestSource:
@@ -221,6 +226,9 @@ class TokenEvent:
     # earlier, offloaded, and brought back instead of recomputed: `kv_offload`); None where the
     # engine does not say per request (on the event that carries cached_tokens)
     reloaded_tokens: int | None = None
+    # the reply's text as the engine sent it, on a request's last event, where the engine gives text
+    # and not token ids (a server without token ids: structured output validates this text)
+    text: str | None = None
 
 
 @dataclass
@@ -333,6 +341,9 @@ class Capabilities:
     # cannot use it here (None: it can, or it has no such option at all)
     kv_offload: bool = False
     kv_offload_unsupported: str | None = None
+    # structured output: the constraint kinds its requests may carry (Request.constraint: json,
+    # regex, choice, grammar); () = none
+    structured_output: tuple[str, ...] = ()
     options: tuple[str, ...] = ()  # option names accepted in engine_options.<name>
 
     def to_dict(self) -> dict[str, Any]:
@@ -364,6 +375,9 @@ STANDARD_OPTIONS = {
     "kv_offload": "true | false: evicted prefix-cache blocks go to a second KV tier and are reloaded on a hit",
     "kv_offload_bytes": "the second tier's capacity in bytes (LRU within it: a full tier drops its oldest block)",
     "kv_cache_bytes": "the first tier's (the KV pool's) size in bytes",
+    # structured output (workload=structured): an engine that must prepare for constraints (vLLM
+    # loads its tokenizer) declares it among its options; the others take constraints as they are
+    "structured_output": "true | false: requests may carry constraints (Request.constraint)",
 }
 
 

@@ -43,6 +43,10 @@ class FakeBehaviour:
     api_key: str | None = None  # demand Authorization: Bearer <key>
     metrics: bool = True
     delay_s: float = 0.002  # between chunks
+    # structured output: False, the fake ignores the constraint field (vLLM's structured_outputs) and
+    # answers free text, as a server that does not know the field; True, a choice constraint is
+    # answered with its first choice (one chunk, finish_reason stop), as a server that applies it
+    honour_choice: bool = False
     seen: list[dict[str, Any]] = field(default_factory=list)  # request bodies received
 
 
@@ -92,6 +96,17 @@ def fake_app(b: FakeBehaviour) -> FastAPI:
         n = int(body["max_tokens"])
         send = n if b.stop_after is None else min(n, b.stop_after)
         ids = bool(body.get("return_token_ids")) and b.return_token_ids and not b.text_only
+        choices = (body.get("structured_outputs") or {}).get("choice")
+        if b.honour_choice and choices:
+            async def answer() -> Any:
+                choice = {"index": 0, "text": choices[0], "finish_reason": "stop", "logprobs": None}
+                if ids:
+                    choice["token_ids"] = [1000]
+                yield "data: " + json.dumps({"id": "fake", "choices": [choice]}) + "\n\n"
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1}
+                yield "data: " + json.dumps({"id": "fake", "choices": [], "usage": usage}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(answer(), media_type="text/event-stream")
 
         async def gen() -> Any:
             k = 0

@@ -17,7 +17,7 @@ import pytest
 from harness.core.cost import Price
 from reports import browser, write_report
 from reports.blocks import fmt_num
-from test_report_fakes import (FAKE_ENV, capacity_rows, conversation_rows, conversation_tier_rows, http_serving_rows,
+from test_report_fakes import (FAKE_ENV, structured_rows, capacity_rows, conversation_rows, conversation_tier_rows, http_serving_rows,
                                other_workload_rows, priced,
                                parity_rows_teacher_forced, serving_load_rows, status_row, sweep_rows, write_results)
 
@@ -267,3 +267,26 @@ def test_the_kv_tier_panel_draws_in_chromium(driver: Any, tmp_path: Path) -> Non
     head = values["headers"]
     assert float(tiered[head.index("tier-2 hit %")]["value"]) > 0
     assert float(tiered[head.index("TTFT / full pool [95% CI]")]["value"]) > 1
+
+
+def test_the_structured_output_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
+    """Structured rows of two engines: the verdicts stacked per kind and share (one panel per
+    engine), the values table with every share and the failed row marked, the compile-cost table."""
+    write_results(tmp_path / "cur", structured_rows())
+    report = write_report([tmp_path / "cur"], tmp_path / "structured.html")
+    browser.open_report(driver, report)
+    assert console_errors(driver) == []
+    assert "structured" in driver.execute_script("return Array.from(document.querySelectorAll('section')).map(s => s.id)")
+    figs = {f["name"]: f for f in drawn_figures(driver)}
+    verdicts = figs["structured-verdicts"]
+    assert verdicts["traces"] == 4 * 2 and verdicts["drawn"] > 0  # four verdicts in each engine's panel
+    values = table(driver, "structured-values")
+    assert len(values["rows"]) == 2 * 2 * 2  # engines x kinds x shares
+    head = values["headers"]
+    failed = [r for r in values["rows"] if r[head.index("status")]["text"] == "failed"]
+    assert len(failed) == 1 and failed[0][head.index("applied")]["text"] == "no"
+    marked = driver.execute_script("return document.querySelectorAll('table[data-table=\"structured-values\"] tr.bad').length")
+    assert marked == 1
+    compile_ = table(driver, "structured-compile")
+    assert [r[0]["text"] for r in compile_["rows"]] == ["reference", "vllm"]
+    assert float(compile_["rows"][1][3]["value"]) == pytest.approx(1.1)

@@ -134,6 +134,39 @@ def other_workload_rows(engines=("hf", "reference")) -> list[dict[str, Any]]:
     return rows
 
 
+def structured_rows(engines=("reference", "vllm")) -> list[dict[str, Any]]:
+    """FAKE rows of workload `structured`: json and choice at share 0 and 1 per engine, the second
+    engine's choice row failed ("constraint not applied"), and a compile point each."""
+    rows = []
+    for i, e in enumerate(engines):
+        for kind in ("json", "choice"):
+            for share in (0.0, 1.0):
+                failed = i == 1 and kind == "choice" and share == 1.0
+                n = 8
+                verdicts = ({"structured_conforming": 0, "structured_truncated": 0, "structured_non_conforming": n,
+                             "structured_unparseable": 0} if failed else
+                            {"structured_conforming": n - 2, "structured_truncated": 2 if kind == "json" else 0,
+                             "structured_non_conforming": 0, "structured_unparseable": 0 if kind == "json" else 2})
+                fields = ({k: 0 for k in verdicts} | {"free_conforming": 1, "free_truncated": 0,
+                                                      "free_non_conforming": 3, "free_unparseable": 4}
+                          if share == 0 else verdicts | {"free_conforming": 0, "free_truncated": 0,
+                                                         "free_non_conforming": 0, "free_unparseable": 0})
+                row = make_row(engine=e, workload="structured", status="failed" if failed else "ok", model="tiny",
+                               error="constraint not applied: ..." if failed else None,
+                               point={"kind": kind, "share": share}, point_key=f"st:{kind}:{share}")
+                row.update(fields, kind=kind, share=share, tpot_s=0.01 * (1 + share * (0.3 + i)),
+                           output_tok_s=100 / (1 + share), constrained_requests=int(share * n))
+                if share:
+                    row.update(tpot_ratio=1 + 0.3 + i, output_tok_s_ratio=0.5,
+                               constraint_applied="no" if failed else "yes")
+                rows.append(row)
+        rows.append(make_row(engine=e, workload="structured", status="ok", model="tiny",
+                             point={"kind": "json", "compile": True}, point_key="st:compile")
+                    | {"compile": True, "compile_ttft_new_s": 0.12 + i, "compile_ttft_cached_s": 0.02,
+                       "compile_cost_s": 0.1 + i})
+    return rows
+
+
 def conversation_rows(engines=("hf", "reference"), pools=((5461, 16), (40, 16))) -> list[dict[str, Any]]:
     """FAKE rows of workload=conversation: 4 turns, caching on/off, per pool size (blocks, block
     size); with the small pool the hit rate falls below the reusable share from turn 3 on."""

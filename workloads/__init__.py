@@ -19,6 +19,7 @@ REGISTRY: dict[str, str] = {
     "tune": "workloads.tune:Tune",
     "conversation": "workloads.conversation:Conversation",
     "speculative": "workloads.speculative:Speculative",
+    "structured": "workloads.structured:Structured",
 }
 
 

@@ -78,10 +78,11 @@ class RequestBodies:
                              f"endpoints.{self.name}.prompt_format=ids if the server takes token ids.")
         return text
 
-    def completion(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
+    def completion(self, prompt: Any, max_tokens: int, constraint: dict[str, Any] | None = None) -> dict[str, Any]:
         """/v1/completions. `ignore_eos` alone forces the length (no `min_tokens`: on vLLM and
         SGLang it costs a logits penalty every step and can change greedy tokens); only fields the
-        kind knows."""
+        kind knows. A constraint (structured output) goes in the kind's own fields, and the end of
+        sequence ends the reply (`ignore_eos: false`: a complete reply stops there)."""
         kind = self.kind
         body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": int(max_tokens),
                                 "temperature": 0.0, "stream": True, "ignore_eos": True,
@@ -90,17 +91,31 @@ class RequestBodies:
             body["return_token_ids"] = True
         if kind.continuous_usage:  # usage on every chunk: tokens counted even in chunks without text
             body["stream_options"]["continuous_usage_stats"] = True
+        self._constrain(body, constraint)
         body.update(self.cfg.extra_body)
         return body
 
-    def chat_completion(self, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    def _constrain(self, body: dict[str, Any], constraint: dict[str, Any] | None) -> None:
+        if constraint is None:
+            return
+        kind = self.kind
+        if kind.constraint_fields is None or constraint["kind"] not in kind.structured_kinds:
+            raise ValueError(f"endpoint {self.name} (kind {kind.name}) takes no {constraint['kind']} constraint "
+                             f"(the kinds it takes: {', '.join(kind.structured_kinds) or 'none'})")
+        body.update(kind.constraint_fields(constraint))
+        body["ignore_eos"] = False
+
+    def chat_completion(self, messages: list[dict[str, Any]], max_tokens: int,
+                        constraint: dict[str, Any] | None = None) -> dict[str, Any]:
         """/v1/chat/completions: the messages with their roles and text, greedy, exactly max_tokens
-        (`ignore_eos`), usage in the stream; token ids where the kind sends them."""
+        (`ignore_eos`), usage in the stream; token ids where the kind sends them; a constraint as
+        for completion()."""
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": int(max_tokens),
                                 "temperature": 0.0, "stream": True, "ignore_eos": True,
                                 "stream_options": {"include_usage": True}}
         if self.kind.token_ids:
             body["return_token_ids"] = True
+        self._constrain(body, constraint)
         body.update(self.cfg.extra_body)
         return body
 
@@ -111,16 +126,16 @@ class RequestBodies:
         return [{"role": m["role"], "content": tok.decode(m["ids"], skip_special_tokens=False,
                                                           clean_up_tokenization_spaces=False)} for m in msgs]
 
-    def payload(self, prompt_ids: list[int], max_tokens: int,
-                messages: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], int]:
+    def payload(self, prompt_ids: list[int], max_tokens: int, messages: list[dict[str, Any]] | None = None,
+                constraint: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
         """(request body, prompt tokens as the client counts them). api=chat: the tokenizer's
         count of the chat-templated prompt (the template of endpoints.<name>.chat_template /
         chat_separator, else the checkpoint's own), with the generation prompt."""
         if not self.chat:
-            return self.completion(self.prompt(prompt_ids), max_tokens), len(prompt_ids)
+            return self.completion(self.prompt(prompt_ids), max_tokens, constraint), len(prompt_ids)
         msgs = self.chat_messages(messages, prompt_ids)
         n = len(chat_prompt_ids(self.tokenizer(), msgs, chat_template_text(self.cfg)))
-        return self.chat_completion(msgs, max_tokens), n
+        return self.chat_completion(msgs, max_tokens, constraint), n
 
     def scores(self, seq: list[int], top_k: int) -> dict[str, Any]:
         """One sequence's teacher-forced log-probabilities: vLLM's `prompt_logprobs` extension

@@ -70,7 +70,7 @@ def capabilities(cfg: EndpointConfig) -> Capabilities:
         dtypes=("float32", "bfloat16", "float16"), devices=("cpu", "cuda"), kv_dtypes=kv_dtypes,
         prefix_caching=prefix, chunked_prefill=False, no_cache_mode=False, contiguous_layout=False,
         continuous_batching=True, paged=paged, logits=False, scores=kind.scores,
-        speculative_methods=spec_methods, kv_offload=offload,
+        speculative_methods=spec_methods, kv_offload=offload, structured_output=kind.structured_kinds,
         options=STANDARD_ENDPOINT_OPTIONS + ((SERVER_FLAGS,) if cfg.launched and kind.flags else ()))
 
 

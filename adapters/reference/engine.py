@@ -32,6 +32,7 @@ from adapters.reference.config import KV_DTYPES, OPTIONS, SPECULATIVE_METHODS, E
 from adapters.reference.kv_cache import bytes_per_token, check_kv_dtype
 from adapters.reference.llm_engine import DTYPES, LLMEngine, budget_problem
 from adapters.reference.mla import latent_bytes_per_token
+from harness.core.constraints import KINDS as STRUCTURED_KINDS
 from adapters.reference.model import ModelConfig
 from adapters.reference.llm_engine import version as core_version
 from adapters.reference.scheduler import Sequence
@@ -71,7 +72,8 @@ class ReferenceEngine(Engine):
                             no_cache_mode=True, contiguous_layout=True, continuous_batching=True,
                             paged=paged, logits=True, scores=True,
                             speculative_methods=SPECULATIVE_METHODS if cfg.use_cache else (),
-                            kv_offload=paged, options=OPTIONS)
+                            kv_offload=paged, structured_output=STRUCTURED_KINDS if not cfg.speculative else (),
+                            options=OPTIONS)
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:

