@@ -62,13 +62,13 @@ def unit_of(metric: Any, objective: Any, currency: Any = None) -> str:
     """The objective's unit: concurrent requests for a concurrency search, a currency per good Mtok
     for a cost, else requests/s."""
     if objective == "cost":
-        return f"{currency if isinstance(currency, str) else ''} per good Mtok".strip()
+        return currency if isinstance(currency, str) else "per good Mtok"
     return "concurrent" if "concurrency" in str(metric or "") else "req/s"
 
 
 def objective_label(objective: Any, unit: str) -> str:
-    if objective == "cost":
-        return f"cost of the cheapest SLO-meeting load ({unit})"
+    if objective == "cost":  # of the cheapest load that met the SLOs (docs/tuning.md)
+        return f"cost per good Mtok ({unit})"
     return f"goodput at the rate ({unit})" if objective == "goodput_at_rate" else f"capacity ({unit})"
 
 
@@ -431,7 +431,8 @@ def trials_figure(tf: pd.DataFrame, conc: pd.DataFrame, colours: dict[str, str],
 
 # ---- the section -------------------------------------------------------------------------------
 
-@section("tuning", "Tuning", "Each engine's options searched for the highest capacity under the run's SLOs, with the "
+@section("tuning", "Tuning", "Each engine's options searched for the highest capacity (or, objective cost, the lowest cost per "
+         "good million tokens) under the run's SLOs, with the "
          "same budget for every engine (trials, seed, SLOs, load shape), so the engines are compared at their best: "
          "every trial, the best configuration against the defaults with an interleaved confirmation, which options "
          "mattered, and the best configurations on the capacity section's axes.")
