@@ -85,6 +85,9 @@ class Request:
     # must only produce what it allows, and may stop before max_new_tokens once the reply is
     # complete (its last event `finished`); None: free text, the length forced as always.
     constraint: dict[str, Any] | None = None
+    # the LoRA adapter that serves it, by its name in the engine's `lora_adapters` option
+    # (workloads/lora.py); None: the base model
+    adapter: str | None = None
 
 
 class RequestSource:
@@ -344,6 +347,14 @@ class Capabilities:
     # structured output: the constraint kinds its requests may carry (Request.constraint: json,
     # regex, choice, grammar); () = none
     structured_output: tuple[str, ...] = ()
+    # LoRA adapters (`lora_adapters`): requests name their adapter (Request.adapter); `lora_slots`:
+    # adapters live in a fixed number of slots (max_loras) with a load or evict when a request needs
+    # one that is not resident; `lora_mixed_batch`: one batch mixes adapters (and the base model);
+    # `lora_unsupported` says why not where the engine has the option but cannot use it here
+    lora: bool = False
+    lora_slots: bool = False
+    lora_mixed_batch: bool = False
+    lora_unsupported: str | None = None
     options: tuple[str, ...] = ()  # option names accepted in engine_options.<name>
 
     def to_dict(self) -> dict[str, Any]:
@@ -378,6 +389,11 @@ STANDARD_OPTIONS = {
     # structured output (workload=structured): an engine that must prepare for constraints (vLLM
     # loads its tokenizer) declares it among its options; the others take constraints as they are
     "structured_output": "true | false: requests may carry constraints (Request.constraint)",
+    # LoRA adapters (docs/metrics.md, "LoRA adapters"): requests name theirs (Request.adapter)
+    "lora_adapters": "the LoRA adapters to serve: a list of {name, path, rank}, path a PEFT directory; [] none",
+    "max_loras": "adapters resident at once (the slots a batch's adapters must fit in)",
+    "max_lora_rank": "the largest adapter rank the engine allocates for",
+    "max_cpu_loras": "adapters kept in host memory beyond the slots (vLLM's max_cpu_loras)",
 }
 
 
@@ -455,11 +471,13 @@ class Engine(ABC):
     @abstractmethod
     def kv_cache_info(self) -> KVCacheInfo: ...
 
-    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int,
+              adapter: str | None = None) -> list[TokenScores]:
         """Teacher-forced log-probabilities: for each sequence i and each position p in
         [start[i], len(sequences[i])), the distribution of the token at p given the sequence's
         tokens before p (the given tokens are fed, never the engine's own samples). Engines with
-        `capabilities().scores` implement it."""
+        `capabilities().scores` implement it; `adapter` (engines with `capabilities().lora`) scores
+        with that LoRA adapter of `lora_adapters`."""
         raise NotImplementedError(f"{self.name} cannot score sequences (capabilities().scores is False)")
 
     def begin_point(self) -> None:
@@ -473,6 +491,13 @@ class Engine(ABC):
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         """Speculative decoding's counters since load; None where the engine does not speculate
         (or cannot say)."""
+        return None
+
+    def lora_stats(self) -> dict[str, Any] | None:
+        """LoRA adapters' counters since load, where the engine serves adapters: `loads` (an adapter
+        put into a slot) and `evictions` (one taken out to make room), cumulative (None where the
+        engine cannot say), `max_loras` (the slots), `resident` (the adapters in slots now) and
+        `source` (where the figures come from). None: no adapters."""
         return None
 
     def reset_prefix_cache(self) -> None:

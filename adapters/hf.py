@@ -64,6 +64,12 @@ class HFOptions:
         "transformers' shorter matches"))
     prompt_lookup_max: int | None = spec(None, ge=1, help=(
         "method ngram: longest n-gram matched (transformers' max_matching_ngram_size); null = 2 (its default)"))
+    # LoRA adapters (adapters.base.STANDARD_OPTIONS): PEFT, every adapter loaded at load() and kept
+    lora_adapters: list[Any] | None = spec(None, help=(
+        "LoRA adapters [{name, path, rank}]: PEFT loads each; a batch mixes them per row (PEFT's adapter_names)"))
+    max_loras: int | None = spec(None, ge=1, help="accepted and recorded; PEFT keeps every adapter loaded (no slots)")
+    max_lora_rank: int | None = spec(None, ge=1, help="an adapter of a higher rank is refused")
+    max_cpu_loras: int | None = spec(None, ge=1, help="accepted and recorded; does not apply to PEFT")
 
 
 OPTIONS = option_names(HFOptions)
@@ -71,6 +77,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 SPEC_METHODS = ("ngram", "draft")
 BATCH_ONE = ("transformers' assisted generation runs at batch 1 only (its _assisted_decoding raises \"assisted "
              "generate is only supported for batch_size = 1\")")
+PEFT_BASE = "__base__"  # PEFT's adapter_names entry for a row served by the base model
 
 
 class HFEngine(Engine):
@@ -89,8 +96,11 @@ class HFEngine(Engine):
 
     @classmethod
     def capabilities(cls, options: dict[str, Any] | None = None) -> Capabilities:
+        peft = importlib.util.find_spec("peft") is not None
         return Capabilities(kv_dtypes=("auto",), no_cache_mode=True, logits=True, scores=True,
-                            speculative_methods=SPEC_METHODS, speculative_max_batch=1, options=OPTIONS)
+                            speculative_methods=SPEC_METHODS, speculative_max_batch=1, options=OPTIONS,
+                            lora=peft, lora_slots=False, lora_mixed_batch=peft,
+                            lora_unsupported=None if peft else "peft is not installed here: pip install peft")
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
@@ -101,6 +111,13 @@ class HFEngine(Engine):
         if opts.speculative_method != "none" and opts.kv_cache == "none":
             problems.append("engine_options.hf.kv_cache=none: transformers' assisted generation needs a KV cache; "
                             "use kv_cache=on with speculative_method=" + opts.speculative_method + ".")
+        if opts.lora_adapters and opts.speculative_method != "none":
+            problems.append("engine_options.hf.lora_adapters with speculative_method=" + opts.speculative_method +
+                            ": transformers' assisted generation is not run with PEFT adapters here; use one or the other.")
+        for a in opts.lora_adapters or []:
+            if opts.max_lora_rank is not None and int(a.get("rank") or 0) > opts.max_lora_rank:
+                problems.append(f"engine_options.hf.max_lora_rank={opts.max_lora_rank}: adapter '{a.get('name')}' has "
+                                f"rank {a.get('rank')}. Raise max_lora_rank.")
         return problems
 
     def __init__(self) -> None:
@@ -116,6 +133,8 @@ class HFEngine(Engine):
         self.draft = None  # the assistant model (method draft)
         self._seq: list[int] | None = None  # the live sequence's tokens (speculating: batch 1)
         self._counter = SpecCounter()
+        self.lora: list[str] = []  # the PEFT adapters loaded (names)
+        self._adapter_names: list[str] | None = None  # the live batch's adapter per row (PEFT's adapter_names)
 
     # ---- life cycle --------------------------------------------------------------------
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
@@ -158,9 +177,47 @@ class HFEngine(Engine):
         details: dict[str, Any] = {"attn_implementation": attn, **({"attn_note": self.attn_note} if self.attn_note else {})}
         if opts.speculative_method != "none":
             details["speculative"] = self._start_speculating(opts, model, attn)
+        if opts.lora_adapters:
+            details["lora"] = self._load_adapters(opts)
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return LoadInfo(load_time_s=time.perf_counter() - t0, weights_bytes=weights,
                         kv_pool_bytes=None, engine_version=self.version(), compute_threads=torch.get_num_threads(),
                         details=details)
+
+    def _load_adapters(self, opts: HFOptions) -> dict[str, Any]:
+        """Wrap the model in PEFT and load every adapter (each keeps its name); a batch's rows then
+        name theirs with PEFT's `adapter_names` (the base model: PEFT_BASE)."""
+        from peft import PeftModel
+        first, *rest = opts.lora_adapters
+        self.model = PeftModel.from_pretrained(self.model, first["path"], adapter_name=first["name"]).eval()
+        for a in rest:
+            self.model.load_adapter(a["path"], adapter_name=a["name"])
+        self.lora = [a["name"] for a in opts.lora_adapters]
+        self._sync()
+        return {"adapters": list(self.lora), "library": f"peft {metadata.version('peft')}",
+                "mixed_batch": "PEFT adapter_names: each row of a batch through its own adapter (the base model: "
+                               f"{PEFT_BASE})",
+                "max_loras": f"{opts.max_loras} asked; does not apply: PEFT keeps every adapter loaded, no slots",
+                "max_cpu_loras": "does not apply to PEFT"}
+
+    def lora_stats(self) -> dict[str, Any] | None:
+        if not self.lora:
+            return None
+        return {"loads": len(self.lora), "evictions": 0, "max_loras": None, "resident": list(self.lora),
+                "source": "transformers (PEFT): every adapter loaded at load() and kept; none swapped"}
+
+    def _names(self, adapters: list[str | None] | None, n: int) -> list[str] | None:
+        """PEFT's adapter_names for a batch of n rows (None without adapters loaded)."""
+        if not self.lora:
+            if adapters and any(a is not None for a in adapters):
+                raise ValueError(f"hf: a request names adapter {next(a for a in adapters if a)} but no LoRA adapter "
+                                 "is loaded (engine_options.hf.lora_adapters)")
+            return None
+        names = [a if a is not None else PEFT_BASE for a in (adapters or [None] * n)]
+        unknown = sorted({a for a in names if a != PEFT_BASE and a not in self.lora})
+        if unknown:
+            raise ValueError(f"hf: adapter(s) {', '.join(unknown)} not loaded (loaded: {', '.join(self.lora)})")
+        return names
 
     # ---- speculative decoding: transformers' assisted generation ----------------------------
     def _start_speculating(self, opts: HFOptions, model: ModelSpec, attn: str) -> dict[str, Any]:
@@ -299,16 +356,19 @@ class HFEngine(Engine):
 
     # ---- offline path ------------------------------------------------------------------
     def _forward(self, ids, mask, pos, cache):
+        lora = {"adapter_names": self._adapter_names} if self._adapter_names is not None else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+                         past_key_values=cache, use_cache=cache is not None, logits_to_keep=1, **lora)
         return out.logits[:, -1, :]
 
     def prefill(self, prompts: list[list[int]], return_logits: bool = False,
-                max_new_tokens: int | None = None) -> PrefillResult:
+                max_new_tokens: int | None = None, adapters: list[str | None] | None = None) -> PrefillResult:
+        """`adapters` (this adapter's own argument, for serve()): each row's LoRA adapter, None the base model."""
         torch = self.torch
         from transformers import DynamicCache
 
         self.release()
+        self._adapter_names = self._names(adapters, len(prompts))
         if self.spec is not None and len(prompts) > 1:
             raise ValueError(f"hf: a batch of {len(prompts)} sequences with speculative_method="
                              f"{self.spec.speculative_method}: {BATCH_ONE}.")
@@ -368,12 +428,16 @@ class HFEngine(Engine):
 
     def release(self) -> None:
         self._cache = self._mask = self._next_pos = self._last = self._ids = self._seq = None
+        self._adapter_names = None
 
     # ---- teacher-forced scores (parity) ------------------------------------------------------
-    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int,
+              adapter: str | None = None) -> list[TokenScores]:
         """One forward pass over the left-padded batch, logits kept for every position."""
         torch = self.torch
         self.release()
+        names = self._names([adapter] * len(sequences), len(sequences))
+        lora = {"adapter_names": names} if names is not None else {}
         width = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -383,7 +447,7 @@ class HFEngine(Engine):
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **lora).logits
             logp = torch.log_softmax(logits.float(), dim=-1)
         out = []
         for b, (seq, s0) in enumerate(zip(sequences, start)):
@@ -408,7 +472,7 @@ class HFEngine(Engine):
                 continue
             size = 1 if self.spec is not None else self.max_batch_size  # assisted generation: batch 1
             batch, waiting = waiting[:size], waiting[size:]
-            pre = self.prefill([r.prompt_ids for r in batch])
+            pre = self.prefill([r.prompt_ids for r in batch], adapters=[r.adapter for r in batch])
             for r, tok in zip(batch, pre.first_tokens):
                 yield TokenEvent(r.request_id, 0, tok, pre.end_ns, finished=r.max_new_tokens <= 1)
             longest = max(r.max_new_tokens for r in batch)

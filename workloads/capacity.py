@@ -29,6 +29,7 @@ from typing import Any
 from adapters.base import Engine
 from harness.core.metrics import SLO
 from harness.core.schema import spec
+from workloads import lora
 from workloads.base import Point, RunContext
 from workloads.serving import LoadShape, Serving, client_limited_note
 
@@ -172,13 +173,14 @@ class Capacity(Serving):
 
     def _probe(self, cfg: CapacityConfig, value: float, i: int) -> Point:
         return Point(self.name, {"search": cfg.search, "value": round_load(value, cfg.search), "probe": i,
-                                 "num_requests": cfg.num_requests})
+                                 "num_requests": cfg.num_requests, **lora.point_params(cfg.lora)})
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: CapacityConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         value = point.params["value"]
         load = {"concurrency": int(value)} if cfg.search == "concurrency" else {"request_rate": value}
-        row = self.measure(engine, cfg, ctx, {**load, "num_requests": point.params["num_requests"]}, point.key)
+        row = self.measure(engine, cfg, ctx, {**load, "num_requests": point.params["num_requests"],
+                                              "lora": point.params.get("lora")}, point.key)
         why = slo_violations(row, cfg.slos())
         row.update(capacity_search=cfg.search, value=value, meets_slo=not why, slo_violations=why,
                    capacity_slo=cfg.slos())

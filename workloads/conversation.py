@@ -54,6 +54,7 @@ from harness.core.errors import UserError
 from harness.core.metrics import RequestTrace, serving_metrics
 from harness.core.schema import spec
 from harness.core.stats import summarize
+from workloads import lora
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
 from workloads.datasets import read_chats, skips_line, tokenize_chats
 from workloads.kv_tiers import (
@@ -100,6 +101,8 @@ class ConversationConfig:
                                           "(replaces sessions' lengths; sessions caps how many)")
     max_len: int | None = spec(None, ge=2, help="dataset: a conversation is cut before the turn whose prompt + "
                                                 "reply would exceed this (default: the model's positions)")
+    lora: dict[str, Any] | None = spec({}, help="LoRA adapters, one per session, split as workloads/lora.py says "
+                                                "(a session keeps its adapter for every turn)")
     warmup_sessions: int | None = spec(None, ge=0, help="the point's first sessions replayed, all at once, on "
                                                         "unrelated tokens (then forgotten) before it is measured; "
                                                         "null: every session (the same batch shapes once)")
@@ -116,6 +119,7 @@ class Session:
     think_s: list[float]
     start_s: float = 0.0
     system: list[int] | None = None  # a dataset conversation's system turn: the head of every prompt
+    adapter: str | None = None  # the LoRA adapter serving every turn (None: the base model)
 
 
 @dataclass
@@ -180,7 +184,7 @@ class ConversationSource(RequestSource):
         prompt = self.prompt_of(messages)
         hist_len = len(hist_ids) + (len(self.separator) if history else 0)  # the separator before the new message is history too
         rid = f"s{s.index}t{turn + 1}"
-        r = Request(rid, prompt, s.caps[turn], (at_ns - self.start_ns) / 1e9, messages=messages)
+        r = Request(rid, prompt, s.caps[turn], (at_ns - self.start_ns) / 1e9, messages=messages, adapter=s.adapter)
         # the first turn's history (a system turn) was computed by no earlier turn of the session
         reusable = reusable_tokens(len(hist_ids), len(prompt), self.block_size) if turn else 0
         self.records[rid] = TurnRecord(s.index, turn + 1, rid, len(prompt), hist_len, len(prompt) - hist_len,
@@ -276,6 +280,7 @@ class Conversation(Workload):
                             "which is null (all at once, or concurrency). Give workload.session_rate (sessions per "
                             "second), or leave arrival=poisson.")
         problems += tier_problems(cfg.kv_tiers, cfg.prefix_caching, full_bytes=cfg.kv_tiers_full_bytes)
+        problems += lora.problems(cfg.lora, shape, self.name)
         if cfg.dataset:
             try:
                 read_chats(cfg.dataset)
@@ -298,23 +303,24 @@ class Conversation(Workload):
 
     def plan(self, cfg: ConversationConfig) -> list[Point]:
         return [Point(self.name, {"prefix_caching": c, "sessions": cfg.sessions,
-                                  **tier_param(t, cfg.kv_tiers_full_bytes)})
+                                  **tier_param(t, cfg.kv_tiers_full_bytes), **lora.point_params(cfg.lora)})
                 for c in dict.fromkeys(cfg.prefix_caching) for t in tier_modes(cfg.kv_tiers, c)]
 
     def unsupported(self, point: Point, caps: Capabilities) -> str | None:
         if point.params["prefix_caching"] and not caps.prefix_caching:
             return "the engine has no prefix cache"
-        return tier_unsupported(point, caps)
+        return tier_unsupported(point, caps) or lora.unsupported(point.params.get("lora"), caps)
 
     def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
         out = {"prefix_caching": bool(point.params["prefix_caching"])} if caps.prefix_caching else {}
-        return {**out, **tier_overrides(point, caps)}
+        return {**out, **tier_overrides(point, caps), **lora.overrides(point.params.get("lora"))}
 
     def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """A tiered point's turns beside the same engine's recompute (tiers off, caching on) and
         full-pool (`full`) points of this run: TTFT per turn of each, and whether the tiered one lies
         between them; and the break-even of reload against recompute (docs/metrics.md, "KV tiers")."""
         compare_tiers(row, rows, self.name)
+        lora.finalize(row, rows)
 
     # ---- the sessions ----------------------------------------------------------------------------
     def sessions(self, cfg: ConversationConfig, ctx: RunContext, key: str) -> list[Session]:
@@ -365,18 +371,24 @@ class Conversation(Workload):
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: ConversationConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         sessions = self.sessions(cfg, ctx, f"conversation/{cfg.sessions}")  # the same sessions in every mode
+        point_lora = point.params.get("lora")
+        for s, a in zip(sessions, lora.assignment(point_lora, len(sessions), ctx.seed, f"conversation/{cfg.sessions}")):
+            s.adapter = a  # the same for every engine and every mode
         n_warm = len(sessions) if cfg.warmup_sessions is None else cfg.warmup_sessions
         if n_warm:  # the same shapes (and the prefix cache's path) once, on unrelated tokens
             warm = [Session(i, [ctx.prompts(1, len(u), f"{point.key}/warm{i}/{k}")[0] for k, u in enumerate(s.users)],
                             list(s.caps), [0.0] * len(s.users),
                             system=ctx.prompts(1, len(s.system), f"{point.key}/warm{i}/system")[0] if s.system else None)
                     for i, s in enumerate(sessions[:n_warm])]
+            for w, s in zip(warm, sessions):
+                w.adapter = s.adapter
             wc = Collector([], now_ns())
             wc.source = ConversationSource(warm, wc.start_ns, wc, cfg.separator_ids, None, False)
             for ev in engine.serve(wc.source, wc.start_ns):
                 wc.feed(ev)
         engine.reset_prefix_cache()
         info0 = engine.kv_cache_info()
+        lora0 = engine.lora_stats() if point_lora else None
         tiers0 = info0.extra.get("kv_tiers")
         start = now_ns() + 5_000_000
         collector = Collector([], start)
@@ -436,11 +448,18 @@ class Conversation(Workload):
             **kv_memory_fields(info, peak=True),
         )
         row.update(tier_fields(point, per_request, tiers0, info.extra.get("kv_tiers"), info, ctx))
+        if point_lora:  # a session's turns are its adapter's requests
+            row.update(lora.traffic_fields(point_lora, list(collector.requests.values()), traces,
+                                           dict(collector.expected), lora0, engine.lora_stats()))
+            # the split is drawn per session: its test counts sessions, not turns
+            row.update(lora_split_unit="session", lora_sent={e: sum(1 for s in sessions if lora.entry(s.adapter) == e)
+                                                            for e in row["lora_shares"]})
         return row
 
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
         mine = [r for r in rows if r.get("workload") == self.name]
         lines = [line for line in dict.fromkeys(skips_line(r) for r in mine) if line][:1]  # every engine read the same file
+        lines += lora.summary_lines(mine)
         for r in rows:
             if r.get("workload") != self.name or not r.get("turns"):
                 continue

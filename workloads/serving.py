@@ -46,10 +46,11 @@ from typing import Any
 
 import numpy as np
 
-from adapters.base import Engine, ListSource, Request, RequestSource, now_ns
+from adapters.base import Capabilities, Engine, ListSource, Request, RequestSource, now_ns
 from harness.core.errors import UserError
 from harness.core.metrics import SLO, RequestTrace, serving_metrics
 from harness.core.schema import spec
+from workloads import lora
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
 from workloads.datasets import FORMATS, read_dataset, read_trace, skips_line, tokenize_requests
 from workloads.lengths import LengthDist, parse_length
@@ -106,6 +107,9 @@ class LoadShape:
                                           "SLO), or one loop stall above 10 times that, marks the point client_limited")
     client_cpu_limit: float = spec(CLIENT_CPU_LIMIT, gt=0, le=1,
                                    help="a client process busy this fraction of a core marks the point client_limited")
+    lora: dict[str, Any] | None = spec({}, help="LoRA adapters and how requests are split among them (workloads/lora.py: "
+                                                "adapters, num_adapters, split, base_share, weights, zipf_alpha, max_loras, "
+                                                "max_lora_rank, max_cpu_loras, check_outputs, swap_cost)")
 
     def goodput_slo(self) -> SLO:
         return SLO()
@@ -226,7 +230,7 @@ class Serving(Workload):
     def post_summary(self, rows: list[dict[str, Any]]) -> str:
         mine = [r for r in rows if r.get("workload") == self.name]
         skips = [line for line in dict.fromkeys(skips_line(r) for r in mine) if line][:1]  # one file, one line
-        return "\n".join(t for t in (client_limited_note(rows), *skips) if t)
+        return "\n".join(t for t in (client_limited_note(rows), *skips, *lora.summary_lines(mine)) if t)
 
     def _lengths(self, cfg: LoadShape) -> tuple[LengthDist, LengthDist]:
         i, _ = parse_length(cfg.input_len, "workload.input_len")
@@ -252,6 +256,7 @@ class Serving(Workload):
                 read_trace(cfg.trace)
             except UserError as e:
                 problems += e.problems
+        problems += lora.problems(cfg.lora, shape, self.name)
         return problems or super().check(cfg, shape)
 
     def max_model_len(self, cfg: LoadShape) -> int:
@@ -268,11 +273,27 @@ class Serving(Workload):
         return i.bounds()[1] + o.bounds()[1]
 
     def plan(self, cfg: ServingConfig) -> list[Point]:
+        traffic = lora.point_params(cfg.lora)
         if cfg.trace:
-            return [Point(self.name, {"trace": cfg.trace, "trace_time_scale": cfg.trace_time_scale})]
-        points = [Point(self.name, {"request_rate": r, "num_requests": cfg.num_requests}) for r in cfg.request_rates]
-        points += [Point(self.name, {"concurrency": c, "num_requests": cfg.num_requests}) for c in cfg.concurrency or []]
+            return [Point(self.name, {"trace": cfg.trace, "trace_time_scale": cfg.trace_time_scale, **traffic})]
+        points = [Point(self.name, {"request_rate": r, "num_requests": cfg.num_requests, **traffic})
+                  for r in cfg.request_rates]
+        points += [Point(self.name, {"concurrency": c, "num_requests": cfg.num_requests, **traffic})
+                   for c in cfg.concurrency or []]
+        if traffic and lora.typed(cfg.lora).swap_cost:  # one adapter first, then N in round robin at max_loras=1
+            points += [Point(self.name, {"concurrency": 1, "num_requests": cfg.num_requests,
+                                         **lora.swap_params(cfg.lora, n)})
+                       for n in [1] + sorted(set(lora.typed(cfg.lora).swap_cost))]
         return points
+
+    def unsupported(self, point: Point, caps: Capabilities) -> str | None:
+        return lora.unsupported(point.params.get("lora"), caps)
+
+    def engine_overrides(self, point: Point, caps: Capabilities) -> dict[str, Any]:
+        return lora.overrides(point.params.get("lora"))
+
+    def finalize_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        lora.finalize(row, rows)
 
     def requests(self, cfg: LoadShape, ctx: RunContext, rate: float, key: str,
                  n: int | None = None) -> list[Request]:
@@ -338,11 +359,17 @@ class Serving(Workload):
         closed = params.get("concurrency") is not None
         trace = params.get("trace") is not None
         rate = math.inf if closed else params.get("request_rate", math.nan if trace else math.inf)
+        point_lora = params.get("lora")
         warm = self.requests(cfg, ctx, math.inf, f"{key}/warmup", n=cfg.warmup_requests)
+        for r, a in zip(warm, lora.assignment(point_lora, len(warm), ctx.seed, f"{key}/warmup")):
+            r.adapter = a
         for _ in engine.serve(warm, now_ns()):
             pass
         reqs = self.requests(cfg, ctx, rate, key, n=None if trace else params.get("num_requests", cfg.num_requests))
+        for r, a in zip(reqs, lora.assignment(point_lora, len(reqs), ctx.seed, key)):  # the same for every engine
+            r.adapter = a
         expected = {r.request_id: r.max_new_tokens for r in reqs}
+        lora0 = engine.lora_stats() if point_lora else None
         check_saturation = not closed and cfg.stop_when_saturated and not math.isinf(rate)
         slo = cfg.goodput_slo()
         sampler = ctx.sampler().start()
@@ -352,8 +379,10 @@ class Serving(Workload):
             traces, sent, is_saturated = self._serve_in_process(engine, reqs, cfg, params, check_saturation)
             client = {}
         mem = sampler.stop()
+        lora1 = engine.lora_stats() if point_lora else None
         if is_saturated:  # the cancelled requests are not failures of the engine: left out
             traces = [t for t in traces if t.token_times_ns and t.n_out == expected[t.request_id]]
+        self.served = (reqs, traces, expected)  # what run_point's LoRA outputs check compares
         row = serving_metrics(traces, slo, expected)
         if not row["completed"] and not is_saturated:
             raise RuntimeError(f"no request of the point completed: {row['failed_request_reasons']}")
@@ -369,6 +398,8 @@ class Serving(Workload):
                        **self.dataset_fields)
         if trace:
             row.update(trace=params["trace"], trace_time_scale=cfg.trace_time_scale, trace_requests=len(reqs))
+        if point_lora:
+            row.update(lora.traffic_fields(point_lora, reqs, traces, expected, lora0, lora1))
         row.update(load_mode="trace" if trace else "closed" if closed else "open",
                    request_rate=None if closed or trace else rate,
                    concurrency=params.get("concurrency"), max_concurrency=None if closed else cfg.max_concurrency,
@@ -428,7 +459,11 @@ class Serving(Workload):
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: ServingConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.measure(engine, cfg, ctx, point.params, point.key)
+        row = self.measure(engine, cfg, ctx, point.params, point.key)
+        point_lora = point.params.get("lora")
+        if point_lora and not point_lora.get("swap") and lora.typed(cfg.lora).check_outputs:
+            row["lora_check"] = lora.check_outputs(engine, *self.served, ctx.dtype)
+        return row
 
 
 def offered_rate(reqs: list[Request], rate: float, closed: bool, trace: bool) -> float | None:

@@ -95,6 +95,20 @@ def paired_ratio_ci(num: Sequence[float], den: Sequence[float], confidence: floa
         return _interval((a, b), statistic, confidence, seed, paired=True)
 
 
+def paired_diff_ci(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """Interval of median(a) - median(b), the pairs (a[i], b[i]) resampled together. None for fewer
+    than 2 pairs or samples of different lengths."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.size < 2 or x.size != y.size:
+        return None
+
+    def statistic(p: np.ndarray, q: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.median(p, axis=axis) - np.median(q, axis=axis)
+
+    return _interval((x, y), statistic, confidence, seed, paired=True)
+
+
 SAMPLES_SUFFIX = "_samples"
 
 

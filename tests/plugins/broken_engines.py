@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from adapters.hf import HFEngine
 from adapters.reference.engine import ReferenceEngine
 
 # later prefill chunks read their context back from the KV pool, where the fault is
@@ -89,3 +90,21 @@ class SetupRaises(ReferenceEngine):
     @classmethod
     def version(cls):
         raise RuntimeError("version() is broken (test engine)")
+
+
+class WrongAdapter(HFEngine):
+    """A broken engine (a fault put in on purpose): transformers with PEFT adapters, which serves
+    one request with the wrong adapter - the last request of the first batch that mixes adapters is
+    run by the base model instead of its own adapter (or by the first request's adapter when it has
+    none). A request served alone is served right."""
+
+    def __init__(self):
+        super().__init__()
+        self._faulted = False
+
+    def prefill(self, prompts, return_logits=False, max_new_tokens=None, adapters=None):
+        if adapters and len(set(adapters)) > 1 and not self._faulted:
+            self._faulted = True
+            adapters = list(adapters)
+            adapters[-1] = None if adapters[-1] is not None else adapters[0]
+        return super().prefill(prompts, return_logits, max_new_tokens, adapters)

@@ -1,0 +1,69 @@
+"""LoRA adapters served by the engines, through the whole command line: a mixed-adapter serving
+point whose every request is checked against the same prompt with the same adapter served alone,
+and an engine made to serve one request with the wrong adapter (tests/plugins/broken_engines.py,
+registered for the run through INFER_BENCH_ENGINES) failing its row, naming the request."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.core.paths import REPO_ROOT
+from harness.core.results import read_rows
+from harness.lora_cli import main as lora_main
+
+PLUGINS = Path(__file__).parent / "plugins"
+NAMES = ("lora0", "lora1", "lora2", "lora3")
+QUICK = ["model=tiny-trained", "workload=serving", "workload.request_rates=[]", "workload.num_requests=12",
+         "workload.input_len=24", "workload.output_len=6", "workload.warmup_requests=1", "parity=false", "roofline=false"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("adapters")
+    assert lora_main(["make", "--model", "tiny-trained", "--out", str(out), "--count", "4"]) == 0
+    return out
+
+
+def run(tmp_path: Path, adapters: Path, *args: str) -> tuple[int, list[dict], str]:
+    out = tmp_path / "run"
+    env = dict(os.environ, INFER_BENCH_ENGINES="wrong_adapter=broken_engines:WrongAdapter",
+               PYTHONPATH=os.pathsep.join([str(PLUGINS), str(REPO_ROOT)]))
+    arg = "workload.lora.adapters={" + ",".join(f"{n}:{adapters / n}" for n in NAMES) + "}"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *QUICK, arg, *args, f"hydra.run.dir={out}"],
+                       capture_output=True, text=True, timeout=900, env=env)
+    rows = read_rows(out / "results.jsonl") if (out / "results.jsonl").exists() else []
+    return r.returncode, rows, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_transformers_serves_mixed_adapters_and_every_request_is_its_own_adapters(tmp_path, adapters):
+    code, rows, out = run(tmp_path, adapters, "engines=[hf]", "workload.concurrency=[4]", "workload.lora.split=zipf",
+                          "workload.lora.zipf_alpha=1.5")
+    assert code == 0, out[-3000:]
+    (row,) = rows
+    assert row["status"] == "ok" and row["lora_check"]["verdict"] == "pass", row.get("error")
+    assert row["lora_check"]["compared"] == 12 and row["lora_split_test"]["ok"]
+    per = {a["adapter"]: a for a in row["lora_per_adapter"]}
+    assert list(per) == ["base", *NAMES] and sum(a["requests"] for a in per.values()) == 12
+    assert all(a["ttft_s_p50"] is not None for a in per.values() if a["completed"])
+    changed = row["lora_check"]["per_adapter"]
+    assert all(v["changed"] == v["requests"] for e, v in changed.items() if e != "base")  # each adapter changes output
+    assert "outputs check: PASS" in out and "lora0" in out
+
+
+@pytest.mark.slow
+def test_a_request_served_with_the_wrong_adapter_fails_the_row_naming_it(tmp_path, adapters):
+    code, rows, out = run(tmp_path, adapters, "engines=[wrong_adapter]", "workload.concurrency=[4]",
+                          "workload.lora.split=round_robin")
+    assert code == 1, out[-3000:]
+    (row,) = rows
+    assert row["status"] == "failed", row
+    m = row["lora_check"]["mismatch"]
+    assert m["request"] in row["request_adapter"] and m["adapter"] == row["request_adapter"][m["request"]] != "base"
+    assert f"request {m['request']} (adapter {m['adapter']}): token {m['position']}" in row["error"]
+    assert m["got"] != m["expected"] and m["got"] == m["base_alone"]  # the fault: served by the base model
