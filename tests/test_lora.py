@@ -176,6 +176,19 @@ def test_the_plan_puts_the_traffic_in_the_points_and_the_options_follow(adapters
     assert Serving().unsupported(Point("serving", {"concurrency": 1}), Capabilities()) is None
 
 
+def test_capacity_probes_carry_the_traffic_and_swap_cost_is_serving_only(adapters):
+    from workloads.capacity import Capacity, CapacityConfig
+    raw = {"adapters": {"lora0": str(adapters / "lora0")}, "split": "uniform"}
+    probe = Capacity().plan(CapacityConfig(slo_ttft_p99_s=1.0, lora=raw))[0]
+    assert list(probe.params["lora"]["adapters"]) == ["lora0"]
+    nxt = Capacity()._probe(CapacityConfig(slo_ttft_p99_s=1.0, lora=raw), 2.0, 1)
+    assert nxt.params["lora"] == probe.params["lora"]
+    problems = check_jobs(["engines=[hf]", "model=tiny-trained", "workload=capacity", "workload.slo_ttft_p99_s=1",
+                           f"workload.lora.adapters={{a:{adapters / 'lora0'},b:{adapters / 'lora1'}}}",
+                           "workload.lora.swap_cost=[2]"])
+    assert any("workload.lora.swap_cost: measured by workload=serving only" in p for p in problems), problems
+
+
 def test_a_sweep_over_the_number_of_adapters_and_max_loras_checks_every_job(adapters):
     problems = check_jobs(["-m", "engines=[hf]", "model=tiny-trained", "workload=serving", _adapters_arg(adapters),
                            "workload.lora.num_adapters=1,2,4", "workload.lora.max_loras=1,2"])

@@ -54,6 +54,8 @@ def test_transformers_serves_mixed_adapters_and_every_request_is_its_own_adapter
     changed = row["lora_check"]["per_adapter"]
     assert all(v["changed"] == v["requests"] for e, v in changed.items() if e != "base")  # each adapter changes output
     assert "outputs check: PASS" in out and "lora0" in out
+    from tests_support import documented_fields
+    assert not set(row) - documented_fields()
 
 
 @pytest.mark.slow
@@ -67,3 +69,20 @@ def test_a_request_served_with_the_wrong_adapter_fails_the_row_naming_it(tmp_pat
     assert m["request"] in row["request_adapter"] and m["adapter"] == row["request_adapter"][m["request"]] != "base"
     assert f"request {m['request']} (adapter {m['adapter']}): token {m['position']}" in row["error"]
     assert m["got"] != m["expected"] and m["got"] == m["base_alone"]  # the fault: served by the base model
+
+
+@pytest.mark.slow
+def test_a_conversation_keeps_each_sessions_adapter_for_every_turn(tmp_path, adapters):
+    from tests_support import documented_fields
+    out = tmp_path / "run"
+    arg = "workload.lora.adapters={" + ",".join(f"{n}:{adapters / n}" for n in NAMES[:2]) + "}"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "model=tiny-trained", "engines=[hf]", "workload=conversation",
+                        "workload.sessions=6", "workload.turns=2", "workload.user_tokens=8", "workload.output_tokens=3",
+                        "workload.prefix_caching=[false]", "parity=false", "roofline=false", arg,
+                        f"hydra.run.dir={out}"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    (row,) = read_rows(out / "results.jsonl")
+    assert row["lora_split_unit"] == "session" and sum(row["lora_sent"].values()) == 6 and row["lora_split_test"]["ok"]
+    by = row["request_adapter"]
+    assert all(by[f"s{i}t1"] == by[f"s{i}t2"] for i in range(6)) and len(set(by.values())) > 1
+    assert not set(row) - documented_fields()
