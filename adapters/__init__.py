@@ -23,6 +23,7 @@ REGISTRY: dict[str, str] = {
     "hf": "adapters.hf:HFEngine",
     "vllm": "adapters.vllm.engine:VLLMEngine",
     "trtllm": "adapters.trtllm.engine:TRTLLMEngine",
+    "llamacpp": "adapters.llamacpp.engine:LlamaCppEngine",
 }
 EXTRA_ENGINES_ENV = "INFER_BENCH_ENGINES"
 # name -> "module:function(shape) -> str | None": why a registered engine cannot run a model of this
@@ -30,6 +31,7 @@ EXTRA_ENGINES_ENV = "INFER_BENCH_ENGINES"
 # `unavailable` with that line. Engines not listed are asked at load.
 MODEL_CHECKS: dict[str, str] = {
     "reference": "adapters.reference.families:unsupported_reason",
+    "llamacpp": "adapters.llamacpp.convert:unsupported_reason",
 }
 
 

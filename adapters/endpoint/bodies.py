@@ -91,6 +91,7 @@ class RequestBodies:
             body["return_token_ids"] = True
         if kind.continuous_usage:  # usage on every chunk: tokens counted even in chunks without text
             body["stream_options"]["continuous_usage_stats"] = True
+        body.update(kind.request_fields)
         self._constrain(body, constraint)
         body.update(self.cfg.extra_body)
         return body

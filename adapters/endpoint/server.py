@@ -264,7 +264,7 @@ class Server:
                 if v.status_code != 200:
                     continue
                 body = v.json()
-                self.version = str(body.get("version")) if isinstance(body, dict) else str(body)
+                self.version = str(body.get("version") or body.get("build_info")) if isinstance(body, dict) else str(body)
                 if isinstance(body, dict) and isinstance(body.get("compute_threads"), int):
                     self.compute_threads = body["compute_threads"]
                 break

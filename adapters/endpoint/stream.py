@@ -3,7 +3,8 @@ with, and what the client saw (tokens with their arrival times, chunks, the serv
 
 Token counting (docs/metrics.md, "Over HTTP"): tokens, not chunks. Per chunk, in this order:
   1. `choices[0].token_ids` (vLLM and infer-bench-serve with `return_token_ids: true`);
-  2. the entries of `choices[0].logprobs.tokens` (servers that return logprobs);
+  2. the entries of `choices[0].logprobs.tokens` (servers that return logprobs), or the ids of
+     `choices[0].logprobs.content` (llama-server with `n_probs`: ids, not only a count);
   3. the growth of `usage.completion_tokens` (servers that send usage on every chunk:
      `stream_options.continuous_usage_stats`);
   4. otherwise one token per chunk that carries text (then the final usage decides: a
@@ -95,6 +96,7 @@ class ReqState:
     usage_completion: int | None = None
     usage_prompt: int | None = None
     usage_cached: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
+    server_timings: dict[str, Any] | None = None  # the server's own per-response `timings` (llama-server: prompt_ms ...)
     prompt_ids_server: list[int] | None = None
     finish_reason: str | None = None
     count_source: str | None = None
@@ -149,6 +151,10 @@ def chunk_tokens(choice: dict[str, Any], usage: dict[str, Any] | None, usage_see
     lp = choice.get("logprobs")
     if isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
         return None, len(lp["tokens"]), "logprobs"
+    if isinstance(lp, dict) and isinstance(lp.get("content"), list) and all(
+            isinstance(c, dict) and isinstance(c.get("id"), int) for c in lp["content"]):
+        # llama-server (n_probs: each generated token's entry carries its id)
+        return [int(c["id"]) for c in lp["content"]], len(lp["content"]), "logprobs_ids"
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         return None, max(0, usage["completion_tokens"] - usage_seen), "usage"
     delta = choice.get("delta")
@@ -180,6 +186,8 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
     usage = obj.get("usage")
     if not isinstance(usage, dict):
         usage = None
+    if isinstance(obj.get("timings"), dict):
+        state.server_timings = obj["timings"]
     choices = obj.get("choices")
     if choices is not None and not isinstance(choices, list):
         raise SSEError("`choices` is not a list")
@@ -196,6 +204,8 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
             state.token_ids += ids if ids is not None else [-1] * n
             state.token_times += [t] * n
             new += n
+            if source != "usage":  # tokens counted from this chunk: usage beside them (llama-server's last
+                state._usage_seen = max(state._usage_seen, len(state.token_ids))  # chunk) grows past them only
         if state.may_stop:
             delta = choice.get("delta")
             piece = choice.get("text") if "text" in choice else (delta.get("content") if isinstance(delta, dict)
