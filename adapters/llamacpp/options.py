@@ -34,9 +34,9 @@ class LlamaCppOptions:
                               help="KV cache type (type_k and type_v): auto (the run's dtype) | f32 | f16 | bf16 | "
                                    "q8_0 | q4_0; quantized V needs flash attention")
     flash_attn: str | None = spec(None, choices=("auto", "on", "off"),
-                                  help="flash attention: auto (llama.cpp decides) | on | off; null = off in a float32 run "
-                                       "with an unquantized KV cache (llama.cpp's CPU flash attention is not exact in "
-                                       "float32: docs/engines/llamacpp.md), else auto")
+                                  help="flash attention: auto (llama.cpp decides) | on | off; null = on with a quantized KV "
+                                       "cache (llama.cpp needs it for a quantized V), off in a float32 run (llama.cpp's "
+                                       "CPU flash attention is not exact in float32: docs/engines/llamacpp.md), else auto")
     n_ctx: int | None = spec(None, ge=1, help="KV cells (tokens) for all sequences together; null = max_model_len x "
                                               "the largest batch (or n_seq_max)")
     n_batch: int | None = spec(None, ge=1, help="most tokens per llama_decode call; null = 2048")
@@ -68,4 +68,6 @@ def flash_attn(o: LlamaCppOptions, model: ModelSpec, kv: str) -> str:
     KV cache, llama.cpp's own choice otherwise)."""
     if o.flash_attn is not None:
         return o.flash_attn
-    return "off" if model.dtype == "float32" and kv in ("f32", "f16", "bf16") else "auto"
+    if kv.startswith("q"):
+        return "on"  # llama.cpp refuses a quantized V cache without flash attention
+    return "off" if model.dtype == "float32" else "auto"
