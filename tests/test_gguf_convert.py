@@ -224,3 +224,20 @@ def test_infer_bench_model_writes_a_gguf_or_exits_2_naming_the_option(tmp_path, 
     assert "--preset tiny-gemma3" in capsys.readouterr().err and not list(cache.glob("tiny-gemma3*"))
     assert main(["--gguf", "--path", str(SHIPPED_DIR / "tiny-trained"), "--weights", "q5_k"]) == 2
     assert "--weights q5_k" in capsys.readouterr().err
+
+
+def test_a_gguf_option_that_is_no_gguf_exits_2_naming_it(tmp_path):
+    from harness.cli import check_jobs
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    problems = check_jobs(["engines=[llamacpp]", "model=tiny-trained", f"engine_options.llamacpp.gguf={bad}"])
+    assert any(p.startswith(f"engine_options.llamacpp.gguf={bad}: not a GGUF file") for p in problems), problems
+    truncated = tmp_path / "cut.gguf"
+    convert.write_gguf(SHIPPED_DIR / "tiny-trained", tmp_path / "m.gguf", "q8_0")
+    truncated.write_bytes((tmp_path / "m.gguf").read_bytes()[:5000])
+    problems = check_jobs(["engines=[llamacpp]", "model=tiny-trained", f"engine_options.llamacpp.gguf={truncated}"])
+    assert any("gguf-py cannot read it" in p for p in problems), problems
+    problems = check_jobs(["engines=[llamacpp]", "model=tiny-trained", f"engine_options.llamacpp.gguf={tmp_path / 'm.gguf'}"])
+    assert not any("engine_options.llamacpp.gguf" in p for p in problems), problems  # an intact file passes
+    problems = check_jobs(["engines=[llamacpp]", "model=tiny-trained", "engine_options.llamacpp.weights=q5_k"])
+    assert any(p.startswith("engine_options.llamacpp.weights=q5_k") for p in problems), problems

@@ -84,6 +84,31 @@ class LlamaCppEngine(Engine):
         return None
 
     @classmethod
+    def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
+        """The schema, then a given GGUF file: it exists and is a GGUF file gguf-py can read (a file llama.cpp
+        would reject as no GGUF at all is refused before anything starts)."""
+        problems = super().check_options(options, model)
+        path = (options or {}).get("gguf")
+        if problems or not path:
+            return problems
+        p = Path(str(path)).expanduser()
+        where = f"engine_options.{cls.name}.gguf={path}"
+        if not p.is_file():
+            return [f"{where}: no such file. Give a GGUF file (infer-bench-model --gguf writes one), or null to convert "
+                    "the run's checkpoint."]
+        with open(p, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return [f"{where}: not a GGUF file (its first bytes are not GGUF's magic). Give a GGUF file, or null."]
+        try:
+            import gguf
+            arch = gguf.GGUFReader(p).get_field("general.architecture")
+        except Exception as e:  # the reader's own words
+            return [f"{where}: gguf-py cannot read it ({type(e).__name__}: {e}). Give an intact GGUF file, or null."]
+        if arch is None:
+            return [f"{where}: it has no general.architecture key, without which llama.cpp refuses to load it."]
+        return []
+
+    @classmethod
     def version(cls) -> str | None:
         v = _versions()
         return ", ".join(f"{k} {x}" for k, x in v.items()) or None
