@@ -30,6 +30,12 @@ time.perf_counter_ns(): CLOCK_MONOTONIC, the clock the client stamps with; paced
 connections it accepted, and how many completion requests were the first request of their
 connection (`cold_streams`).
 
+`POST /v1/chat/completions` streams chat chunks the same way; with `--reasoning-tokens R` the first R
+tokens of each stream are reasoning (`delta.reasoning`, or `delta.reasoning_content` with
+`--reasoning-field`), the rest the answer (`delta.content`), a chunk never holding both, and the usage
+carries `completion_tokens_details.reasoning_tokens` (not with `--no-reasoning-usage`): the truth for
+TTFO and the reasoning counts. R at least max_tokens: a reasoning-only stream, no answer.
+
     python tests/fake_timed_server.py --port 0 --gap-ms 20 --first-ms 50 [--cpu 0] [--coarse]
 
 prints `READY <port>` on stdout once it listens. `--cpu N` pins it to core N.
@@ -77,6 +83,16 @@ def _event(tokens: range, finish: str | None) -> bytes:
             % (text.encode(), ids.encode(), fin.encode()))
 
 
+def _chat_event(tokens: range, finish: str | None, field: str) -> bytes:
+    """A chat chunk: the tokens' text in delta.<field> (`content`, or a reasoning field)."""
+    ids = ",".join(str(1000 + k) for k in tokens)
+    text = "".join(f" {'r' if field != 'content' else 'w'}{1000 + k}" for k in tokens)
+    fin = "null" if finish is None else f'"{finish}"'
+    return (b'data: {"id":"fake","object":"chat.completion.chunk","model":"fake-model","choices":[{"index":0,'
+            b'"delta":{"%s":"%s"},"token_ids":[%s],"logprobs":null,"finish_reason":%s}]}\n\n'
+            % (field.encode(), text.encode(), ids.encode(), fin.encode()))
+
+
 def fine_timer_slack() -> bool:
     """Ask Linux to end this thread's sleeps within 1 us of their time (False: not available)."""
     try:
@@ -105,8 +121,14 @@ async def wait_until(due: float, fine: bool = True) -> None:
 
 
 class TimedServer:
-    def __init__(self, gap_s: float, first_s: float, tokens_per_chunk: int, fine: bool = True):
+    def __init__(self, gap_s: float, first_s: float, tokens_per_chunk: int, fine: bool = True,
+                 reasoning_tokens: int = 0, reasoning_field: str = "reasoning", reasoning_usage: bool = True):
         self.gap_s, self.first_s, self.per_chunk = gap_s, first_s, max(1, tokens_per_chunk)
+        # /v1/chat/completions: the first `reasoning_tokens` tokens of a stream are reasoning
+        # (delta.<reasoning_field>), the rest answer (delta.content); with `reasoning_usage` the
+        # usage says how many (completion_tokens_details.reasoning_tokens)
+        self.reasoning_tokens, self.reasoning_field = reasoning_tokens, reasoning_field
+        self.reasoning_usage = reasoning_usage
         self.fine = fine  # pace with wait_until's busy-wait (False: asyncio.sleep alone, up to 1 ms late)
         self.late_ns: list[int] = []  # each chunk write minus its scheduled time
         self.gaps_ns: list[int] = []  # between consecutive chunk writes of one stream
@@ -162,7 +184,8 @@ class TimedServer:
     async def stream(self, req: dict, writer: asyncio.StreamWriter) -> None:
         t0 = time.perf_counter()
         n = int(req.get("max_tokens") or 16)
-        prompt = req.get("prompt")
+        chat = "messages" in req
+        prompt = req.get("prompt") if not chat else " ".join(str(m.get("content")) for m in req["messages"])
         prompt_len = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
         writer.write(_HEAD)
         sent, j, last = 0, 0, 0
@@ -173,8 +196,14 @@ class TimedServer:
             due = t0 + self.first_s + j * self.gap_s
             if due > time.perf_counter():
                 await wait_until(due, self.fine)
+            if chat:  # a chunk is all reasoning or all answer: the boundary falls between chunks
+                k = min(k, self.reasoning_tokens - sent) if sent < self.reasoning_tokens else k
             finish = "length" if sent + k == n else None
-            frame = _frame(_event(range(sent, sent + k), finish))
+            if chat:
+                field = self.reasoning_field if sent < self.reasoning_tokens else "content"
+                frame = _frame(_chat_event(range(sent, sent + k), finish, field))
+            else:
+                frame = _frame(_event(range(sent, sent + k), finish))
             now = time.perf_counter_ns()
             if self.gap_s > 0:
                 self.writes_ns.append(now)
@@ -195,7 +224,9 @@ class TimedServer:
                 await asyncio.sleep(0)  # let the other streams write too
         if batch:
             writer.write(b"".join(batch))
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+        usage: dict = {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+        if chat and self.reasoning_usage and self.reasoning_tokens:
+            usage["completion_tokens_details"] = {"reasoning_tokens": min(n, self.reasoning_tokens)}
         tail = b'data: {"id":"fake","object":"text_completion","choices":[],"usage":%s}\n\ndata: [DONE]\n\n' \
             % json.dumps(usage).encode()
         writer.write(_frame(tail) + b"0\r\n\r\n")
@@ -204,11 +235,14 @@ class TimedServer:
 
 @contextlib.contextmanager
 def running(gap_ms: float = 20.0, first_ms: float = 0.0, tokens_per_chunk: int = 1,
-            cpu: int | None = None, coarse: bool = False) -> Iterator[str]:
+            cpu: int | None = None, coarse: bool = False, reasoning_tokens: int = 0,
+            reasoning_field: str = "reasoning", reasoning_usage: bool = True) -> Iterator[str]:
     """Start the server in its own process; yields its API base URL (`http://127.0.0.1:P/v1`)."""
     cmd = [sys.executable, __file__, "--gap-ms", str(gap_ms), "--first-ms", str(first_ms),
            "--tokens-per-chunk", str(tokens_per_chunk)] + ([] if cpu is None else ["--cpu", str(cpu)])
     cmd += ["--coarse"] if coarse else []
+    cmd += ["--reasoning-tokens", str(reasoning_tokens), "--reasoning-field", reasoning_field]
+    cmd += [] if reasoning_usage else ["--no-reasoning-usage"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""
@@ -225,7 +259,9 @@ def running(gap_ms: float = 20.0, first_ms: float = 0.0, tokens_per_chunk: int =
 
 
 async def _main(args: argparse.Namespace) -> None:
-    srv = TimedServer(args.gap_ms / 1000, args.first_ms / 1000, args.tokens_per_chunk, fine=not args.coarse)
+    srv = TimedServer(args.gap_ms / 1000, args.first_ms / 1000, args.tokens_per_chunk, fine=not args.coarse,
+                      reasoning_tokens=args.reasoning_tokens, reasoning_field=args.reasoning_field,
+                      reasoning_usage=not args.no_reasoning_usage)
     if srv.fine:
         fine_timer_slack()
     server = await asyncio.start_server(srv.handle, args.host, args.port, backlog=4096)
@@ -249,6 +285,11 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=None, help="pin the server to this core")
     ap.add_argument("--coarse", action="store_true",
                     help="pace with asyncio.sleep alone (up to 1 ms late), not the busy-wait: to compare")
+    ap.add_argument("--reasoning-tokens", type=int, default=0,
+                    help="chat: the first N tokens of a stream are reasoning (delta.<--reasoning-field>)")
+    ap.add_argument("--reasoning-field", default="reasoning", choices=("reasoning", "reasoning_content"))
+    ap.add_argument("--no-reasoning-usage", action="store_true",
+                    help="chat: the usage does not say how many tokens were reasoning")
     args = ap.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})

@@ -17,7 +17,7 @@ import pytest
 from harness.core.cost import Price
 from reports import browser, write_report
 from reports.blocks import fmt_num
-from test_report_fakes import (FAKE_ENV, structured_rows, capacity_rows, conversation_rows, conversation_tier_rows, http_serving_rows,
+from test_report_fakes import (FAKE_ENV, reasoning_rows, structured_rows, capacity_rows, conversation_rows, conversation_tier_rows, http_serving_rows,
                                other_workload_rows, priced,
                                parity_rows_teacher_forced, serving_load_rows, status_row, sweep_rows, write_results)
 
@@ -290,3 +290,20 @@ def test_the_structured_output_section_draws_in_chromium(driver: Any, tmp_path: 
     compile_ = table(driver, "structured-compile")
     assert [r[0]["text"] for r in compile_["rows"]] == ["reference", "vllm"]
     assert float(compile_["rows"][1][3]["value"]) == pytest.approx(1.1)
+
+
+def test_the_reasoning_section_shows_ttft_beside_ttfo_in_chromium(driver: Any, tmp_path: Path) -> None:
+    """Served rows with reasoning: TTFT and TTFO side by side per point, and a point where no
+    request answered shows no TTFO (missing, not 0)."""
+    write_results(tmp_path / "cur", reasoning_rows())
+    report = write_report([tmp_path / "cur"], tmp_path / "reasoning.html")
+    browser.open_report(driver, report)
+    assert console_errors(driver) == []
+    figs = {f["name"]: f for f in drawn_figures(driver)}
+    assert figs["reasoning-ttfo"]["traces"] == 1 and figs["reasoning-ttfo"]["drawn"] > 0
+    values = table(driver, "reasoning-values")
+    head = values["headers"]
+    assert head[:5] == ["engine", "point", "TTFT ms", "TTFO ms", "reasoning time ms"]
+    answered, silent = values["rows"]
+    assert float(answered[head.index("TTFO ms")]["value"]) == pytest.approx(0.13)  # seconds, shown in ms
+    assert silent[head.index("TTFO ms")]["text"] == "–" and silent[head.index("requests without answer")]["text"] == "8"

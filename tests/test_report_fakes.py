@@ -167,6 +167,22 @@ def structured_rows(engines=("reference", "vllm")) -> list[dict[str, Any]]:
     return rows
 
 
+def reasoning_rows(engine: str = "vllm-serve") -> list[dict[str, Any]]:
+    """FAKE served rows of an HTTP engine with reasoning fields: one point that answered (TTFO after
+    TTFT), one where every stream was reasoning only (TTFO null)."""
+    rows = []
+    for rate, answered in ((1.0, True), (4.0, False)):
+        row = make_row(engine=engine, workload="serving", status="ok", model="tiny", point={"request_rate": rate},
+                       point_key=f"rs:{rate}")
+        row.update(request_rate=rate, ttft_s=0.05, tpot_s=0.02, ttfo_s=0.13 if answered else None,
+                   ttfo_s_count=8 if answered else 0, reasoning_time_s=0.08 if answered else None,
+                   tpot_answer_s=0.021 if answered else None, reasoning_tokens=32 if answered else 96,
+                   answer_tokens=64 if answered else 0, reasoning_token_source="usage",
+                   requests_without_answer=0 if answered else 8, requests_with_reasoning=8, transport="http")
+        rows.append(row)
+    return rows
+
+
 def conversation_rows(engines=("hf", "reference"), pools=((5461, 16), (40, 16))) -> list[dict[str, Any]]:
     """FAKE rows of workload=conversation: 4 turns, caching on/off, per pool size (blocks, block
     size); with the small pool the hit rate falls below the reusable share from turn 3 on."""

@@ -42,12 +42,54 @@ MAX_UNKNOWN_SHARE = 0.05
 
 @dataclass
 class Content:
-    """One category's token stream (None for `random`), where it came from, and a digest of it."""
+    """One category's token stream (None for `random`), where it came from, and a digest of it; a
+    dataset's category has its prompts instead (token ids each, workloads/spec_dataset.py)."""
 
     category: str
     ids: np.ndarray | None
     source: str
     digest: str
+    prompts: list[list[int]] | None = None
+
+
+def dataset_content(path: str, category: str, model_path: str, tok: Any = None) -> Content:
+    """A category of a user's dataset (workloads/spec_dataset.py): its prompts, tokenised raw with
+    the model's tokenizer (no chat template). ValueError when none gives a token."""
+    from workloads.spec_dataset import read_categories, texts_digest
+    cats, fmt = read_categories(path)
+    texts = cats.get(category)
+    if not texts:
+        raise ValueError(f"workload.dataset={path} has no category {category!r} (its categories: {', '.join(cats)})")
+    tok = tok or _tokenizer(model_path)
+    ids = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    ids = [i for i in ids if i]
+    if not ids:
+        raise ValueError(f"workload.dataset={path}: category {category!r}: every prompt tokenises to nothing")
+    return Content(category, None, f"{path} ({fmt}), category {category}: {len(ids)} prompts, tokenised with the "
+                   "model's tokenizer, no chat template", texts_digest(texts), ids)
+
+
+def dataset_encoding_problems(path: str, model_path: str) -> list[str]:
+    """Bad input: a dataset category whose prompts the model's tokenizer cannot encode (empty, or
+    mostly its unknown token: a random-weight preset's word-level tokenizer)."""
+    from workloads.spec_dataset import read_categories
+    try:
+        tok = _tokenizer(model_path)
+    except Exception as e:
+        return [f"workload.dataset={path} needs the model's tokenizer, which did not load from {model_path} "
+                f"({type(e).__name__}: {e}). Use a model with a tokenizer."]
+    problems = []
+    for cat in read_categories(path)[0]:
+        try:
+            c = dataset_content(path, cat, model_path, tok)
+        except ValueError as e:
+            problems.append(f"{e}. Give prompts with text.")
+            continue
+        share = unknown_share(tok, np.asarray([t for p in c.prompts for t in p]))  # type: ignore[union-attr]
+        if share > MAX_UNKNOWN_SHARE:
+            problems.append(f"workload.dataset={path}: category {cat} means nothing on this model: its tokenizer maps "
+                            f"{share:.0%} of the text to its unknown token. Use a trained model (model=tiny-trained).")
+    return problems
 
 
 def prose_files() -> list[Path]:

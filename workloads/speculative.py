@@ -47,7 +47,9 @@ from harness.core.specdecode import (BASELINE, FAIL, UNVERIFIED, accepted_agreem
                                      lossless_passed, spec_fields)
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
 from workloads.serving import ClosedLoopSource
-from workloads.spec_content import CONTENTS, Content, encoding_problems, load_content, prompts
+from workloads.spec_content import (CONTENTS, Content, dataset_content, dataset_encoding_problems, encoding_problems,
+                                    load_content, prompts)
+from workloads.spec_dataset import read_categories
 
 WORKLOAD = "speculative"
 METHODS = ("ngram", "draft", "eagle", "mtp")
@@ -77,6 +79,10 @@ class SpeculativeConfig:
     output_len: int = spec(64, ge=2, help="output tokens per request (forced: greedy, EOS ignored)")
     rounds: int = spec(2, ge=1, help="requests per slot: a point serves max(min_requests, rounds x batch size)")
     min_requests: int = spec(8, ge=2, help="requests per point, at least (the TPOT and speed-up intervals need them)")
+    dataset: str | None = spec(None, help="prompts from your own traffic instead of the built-in contents: a JSONL "
+                                          "with a `category` field (SpecBench, MT-Bench), ShareGPT, chat JSONL, or "
+                                          "hf:ORG/NAME[/FILE]; acceptance and speed-up per category")
+    categories: list[str] | None = spec(None, help="with a dataset: the categories measured (null: all of them)")
 
 
 def draft_reference_problems(ref: str | None, target_vocab: int, target_name: str) -> list[str]:
@@ -212,11 +218,20 @@ class Speculative(Workload):
             return Point(self.name, p)
 
         batches, contents = sorted(set(cfg.batch_sizes)), list(dict.fromkeys(cfg.contents))
+        if cfg.dataset:  # the dataset's categories instead of the built-in contents
+            contents = self.dataset_categories(cfg)
         points = [point("none", b, c) for b in batches for c in contents]
         for m in dict.fromkeys(cfg.methods):
             for k in sorted(set(cfg.num_speculative_tokens)):
                 points += [point(m, b, c, k) for b in batches for c in contents]
+        if cfg.dataset:  # the points of a dataset name it (their prompts are its)
+            points = [Point(p.workload, {**p.params, "dataset": cfg.dataset}) for p in points]
         return points
+
+    def dataset_categories(self, cfg: SpeculativeConfig) -> list[str]:
+        """The categories of cfg.dataset measured (workload.categories, else all), in file order."""
+        cats = list(read_categories(cfg.dataset)[0])
+        return [c for c in cats if c in cfg.categories] if cfg.categories else cats
 
     def max_model_len(self, cfg: SpeculativeConfig) -> int:
         # a verifying pass writes up to k positions past the last accepted token
@@ -234,13 +249,26 @@ class Speculative(Workload):
                             "than the longest. Lower prompt_lookup_min or raise prompt_lookup_max.")
         if "draft" in cfg.methods:
             problems += draft_reference_problems(cfg.draft_model, shape.vocab_size, shape.name)
+        if cfg.categories is not None and not cfg.dataset:
+            problems.append("workload.categories without workload.dataset: categories name a dataset's prompts. Give "
+                            "workload.dataset=FILE, or leave categories out.")
+        if cfg.dataset:
+            try:
+                cats = read_categories(cfg.dataset)[0]
+            except UserError as e:
+                return problems + e.problems
+            unknown = [c for c in (cfg.categories or []) if c not in cats]
+            if unknown:
+                problems.append(f"workload.categories: {', '.join(unknown)} names nothing in workload.dataset="
+                                f"{cfg.dataset} (its categories: {', '.join(cats)}). Name some of those.")
         return problems + super().check(cfg, shape)
 
     def models(self, cfg: SpeculativeConfig) -> list[str]:
         return [cfg.draft_model] if "draft" in cfg.methods and cfg.draft_model else []
 
     def check_models(self, cfg: SpeculativeConfig, model_path: str, models: dict[str, str]) -> list[str]:
-        problems = encoding_problems(model_path, list(cfg.contents))
+        problems = encoding_problems(model_path, list(cfg.contents)) if not cfg.dataset else \
+            dataset_encoding_problems(cfg.dataset, model_path)
         for ref in self.models(cfg):
             problems += tokenizer_problems(model_path, models[ref], ref)
         return problems
@@ -271,15 +299,20 @@ class Speculative(Workload):
             out.update(prompt_lookup_min=p["prompt_lookup_min"], prompt_lookup_max=p["prompt_lookup_max"])
         return out
 
-    def content(self, category: str, ctx: RunContext) -> Content:
-        key = (category, ctx.model_path)
+    def content(self, category: str, ctx: RunContext, dataset: str | None = None) -> Content:
+        key = (category, ctx.model_path, dataset)
         if key not in self._content:
-            self._content[key] = load_content(category, ctx.model_path)
+            self._content[key] = (load_content(category, ctx.model_path) if dataset is None
+                                  else dataset_content(dataset, category, ctx.model_path))
         return self._content[key]
 
     def requests(self, params: dict[str, Any], ctx: RunContext, n: int, first: int = 0) -> list[Request]:
-        content = self.content(params["content"], ctx)
-        ps = prompts(content, n, params["prompt_len"], ctx.seed, (ctx.token_low, ctx.token_high, ctx.avoid_ids), first)
+        content = self.content(params["content"], ctx, params.get("dataset"))
+        if params.get("dataset"):  # request i: the category's i-th prompt (cycling), cut to prompt_len
+            ps = [content.prompts[i % len(content.prompts)][:params["prompt_len"]] for i in range(first, first + n)]
+        else:
+            ps = prompts(content, n, params["prompt_len"], ctx.seed, (ctx.token_low, ctx.token_high, ctx.avoid_ids),
+                         first)
         return [Request(f"r{first + i}", p, params["output_len"]) for i, p in enumerate(ps)]
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: SpeculativeConfig,
@@ -310,7 +343,8 @@ class Speculative(Workload):
         info = engine.kv_cache_info()
         row.update(
             method=p["method"], k=p.get("k"), draft=p.get("draft"), content=p["content"],
-            content_source=self.content(p["content"], ctx).source, content_digest=self.content(p["content"], ctx).digest,
+            content_source=self.content(p["content"], ctx, p.get("dataset")).source,
+            content_digest=self.content(p["content"], ctx, p.get("dataset")).digest,
             concurrency=b, load_mode="closed", tokens_per_step=tps, tokens_per_step_source=source,
             measured_output_tokens=row["total_output_tokens"],
             prompts_sha256=prompts_digest(reqs),

@@ -61,6 +61,10 @@ class RequestBodies:
             self._tokenizer = AutoTokenizer.from_pretrained(self.cfg.tokenizer or self._tokenizer_dir())
         return self._tokenizer
 
+    def count_tokens(self, text: str) -> int:
+        """Tokens of `text` by the model's tokenizer (a reasoning text the server did not count)."""
+        return len(self.tokenizer()(text, add_special_tokens=False)["input_ids"])
+
     def prompt(self, ids: list[int]) -> Any:
         """The `prompt` field: the ids, or their text when the server takes text (the text must
         re-encode to as many tokens, else the lengths would not be what the workload asks)."""

@@ -186,6 +186,13 @@ def default_space(decl: tuple[ServerFlag, ...]) -> dict[str, Any]:
 # Literal["fcfs", "priority"]), vllm/config/cache.py (CacheConfig: block_size gt=0,
 # gpu_memory_utilization gt=0 le=1). The API server's defaults of max_num_seqs / max_num_batched_tokens
 # depend on the device: arg_utils.py _set_default_max_num_seqs_and_batched_tokens_args.
+VLLM_REASONING_PARSERS = (
+    "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41", "ernie45",
+    "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo", "minicpmv", "minimax_m2", "minimax_m2_append_think",
+    "minimax_m3", "mistral", "muse_glimmer", "nemotron_v3", "olmo3", "openai_gptoss", "plamo3", "poolside_v1", "qwen3",
+    "seed_oss", "step3", "step3p5")
+
 VLLM_FLAGS = (
     ServerFlag("max-num-seqs", int, "arg", "by device memory (256 or 1024; CPU 128)", ge=1,
                tune=[4, 8, 16, 32, 64, 128, 256], value_of="max_num_seqs",
@@ -207,6 +214,11 @@ VLLM_FLAGS = (
                     "tokens (0: off)"),
     ServerFlag("scheduling-policy", str, "arg", "fcfs", choices=("fcfs", "priority"),
                help="fcfs | priority (by the request's priority; the harness sends none)"),
+    # src: vllm/engine/arg_utils.py (0.32.0) --reasoning-parser (StructuredOutputsConfig.reasoning_parser,
+    # checked after parsing against vllm/reasoning/__init__.py's registry: these names); chat chunks
+    # then stream the reasoning in delta.reasoning and the usage counts it (completion_tokens_details)
+    ServerFlag("reasoning-parser", str, "arg", "", choices=VLLM_REASONING_PARSERS,
+               help="the model's reasoning parser (api=chat: reasoning apart from the answer, TTFO)"),
 )
 
 

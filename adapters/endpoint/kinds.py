@@ -209,6 +209,9 @@ class ServerKind:
     structured_kinds: tuple[str, ...] = ()
     # fields added to every completion request (before extra_body): a server's own greedy / token-id settings
     request_fields: dict[str, Any] = field(default_factory=dict)
+    # reasoning (api=chat with the server's reasoning parser, a server flag): the chat delta field it
+    # streams reasoning in; None: not checked (the client reads reasoning_content and reasoning alike)
+    reasoning_field: str | None = None
 
 
 # ---- request fields -------------------------------------------------------------------------------
@@ -652,6 +655,8 @@ VLLM = ServerKind(
                              per_position="vllm:spec_decode_num_accepted_tokens_per_pos_total"),
     tier_metrics=VLLM_TIERS,  # adapters/tiers.py
     constraint_fields=vllm_constraint, structured_kinds=("json", "regex", "choice", "grammar"),
+    # src: vllm/entrypoints/generate/base/protocol.py (0.32.0) DeltaMessage.reasoning
+    reasoning_field="reasoning",
 )
 
 SGLANG = ServerKind(
@@ -707,6 +712,9 @@ SGLANG = ServerKind(
         source="derived"),
     tier_metrics=SGLANG_TIERS,  # adapters/tiers.py
     constraint_fields=sglang_constraint, structured_kinds=("json", "regex", "choice", "grammar"),
+    # src: sglang python/sglang/srt/entrypoints/openai/protocol.py (main, 004c82e): reasoning_content
+    # (its usage: UsageInfo.reasoning_tokens); chat itself is not yet checked for this kind (chat=False)
+    reasoning_field="reasoning_content",
 )
 
 TRTLLM = ServerKind(

@@ -146,7 +146,7 @@ def serve_load(server: Server, bodies: RequestBodies, requests: list[Request], *
                                    per_process, should_stop)
     finally:
         gc.unfreeze()
-    return ({"start_ns": start, "traces": traces(states, server.failure_detail),
+    return ({"start_ns": start, "traces": traces(states, server.failure_detail, bodies.count_tokens),
              "client": client_fields(states, per_process)}, states)
 
 
@@ -220,8 +220,10 @@ def run_in_clients(job: Job, processes: int, backend: str, ray_address: str | No
     return start
 
 
-def traces(states: list[ReqState], failure_detail: Callable[[ReqState], str]) -> list[RequestTrace]:
-    """One RequestTrace per request sent, its error said (a failure, or cancelled by an early stop)."""
+def traces(states: list[ReqState], failure_detail: Callable[[ReqState], str],
+           count_tokens: Callable[[str], int] | None = None) -> list[RequestTrace]:
+    """One RequestTrace per request sent, its error said (a failure, or cancelled by an early stop),
+    with its first answer token and its reasoning counts (`reasoning_counts`)."""
     out = []
     for st in states:
         error = None
@@ -229,9 +231,28 @@ def traces(states: list[ReqState], failure_detail: Callable[[ReqState], str]) ->
             error = failure_detail(st)
         elif st.cancelled:
             error = "cancelled (the point stopped early)"
-        out.append(RequestTrace(st.request_id, st.scheduled_ns, st.prompt_len, st.token_times[:st.expected],
-                                st.token_ids[:st.expected], error))
+        tr = RequestTrace(st.request_id, st.scheduled_ns, st.prompt_len, st.token_times[:st.expected],
+                          st.token_ids[:st.expected], error, first_answer_ns=st.first_answer_ns,
+                          reasoning=bool(st.reasoning_text))
+        tr.reasoning_tokens, tr.answer_tokens, tr.reasoning_source = reasoning_counts(st, count_tokens)
+        out.append(tr)
     return out
+
+
+def reasoning_counts(st: ReqState, count_tokens: Callable[[str], int] | None) -> tuple[int | None, int | None,
+                                                                                           str | None]:
+    """(reasoning tokens, answer tokens, where from) of one request: the server's usage where it
+    gives reasoning_tokens, else the tokenizer's count of the reasoning text; (None, None, None)
+    for a stream without reasoning whose usage says nothing of it."""
+    total = st.usage_completion if st.usage_completion is not None else len(st.token_ids)
+    if st.usage_reasoning is not None:
+        return st.usage_reasoning, total - st.usage_reasoning, "usage"
+    if not st.reasoning_text:
+        return None, None, None
+    if count_tokens is None:
+        return None, None, None
+    n = count_tokens(st.reasoning_text)  # the text re-tokenised: it may differ from what the server sampled
+    return n, (max(0, total - n) if st.first_answer_ns is not None else 0), "tokenizer"
 
 
 def client_fields(states: list[ReqState], per_process: list[ClientStats]) -> dict[str, Any]:

@@ -108,6 +108,12 @@ class ReqState:
     # text is kept (`text`: the chunks' text or delta content, as the server sent it)
     may_stop: bool = False
     text: str = ""
+    # reasoning (a chat stream; docs/metrics.md, "Reasoning"): when the first answer text or tool
+    # call arrived (None: none did), the reasoning deltas' text and field, and the server's count
+    first_answer_ns: int | None = None
+    reasoning_field: str | None = None  # reasoning_content | reasoning: the delta field it came in
+    reasoning_text: str = ""
+    usage_reasoning: int | None = None  # usage.completion_tokens_details.reasoning_tokens (SGLang: usage.reasoning_tokens)
     _usage_seen: int = 0
 
     @property
@@ -162,6 +168,11 @@ def chunk_tokens(choice: dict[str, Any], usage: dict[str, Any] | None, usage_see
     return None, 1 if text else 0, "chunks"
 
 
+# the chat delta fields a server streams reasoning in: vLLM 0.32 `reasoning`
+# (entrypoints/generate/base/protocol.py DeltaMessage), SGLang `reasoning_content`
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
 class SSEError(Exception):
     """The stream broke the Server-Sent Events / OpenAI streaming format."""
 
@@ -198,6 +209,17 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
         if state.prompt_ids_server is None and isinstance(choice.get("prompt_token_ids"), list):
             state.prompt_ids_server = choice["prompt_token_ids"]
         ids, n, source = chunk_tokens(choice, usage, state._usage_seen)
+        delta = choice.get("delta")
+        if isinstance(delta, dict):  # a chat chunk: reasoning apart from the answer
+            for key in REASONING_FIELDS:
+                piece = delta.get(key)
+                if isinstance(piece, str) and piece:
+                    state.reasoning_text += piece
+                    state.reasoning_field = key
+            if state.first_answer_ns is None and (delta.get("content") or delta.get("tool_calls")):
+                state.first_answer_ns = t
+        elif n and state.first_answer_ns is None:  # a completion has no reasoning: its first token answers
+            state.first_answer_ns = t
         if n:
             state.count_source = source
             first = len(state.token_ids)
@@ -223,6 +245,11 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             state.usage_cached = details["cached_tokens"]
+        out_details = usage.get("completion_tokens_details")
+        if isinstance(out_details, dict) and isinstance(out_details.get("reasoning_tokens"), int):
+            state.usage_reasoning = out_details["reasoning_tokens"]
+        elif isinstance(usage.get("reasoning_tokens"), int):  # SGLang's UsageInfo
+            state.usage_reasoning = usage["reasoning_tokens"]
     if new:
         state.chunk_times.append(t)
         state.chunk_sizes.append(new)

@@ -30,6 +30,27 @@ class RequestTrace:
     error: str | None = None  # why the request failed (a server's HTTP error, a stream cut short)
     cached_tokens: int | None = None  # prompt tokens the engine reported taking from its prefix cache
     reloaded_tokens: int | None = None  # of those, the ones reloaded from a second KV tier (kv_offload)
+    # reasoning (a server's stream; docs/metrics.md, "Reasoning"): when the first answer or tool-call
+    # token arrived (None: no answer came, or the engine cannot tell answer from reasoning), whether
+    # the stream carried reasoning, the reasoning and answer token counts and where the counts came
+    # from ("usage": the server's completion_tokens_details.reasoning_tokens; "tokenizer")
+    first_answer_ns: int | None = None
+    reasoning: bool = False
+    reasoning_tokens: int | None = None
+    answer_tokens: int | None = None
+    reasoning_source: str | None = None
+
+    @property
+    def ttfo_s(self) -> float | None:
+        """Time to the first answer token (TTFO); None without an answer."""
+        return (self.first_answer_ns - self.arrival_ns) / 1e9 if self.first_answer_ns is not None else None
+
+    @property
+    def answer_times_ns(self) -> list[int]:
+        """The times of the tokens from the first answer token on."""
+        if self.first_answer_ns is None:
+            return []
+        return [t for t in self.token_times_ns if t >= self.first_answer_ns]
 
     @property
     def n_out(self) -> int:
@@ -124,4 +145,30 @@ def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
     for name, samples in (("ttft_s", ttft), ("tpot_s", tpot), ("itl_s", itl), ("e2el_s", e2el)):
         row.update(_stat_fields(name, samples))
     row["per_user_tok_s"] = 1 / row["tpot_s"] if row.get("tpot_s") else None
+    if any(t.first_answer_ns is not None or t.reasoning for t in traces):
+        row.update(reasoning_fields(done))
+    return row
+
+
+def reasoning_fields(done: list[RequestTrace]) -> dict[str, Any]:
+    """TTFO, reasoning time and the answer's own TPOT and ITL over the completed requests, and the
+    reasoning and answer token counts (docs/metrics.md, "Reasoning"). TTFO is null for a request
+    without an answer (never 0); a stream without reasoning has TTFO = TTFT."""
+    with_answer = [t for t in done if t.first_answer_ns is not None]
+    row: dict[str, Any] = {"requests_with_reasoning": sum(1 for t in done if t.reasoning),
+                           "requests_without_answer": len(done) - len(with_answer)}
+    row.update(_stat_fields("ttfo_s", [t.ttfo_s for t in with_answer]))
+    row.update(_stat_fields("reasoning_time_s", [t.ttfo_s - t.ttft_s for t in with_answer], with_samples=False))
+    ans_tpot, ans_itl = [], []
+    for t in with_answer:
+        a = t.answer_times_ns
+        if len(a) > 1:
+            ans_tpot.append((a[-1] - a[0]) / 1e9 / (len(a) - 1))
+            ans_itl += [(y - x) / 1e9 for x, y in zip(a, a[1:])]
+    row.update(_stat_fields("tpot_answer_s", ans_tpot, with_samples=False))
+    row.update(_stat_fields("itl_answer_s", ans_itl, with_samples=False))
+    counted = [t for t in done if t.reasoning_tokens is not None]
+    row["reasoning_tokens"] = sum(t.reasoning_tokens for t in counted) if counted else None  # type: ignore[misc]
+    row["answer_tokens"] = sum(t.answer_tokens or 0 for t in counted) if counted else None
+    row["reasoning_token_source"] = ", ".join(sorted({t.reasoning_source for t in counted if t.reasoning_source})) or None
     return row
