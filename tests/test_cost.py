@@ -194,7 +194,7 @@ def test_prices_resolve_user_first_then_the_table():
 
 @pytest.mark.parametrize("raw,kw,expected", [
     ({"price_per_core_hour": -0.05}, {}, ["cost.price_per_core_hour=-0.05: a price must be greater than 0",
-                                          "e.g. cost.price_per_core_hour=2.5"]),
+                                          "e.g. cost.price_per_core_hour=0.05"]),
     ({"price_per_device_hour": 0}, {"device": "cuda"}, ["cost.price_per_device_hour=0: a price must be greater"]),
     ({"engines": {"vllm": {"price_per_hour": -1}}}, {}, ["cost.engines.vllm.price_per_hour=-1"]),
     ({"device": "h300"}, {"device": "cuda"}, ["cost.device=h300: not in the price table", "cost.price_per_device_hour=",

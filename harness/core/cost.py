@@ -182,6 +182,10 @@ def _price_fix(problem: str) -> str:
     return problem + (" Give a price per hour as a number, e.g. 2.5." if "price" in problem.split(":")[0] else "")
 
 
+EXAMPLES = {"price_per_hour": "2.5", "price_per_device_hour": "2.5", "price_per_core_hour": "0.05",
+            "price_per_kwh": "0.15"}
+
+
 def _settings_problems(s: CostSettings, where: str) -> list[str]:
     out = []
     for key in (*PRICES, "price_per_kwh", "rated_power_w"):
@@ -191,7 +195,7 @@ def _settings_problems(s: CostSettings, where: str) -> list[str]:
             out.append(f"{where}.{key}={v:g}: {what} must be greater than 0. Give "
                        + ("the deployment's rated power in watts, e.g. 700" if key == "rated_power_w" else
                           f"what the resource costs per {'kWh' if key == 'price_per_kwh' else 'hour'}, e.g. "
-                          f"{where}.{key}={'0.15' if key == 'price_per_kwh' else '2.5'}")
+                          f"{where}.{key}={EXAMPLES[key]}")
                        + ", or leave it unset.")
     if s.currency is not None and not _CURRENCY.match(s.currency):
         out.append(f"{where}.currency={s.currency}: give an ISO 4217 currency code in capitals, e.g. USD or EUR.")
