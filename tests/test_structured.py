@@ -202,6 +202,8 @@ def test_a_server_that_ignores_the_constraint_field_fails_with_constraint_not_ap
     if honour:
         assert row["status"] == "ok" and row["constraint_applied"] == "yes", row.get("error")
         assert row["structured_conforming"] == 4
+        assert row["output_tok_s_ratio"] == pytest.approx(row["output_tok_s"] / free["output_tok_s"])
+        assert row["ttft_ratio"] == pytest.approx(row["ttft_s"] / free["ttft_s"])
     else:
         assert row["status"] == "failed" and row["constraint_applied"] == "no"
         assert row["error"].startswith("constraint not applied")

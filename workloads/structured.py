@@ -275,9 +275,9 @@ class Structured(Workload):
         bad = [r for r in mine if verdicts[r] not in GOOD]
         base = self._baseline(row, rows)
         if base is not None and base.get("status") == "ok":
-            for m in ("tpot_s", "output_tok_s", "ttft_s"):
+            for m, ratio in (("tpot_s", "tpot_ratio"), ("output_tok_s", "output_tok_s_ratio"), ("ttft_s", "ttft_ratio")):
                 if row.get(m) and base.get(m):
-                    row[f"{m.removesuffix('_s')}_ratio"] = row[m] / base[m]
+                    row[ratio] = row[m] / base[m]
             row["baseline_tpot_s"], row["baseline_output_tok_s"] = base.get("tpot_s"), base.get("output_tok_s")
             free = base.get("request_verdicts") or {}
             free_bad = [r for r in mine if r in free and free[r] not in GOOD]
