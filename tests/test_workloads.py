@@ -134,3 +134,21 @@ def test_parity_agreement():
     assert r["agreement"] == pytest.approx(5 / 8) and r["first_divergence"] == 2
 
 
+
+
+def test_kv_ablation_kv_dtypes_axis_is_the_cached_modes_and_unsupported_where_the_engine_lacks_one():
+    from adapters.base import Capabilities
+    from harness.core.schema import check
+    wl = get_workload("kv_ablation")
+    cfg, problems = check(wl.config_cls, {"name": "kv_ablation", "context_lens": [64], "kv_dtypes": ["auto", "q8_0"]},
+                          "workload")
+    assert not problems
+    points = wl.plan(cfg)
+    assert sorted((p.params["mode"], p.params.get("kv_dtype", "auto")) for p in points) == [
+        ("cache", "auto"), ("cache", "q8_0"), ("no_cache", "auto")]
+    q8 = next(p for p in points if p.params.get("kv_dtype") == "q8_0")
+    ref_like = Capabilities(kv_dtypes=("auto", "int8", "fp8"), no_cache_mode=True)
+    llama_like = Capabilities(kv_dtypes=("auto", "fp32", "q8_0", "q4_0"))
+    assert "cannot store the KV cache as q8_0" in wl.unsupported(q8, ref_like)
+    assert wl.unsupported(q8, llama_like) is None
+    assert wl.engine_overrides(q8, llama_like) == {"kv_dtype": "q8_0"}

@@ -40,7 +40,8 @@ from workloads.base import Point, RunContext, Workload
 WORKLOAD = "quality"
 BASELINE_ENGINE = "reference"
 BASELINE_DTYPE = "float32"
-KNOWN_KV = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KNOWN_KV = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+            "q8_0", "q4_0")  # the last two: llama.cpp's block types
 
 
 @dataclass
@@ -114,7 +115,8 @@ class Quality(Workload):
             problems.append(f"workload.decode_batch x workload.decode_prompt_len = "
                             f"{cfg.decode_batch * cfg.decode_prompt_len} tokens: more than workload.chunk={cfg.chunk} "
                             "(the short decode's prefill must fit in one step). Lower them or raise chunk.")
-        problems += [f"workload.kv_dtypes: unknown KV dtype '{d}'. Use auto, int8 or fp8 (or fp16/bf16/fp32)."
+        problems += [f"workload.kv_dtypes: unknown KV dtype '{d}'. Use auto, int8 or fp8 (or fp16/bf16/fp32; "
+                     "llama.cpp's q8_0, q4_0)."
                      for d in cfg.kv_dtypes if d != "auto" and d.lower() not in KNOWN_KV]
         return problems or super().check(cfg, shape)
 
