@@ -35,6 +35,7 @@ from adapters.base import (
     RequestSource, SpecDecodeStats, StepTiming, TokenEvent, TokenScores, as_source, now_ns, option_names, wait_until,
 )
 from adapters.speculative import SpecCounter, option_problems
+from harness.core.constraints import KINDS as STRUCTURED_KINDS
 from harness.core.errors import UserError
 from harness.core.kvcalc import canonical_kv_dtype
 from harness.core.presets import shape_from_hf_config
@@ -100,6 +101,7 @@ class HFEngine(Engine):
         return Capabilities(kv_dtypes=("auto",), no_cache_mode=True, logits=True, scores=True,
                             speculative_methods=SPEC_METHODS, speculative_max_batch=1, options=OPTIONS,
                             lora=peft, lora_slots=False, lora_mixed_batch=peft,
+                            structured_output=STRUCTURED_KINDS,
                             lora_unsupported=None if peft else "peft is not installed here: pip install peft")
 
     @classmethod
@@ -135,6 +137,7 @@ class HFEngine(Engine):
         self._counter = SpecCounter()
         self.lora: list[str] = []  # the PEFT adapters loaded (names)
         self._adapter_names: list[str] | None = None  # the live batch's adapter per row (PEFT's adapter_names)
+        self._grammars: Any = None  # structured output's compiler (harness.core.constraints.Grammars), on first use
 
     # ---- life cycle --------------------------------------------------------------------
     def load(self, model: ModelSpec, options: dict[str, Any]) -> LoadInfo:
@@ -165,6 +168,7 @@ class HFEngine(Engine):
             loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=getattr(torch, _DTYPES[model.dtype]),
                                                           attn_implementation=attn)
         self.model = loaded.to(self.device).eval()
+        self.model_path = model.path
         self._sync()
         cfg = self.model.config
         self._pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -471,6 +475,11 @@ class HFEngine(Engine):
                 wait_until(nxt)
                 continue
             size = 1 if self.spec is not None else self.max_batch_size  # assisted generation: batch 1
+            if any(r.constraint is not None for r in waiting):  # structured output: constrained batches apart
+                batch = [r for r in waiting if r.constraint is not None][:size]
+                waiting = [r for r in waiting if r not in batch]
+                yield from self._serve_constrained(batch)
+                continue
             batch, waiting = waiting[:size], waiting[size:]
             pre = self.prefill([r.prompt_ids for r in batch], adapters=[r.adapter for r in batch])
             for r, tok in zip(batch, pre.first_tokens):
@@ -494,6 +503,47 @@ class HFEngine(Engine):
                         yield TokenEvent(r.request_id, step, tok, res.steps[0].end_ns,
                                          finished=step == r.max_new_tokens - 1)
             self.release()
+
+    def _serve_constrained(self, batch: list[Request]) -> Iterator[TokenEvent]:
+        """Structured output: a batch of constrained requests through xgrammar's transformers
+        logits processor (xgrammar.contrib.hf.LogitsProcessor, one grammar per row: it accepts each
+        row's last token and masks its next logits with the grammar's token bitmask), greedy over
+        the masked logits; a row ends at the stop token (its grammar complete) or its max tokens."""
+        from xgrammar.contrib.hf import LogitsProcessor
+        if self.spec is not None:
+            raise ValueError("hf: a constraint (structured output) with speculative decoding: transformers' "
+                             "assisted generation is not run with a grammar here; use speculative_method=none.")
+        if self._grammars is None:
+            from harness.core.constraints import Grammars
+            self._grammars = Grammars(self.model_path, int(self.model.config.vocab_size))
+        proc = LogitsProcessor([self._grammars.compiled_for(r.constraint) for r in batch])
+        stop = self._grammars.eos_token_id
+        pre = self.prefill([r.prompt_ids for r in batch], return_logits=True, adapters=[r.adapter for r in batch])
+        last = self._last  # the processor is shown each row's last token: prefill's is not one yet
+        toks, last = self._masked_next(proc, last, pre.logits)
+        t, live = now_ns(), [True] * len(batch)
+        for step in range(max(r.max_new_tokens for r in batch)):
+            if step:
+                res = self.decode(1, return_logits=True)  # fed `last`; its own argmax is replaced below
+                toks, last = self._masked_next(proc, last, res.logits[0])
+                t = now_ns()
+            for i, (r, tok) in enumerate(zip(batch, toks)):
+                if live[i] and step < r.max_new_tokens:
+                    live[i] = tok != stop and step < r.max_new_tokens - 1
+                    yield TokenEvent(r.request_id, step, tok, t, finished=not live[i])
+            if not any(live):
+                break
+        self.release()
+
+    def _masked_next(self, proc: Any, last: Any, logits: Any) -> tuple[list[int], Any]:
+        """(the greedy tokens over `logits` [B, vocab] masked by the processor's grammars, as a
+        [B, 1] tensor too); the processor first accepts `last`, each row's previous token. They
+        replace the unmasked ones prefill()/decode() took as each row's last token."""
+        nxt = proc(last, logits.float().clone()).argmax(-1)
+        self._last = nxt.view(-1, 1).to(self.device)
+        if self._ids is not None:  # without a cache the whole sequence is fed again: its last token too
+            self._ids[:, -1:] = self._last
+        return [int(x) for x in nxt.tolist()], self._last
 
     def kv_cache_info(self) -> KVCacheInfo:
         info = KVCacheInfo(kv_dtype=canonical_kv_dtype(self.kv_dtype) if self.model else None,

@@ -146,12 +146,15 @@ def ctx() -> RunContext:
                       max_model_len=640, seed=0)
 
 
-def test_the_reference_engine_masks_its_sampler_and_stops_at_a_complete_reply():
+@pytest.mark.parametrize("engine", ["reference", "hf"])
+def test_the_engine_masks_its_sampler_and_stops_at_a_complete_reply(engine):
+    """The reference engine (xgrammar's bitmask on its sampler) and transformers (xgrammar's logits
+    processor): every constrained reply conforms and ends with the stop token; a free one does not."""
     from transformers import AutoTokenizer
 
-    from adapters.reference.engine import ReferenceEngine
+    from adapters import engine_class
     tok = AutoTokenizer.from_pretrained(TRAINED)
-    eng = ReferenceEngine()
+    eng = engine_class(engine)()
     eng.load(ModelSpec(str(TRAINED), "tiny-trained", "float32", "cpu", max_model_len=256, threads=1), {})
     try:
         cons = [Constraint("regex", "[a-z]{3}-[0-9]{2}", "r"), Constraint("choice", ["yes", "no", "maybe"], "c"),

@@ -2,7 +2,8 @@
 .constraint: a JSON schema, a regex, a choice list or an EBNF grammar) becomes an xgrammar
 matcher on its sequence, and the sampler takes the greedy token among those the matcher allows.
 
-- `Grammars` (one per engine): xgrammar's GrammarCompiler over the checkpoint's tokenizer
+- `Grammars` (harness.core.constraints, one per engine; transformers' adapter uses it too):
+  xgrammar's GrammarCompiler over the checkpoint's tokenizer
   (TokenizerInfo.from_huggingface, the model's vocabulary size: the logits' width, which may
   exceed the tokenizer's), its compiled grammars cached by constraint (a schema compiled once
   is reused: what a server's grammar cache does). `matcher(constraint)` gives a request its own
@@ -22,38 +23,11 @@ refuses it. The JSON grammar allows any whitespace unless the request says
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
-from harness.core.constraints import Constraint, from_request, grammar_of
-
-
-class Grammars:
-    """The engine's grammar compiler and its compiled grammars (see the module's docstring)."""
-
-    def __init__(self, model_path: str, vocab_size: int):
-        import xgrammar as xg
-        from transformers import AutoTokenizer
-        self.xg = xg
-        tok = AutoTokenizer.from_pretrained(model_path)
-        if tok.eos_token_id is None:
-            raise ValueError(f"structured output needs an end-of-sequence token to stop on; the tokenizer of "
-                             f"{model_path} has none")
-        self.info = xg.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id])
-        self.compiler = xg.GrammarCompiler(self.info)
-        self.vocab_size = vocab_size
-        self.compiled: dict[str, Any] = {}
-
-    def matcher(self, constraint: dict[str, Any]) -> Any:
-        c: Constraint = from_request(constraint)
-        compact = bool(constraint.get("disable_any_whitespace"))
-        key = json.dumps([c.key(), compact])
-        if key not in self.compiled:
-            self.compiled[key] = self.compiler.compile_grammar(grammar_of(c, any_whitespace=not compact))
-        return self.xg.GrammarMatcher(self.compiled[key])
-
+from harness.core.constraints import Grammars  # noqa: F401  (the engine's compiler: llm_engine makes one)
 
 
 def mask_rows(logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:

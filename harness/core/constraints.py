@@ -199,6 +199,41 @@ def grammar_of(c: Constraint, any_whitespace: bool = True) -> Any:
     return xg.Grammar.from_ebnf(c.value)
 
 
+# ---- an engine's grammars ----------------------------------------------------------------------
+
+class Grammars:
+    """An engine's grammar compiler over a checkpoint's tokenizer (xgrammar's TokenizerInfo, the
+    model's vocabulary size: the logits' width) and its compiled grammars, cached by constraint;
+    `matcher(constraint)` gives a request its own GrammarMatcher, stopping on the tokenizer's
+    end-of-sequence id (adapters/reference/grammar.py, adapters/hf.py)."""
+
+    def __init__(self, model_path: str, vocab_size: int):
+        import xgrammar as xg
+        from transformers import AutoTokenizer
+        self.xg = xg
+        tok = AutoTokenizer.from_pretrained(model_path)
+        if tok.eos_token_id is None:
+            raise ValueError(f"structured output needs an end-of-sequence token to stop on; the tokenizer of "
+                             f"{model_path} has none")
+        self.eos_token_id = int(tok.eos_token_id)
+        self.info = xg.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id])
+        self.compiler = xg.GrammarCompiler(self.info)
+        self.vocab_size = vocab_size
+        self.compiled: dict[str, Any] = {}
+
+    def compiled_for(self, constraint: dict[str, Any]) -> Any:
+        """The constraint's CompiledGrammar (compiled once; disable_any_whitespace: compact JSON)."""
+        c = from_request(constraint)
+        compact = bool(constraint.get("disable_any_whitespace"))
+        key = json.dumps([c.key(), compact])
+        if key not in self.compiled:
+            self.compiled[key] = self.compiler.compile_grammar(grammar_of(c, any_whitespace=not compact))
+        return self.compiled[key]
+
+    def matcher(self, constraint: dict[str, Any]) -> Any:
+        return self.xg.GrammarMatcher(self.compiled_for(constraint))
+
+
 # ---- the verdict on a reply ----------------------------------------------------------------------
 
 class Validator:
