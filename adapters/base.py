@@ -366,6 +366,13 @@ class EngineUnavailable(Exception):
     and how to fix it; the run records an `unavailable` row with it."""
 
 
+class PointUnsupported(Exception):
+    """The engine is here but cannot run this point as asked: a kernel it would pick on this
+    hardware refuses the point's dtype or feature (vLLM-CPU's AMX latent attention takes only
+    bfloat16). Raised by `load` before the engine is built; the message gives the engine's own
+    reason and what to ask for instead. The point's row is `skipped` with it, not `failed`."""
+
+
 # Options a workload may vary from point to point (the engine is reloaded with them), by these
 # standard names. An adapter that calls one differently maps it in `Engine.option_names`; one
 # that cannot do it says so in its capabilities (the point is then skipped, with the reason).

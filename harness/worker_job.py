@@ -10,7 +10,7 @@ import traceback
 from dataclasses import asdict
 from typing import Any
 
-from adapters.base import Engine, EngineUnavailable, ModelSpec
+from adapters.base import Engine, EngineUnavailable, ModelSpec, PointUnsupported
 from harness.core.presets import ModelShape
 from harness.engines import capability_problems, resolve_engine
 from harness.protocol import PointDone, PointStarted, RunPoint
@@ -31,12 +31,15 @@ class _Loaded:
         self.options: dict[str, Any] | None = None
         self.load_info: dict[str, Any] | None = None
         self.failed: dict[str, str] = {}  # options (as text) -> why loading them failed
+        self.unsupported: dict[str, str] = {}  # options (as text) -> why the engine refused them (PointUnsupported)
 
     def get(self, options: dict[str, Any]) -> tuple[Engine, bool]:
         """(engine loaded with `options`, whether it was loaded just now)."""
         key = repr(sorted(options.items()))
         if key in self.failed:
             raise RuntimeError(self.failed[key])
+        if key in self.unsupported:
+            raise PointUnsupported(self.unsupported[key])
         if self.engine is not None and options == self.options:
             return self.engine, False
         self.close()
@@ -44,6 +47,13 @@ class _Loaded:
         try:
             info = engine.load(self.spec, options)
         except EngineUnavailable:
+            raise
+        except PointUnsupported as e:
+            self.unsupported[key] = str(e)
+            try:
+                engine.close()
+            except Exception:
+                traceback.print_exc()
             raise
         except Exception as e:
             traceback.print_exc()
@@ -130,6 +140,8 @@ class Worker:
             self.send(PointDone(point.key, "ok", None, row))
         except EngineUnavailable:
             raise
+        except PointUnsupported as e:  # the engine refused these options on this hardware: nothing ran
+            self.send(PointDone(point.key, "skipped", str(e), {"engine_options": options}))
         except Exception as e:
             traceback.print_exc()
             extra: dict[str, Any] = {}

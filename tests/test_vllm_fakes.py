@@ -160,6 +160,8 @@ def fake_vllm(monkeypatch):
                         _module("vllm.sampling_params", RequestOutputKind=kinds))
     import adapters.vllm.engine as eng
     monkeypatch.setattr(eng, "device_memory", lambda device: (140 * GIB, 141 * GIB), raising=False)
+    # the FAKE vLLM's kernel selection takes every dtype (the real one is asked in tests/test_vllm_families.py)
+    monkeypatch.setattr(eng.introspect, "cpu_kernel_refusal", lambda engine_kwargs: None)
     return eng
 
 

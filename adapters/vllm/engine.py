@@ -67,7 +67,7 @@ from typing import Any
 
 from adapters.base import (
     Capabilities, DecodeResult, Engine, EngineUnavailable, KVCacheInfo, LoadInfo, ModelSpec,
-    PrefillResult, Request, RequestSource, SpecDecodeStats, StepTiming, TokenEvent, TokenScores, as_source,
+    PointUnsupported, PrefillResult, Request, RequestSource, SpecDecodeStats, StepTiming, TokenEvent, TokenScores, as_source,
     is_pos_int, now_ns, wait_until,
 )
 from adapters.speculative import option_problems
@@ -184,6 +184,9 @@ class VLLMEngine(Engine):
         kwargs = engine_kwargs(model, self.options)
         cpu = is_cpu(model)
         if cpu:
+            why = introspect.cpu_kernel_refusal(kwargs)
+            if why:
+                raise PointUnsupported(f"vLLM {self.version()} cannot run this point: {why}")
             self._threads, self._thread_policy = self._plan_threads(model)
             introspect.set_forward_threads(self._threads)
         else:

@@ -278,6 +278,60 @@ def kernel_rebind_guard() -> Iterator[None]:
         dispatcher._rebind_kernels = original
 
 
+# ---- kernels chosen by the CPU's instruction set --------------------------------------------
+# vLLM-CPU picks its attention backend, and the CPU attention kernel's instruction set, by what the
+# CPU has (vllm/platforms/cpu.py: get_attn_backend_cls; vllm/v1/attention/backends/cpu_attn.py:
+# _get_attn_isa), and on CPU it does not check the chosen backend's own limits before building the
+# engine: latent attention (MLA) on a CPU with AMX tiles takes AMX_MLA, whose supported_dtypes are
+# bfloat16 only, and whose weight packing then raises "expect weight to be bfloat16, float16, ..."
+# in the middle of the load for a float32 model; an fp8 KV cache needs AVX-512 or AMX. This asks
+# vLLM's own selection, with the model's own config, what it would pick, and reads that backend's
+# declared limits: the answer follows the CPU's flags as vLLM reads them (torch.cpu's probes), never
+# the CPU's name.
+def cpu_kernel_refusal(engine_kwargs: Mapping[str, Any]) -> str | None:
+    """vLLM's own reason why the attention kernel it would pick on this CPU cannot run the model as
+    `engine_kwargs` (vllm.LLM's keyword arguments) ask, with what to ask instead; None when it can.
+    Raises VLLMInternalsMoved when the selection is no longer where vLLM 0.32 keeps it."""
+    import vllm.platforms as platforms
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    try:
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+    except ImportError as e:
+        raise VLLMInternalsMoved(f"vLLM internals moved: {e}") from None
+    platform = platforms.current_platform
+    select = _need(platform, "get_attn_backend_cls", "vllm.platforms.current_platform")
+    isa_of = _need(cpu_attn, "_get_attn_isa", "vllm.v1.attention.backends.cpu_attn")
+    args = EngineArgs(**engine_kwargs)
+    mc = args.create_model_config()
+    dtype, head = mc.dtype, mc.get_head_size()
+    kv = engine_kwargs.get("kv_cache_dtype") or "auto"
+    block = engine_kwargs.get("block_size")
+    use_mla = bool(getattr(mc, "use_mla", False))
+    chosen = getattr(args, "attention_backend", None)
+    path = select(chosen, AttentionSelectorConfig(head_size=head, dtype=dtype, kv_cache_dtype=kv,
+                                                  block_size=block, use_mla=use_mla))
+    backend = resolve_obj_by_qualname(path)
+    name = backend.get_name()
+    what = "latent attention (MLA)" if use_mla else "attention"
+    picked = f"on this CPU vLLM picks its {name} backend for {what} (vllm/platforms/cpu.py, get_attn_backend_cls)"
+    if not backend.supports_dtype(dtype):
+        takes = ", ".join(str(d).removeprefix("torch.") for d in backend.supported_dtypes)
+        return (f"{picked}, which takes only {takes} ({backend.__name__}.supported_dtypes), not "
+                f"{str(dtype).removeprefix('torch.')}: run it with dtype={takes.split(', ')[0]}")
+    if not backend.supports_kv_cache_dtype(kv):
+        takes = ", ".join(backend.supported_kv_cache_dtypes)
+        return f"{picked}, whose KV cache takes {takes} ({backend.__name__}), not {kv}: use kv_dtype=auto"
+    if name == "CPU_ATTN":
+        try:
+            isa_of(dtype, int(block or 128), head, kv)
+        except NotImplementedError as e:
+            return f"{picked}; its kernel for this CPU's instruction set refuses it: {e}"
+    return None
+
+
 # ---- CPU threads ----------------------------------------------------------------------------
 def allowed_cpus() -> tuple[list[tuple[int, int, int]], bool]:
     """The CPUs this process may use as (id, physical_core, numa_node), as vLLM's CPU
