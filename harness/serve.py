@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from adapters.base import Request as EngineRequest
 from adapters.endpoint.config import chat_prompt_ids
 from harness.core.version import __version__
+from harness.core.constraints import KINDS, Constraint, constraint_problems
 from harness.core.errors import EXIT_BAD_INPUT, UserError
 from harness.core.hub import is_hub_model, register_hub_shorthands, resolve_model
 from harness.core.paths import CONF_DIR
@@ -392,7 +393,7 @@ def build_app(rt: Runtime) -> Any:
 
 
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "stream", "stream_options",
-               "ignore_eos", "min_tokens", "return_token_ids", "n", "add_generation_prompt"}
+               "ignore_eos", "min_tokens", "return_token_ids", "n", "add_generation_prompt", "structured_outputs"}
 
 
 def _chat_as_completion(rt: Runtime, body: Any) -> dict[str, Any]:
@@ -436,6 +437,24 @@ class Completion:
     include_usage: bool  # stream: a usage chunk before [DONE]
     continuous: bool  # stream: usage in every chunk
     prompt_logprobs: int | None  # top-k of the prompt's teacher-forced scores (None: not asked)
+    constraint: dict[str, Any] | None = None  # structured output (vLLM's structured_outputs field)
+
+
+def _constraint(value: Any) -> dict[str, Any] | None:
+    """vLLM's `structured_outputs` field (json, regex, choice or grammar; disable_any_whitespace) as
+    a Request.constraint, checked as the harness checks a constraint (BadRequest naming what is wrong)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest("structured_outputs must be an object with one of json, regex, choice, grammar")
+    kinds = [k for k in KINDS if value.get(k) is not None]
+    if len(kinds) != 1:
+        raise BadRequest(f"structured_outputs must give exactly one of {', '.join(KINDS)} (got {', '.join(kinds) or 'none'})")
+    c = Constraint(kinds[0], value[kinds[0]], kinds[0])
+    problems = constraint_problems(c)
+    if problems:
+        raise BadRequest(f"structured_outputs.{c.kind}: {problems[0]}")
+    return c.to_request(bool(value.get("disable_any_whitespace")))
 
 
 def _parse_completion(rt: Runtime, body: Any) -> Completion:
@@ -469,7 +488,7 @@ def _parse_completion(rt: Runtime, body: Any) -> Completion:
                       return_ids=bool(body.get("return_token_ids", False)), stream=bool(body.get("stream", False)),
                       include_usage=bool(opts.get("include_usage")) if isinstance(opts, dict) else False,
                       continuous=bool(opts.get("continuous_usage_stats")) if isinstance(opts, dict) else False,
-                      prompt_logprobs=plp)
+                      prompt_logprobs=plp, constraint=_constraint(body.get("structured_outputs")))
 
 
 async def _completion(rt: Runtime, body: Any, chat: bool = False) -> Any:
@@ -484,7 +503,7 @@ async def _completion(rt: Runtime, body: Any, chat: bool = False) -> Any:
 
     rid = f"cmpl-{uuid.uuid4().hex}"
     sink = Sink(asyncio.get_running_loop())
-    rt.engine_thread.add(EngineRequest(rid, req.ids, req.max_tokens), sink)
+    rt.engine_thread.add(EngineRequest(rid, req.ids, req.max_tokens, constraint=req.constraint), sink)
     first = await sink.queue.get()
     if isinstance(first, BaseException):
         raise BadRequest(str(first), 400 if isinstance(first, ValueError) else 500)

@@ -45,7 +45,8 @@ class FakeBehaviour:
     delay_s: float = 0.002  # between chunks
     # structured output: False, the fake ignores the constraint field (vLLM's structured_outputs) and
     # answers free text, as a server that does not know the field; True, a choice constraint is
-    # answered with its first choice (one chunk, finish_reason stop), as a server that applies it
+    # answered with its first choice (one chunk of text, no token ids, finish_reason stop), as a
+    # server that applies it
     honour_choice: bool = False
     seen: list[dict[str, Any]] = field(default_factory=list)  # request bodies received
 
@@ -100,8 +101,6 @@ def fake_app(b: FakeBehaviour) -> FastAPI:
         if b.honour_choice and choices:
             async def answer() -> Any:
                 choice = {"index": 0, "text": choices[0], "finish_reason": "stop", "logprobs": None}
-                if ids:
-                    choice["token_ids"] = [1000]
                 yield "data: " + json.dumps({"id": "fake", "choices": [choice]}) + "\n\n"
                 usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1}
                 yield "data: " + json.dumps({"id": "fake", "choices": [], "usage": usage}) + "\n\n"

@@ -134,7 +134,7 @@ def test_sglang_takes_the_schema_as_a_json_string_trtllm_as_an_object():
 
 
 def test_a_kind_without_the_constraints_field_is_refused_not_sent_unconstrained():
-    cfg, _ = check_endpoint("e", {"url": "http://127.0.0.1:1/v1", "kind": "infer-bench"})
+    cfg, _ = check_endpoint("e", {"url": "http://127.0.0.1:1/v1", "kind": "llamacpp"})
     with pytest.raises(ValueError, match="takes no regex constraint"):
         RequestBodies("e", cfg, lambda: None).completion([1], 4, Constraint("regex", "a", "c").to_request())
 
@@ -210,3 +210,30 @@ def test_a_server_that_ignores_the_constraint_field_fails_with_constraint_not_ap
     else:
         assert row["status"] == "failed" and row["constraint_applied"] == "no"
         assert row["error"].startswith("constraint not applied")
+
+
+def test_infer_bench_serve_takes_vllms_structured_outputs_field_and_refuses_a_bad_one():
+    """Our own server (the reference engine behind it): a regex and a choice constraint give
+    conforming replies that stop with finish_reason stop; an invalid regex is a 400 naming it."""
+    import urllib.error
+    import urllib.request
+
+    from test_serve import start, stop
+    proc, url = start(TRAINED)
+    try:
+        def post(body: dict) -> dict:
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            return json.loads(urllib.request.urlopen(req, timeout=120).read())
+        for field, value, ok in (("regex", "[a-z]{3}-[0-9]{2}", lambda t: len(t) == 6 and t[3] == "-"),
+                                 ("choice", ["yes", "no", "maybe"], lambda t: t in ("yes", "no", "maybe"))):
+            out = post({"prompt": "Answer: ", "max_tokens": 32, "temperature": 0,
+                        "structured_outputs": {field: value}})
+            choice = out["choices"][0]
+            # infer-bench-serve's text keeps the stop token's (</s>); the workload judges decoded token ids
+            assert ok(choice["text"].removesuffix("</s>")) and choice["finish_reason"] == "stop", choice
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post({"prompt": "Answer: ", "max_tokens": 4, "structured_outputs": {"regex": "[a-z"}})
+        assert e.value.code == 400 and "invalid regex" in e.value.read().decode()
+    finally:
+        stop(proc)

@@ -14,8 +14,9 @@ ignored); a free one has its length forced as everywhere else.
 Every reply is judged against its request's constraint (harness.core.constraints.Validator):
 conforming, truncated (stopped at max tokens on a valid prefix), non-conforming, unparseable -
 the constrained replies in the row's `structured_*` counts, the free ones in `free_*` (what the
-model writes without the constraint, on the same prompts). The text judged is the engine's where
-it sends text (a server), else the tokenizer's decoding of the token ids, special tokens left out.
+model writes without the constraint, on the same prompts). The text judged is the tokenizer's
+decoding of the reply's token ids, special tokens left out; the server's own text where it sends no
+ids (trtllm-serve).
 
 In the harness's process each row with a share > 0 is completed against the same engine's
 share-0 row of the kind (`finalize_row`):
@@ -190,11 +191,13 @@ class Structured(Workload):
         return collector.traces(), texts
 
     def _text(self, tr: RequestTrace, texts: dict[str, str], ctx: RunContext) -> str:
+        """The reply judged: its token ids decoded, special tokens left out (the stop token too:
+        vLLM's text skips it, infer-bench-serve's keeps it); the server's text where it sent no ids."""
+        if tr.token_ids and all(t >= 0 for t in tr.token_ids):
+            return self.tokenizer(ctx).decode(tr.token_ids, skip_special_tokens=True)
         if tr.request_id in texts:
             return texts[tr.request_id]
-        if any(t < 0 for t in tr.token_ids):
-            raise RuntimeError(f"request {tr.request_id}: the engine returned neither token ids nor text")
-        return self.tokenizer(ctx).decode(tr.token_ids, skip_special_tokens=True)
+        raise RuntimeError(f"request {tr.request_id}: the engine returned neither token ids nor text")
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: StructuredConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:

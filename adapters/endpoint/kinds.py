@@ -785,6 +785,8 @@ INFER_BENCH = ServerKind(
         info="infer_bench_cache_config_info", prefix_counts_in="blocks"),
     # src: harness/serve.py (this repository): /v1/chat/completions, CHAT_FIELDS, chat_template=FILE
     chat_template_arg="chat_template={}",
+    # src: harness/serve.py _constraint: vLLM's structured_outputs field, the reference engine's grammar mask
+    constraint_fields=vllm_constraint, structured_kinds=("json", "regex", "choice", "grammar"),
 )
 
 # ---- llama.cpp's llama-server ---------------------------------------------------------------------------
