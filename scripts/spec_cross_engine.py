@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,19 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
-
-def make_noisy(target: Path, scale: float, out: Path) -> Path:
-    import torch
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(target, out, dirs_exist_ok=True)
-    (out / "SHA256SUMS").unlink(missing_ok=True)
-    weights = load_file(target / "model.safetensors")
-    gen = torch.Generator().manual_seed(0)
-    noisy = {k: (v + scale * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype).contiguous()
-             if v.dim() == 2 else v for k, v in weights.items()}
-    save_file(noisy, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+sys.path.insert(0, str(REPO / "tests"))  # tests_support.noisy_draft: the draft the tests use too
 
 
 def run_engine(engine: str, target: str, draft: str, k: int, prompts: list[list[int]], n: int) -> dict:
@@ -113,7 +100,8 @@ def main() -> int:
     prompts = [held[i * step: i * step + a.prompt_len].tolist() for i in range(a.requests)]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        draft = a.draft or str(make_noisy(target, a.noisy, tmp / "draft"))
+        from tests_support import noisy_draft
+        draft = a.draft or str(noisy_draft(target, tmp / "draft", a.noisy))
         (tmp / "prompts.json").write_text(json.dumps(prompts))
         vpy = os.environ.get("INFER_BENCH_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
