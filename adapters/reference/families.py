@@ -11,8 +11,9 @@ weights: its MXFP4 checkpoints are refused at load); plain, linear, llama3 or Ya
 Anything else a shape says (another family such as Gemma 2, chunked or linear-attention layers,
 sinks outside gpt-oss, a multimodal wrapper's checkpoint) it refuses in one line naming what it lacks. The harness calls this at plan time
 (adapters.unsupported_model), so the engine's row is `unavailable` with that line and parity takes
-transformers as its base. Widen it together with model.py (its SUPPORTED_ARCHITECTURES and
-family_fields, which refuse the same things at load). model.py also refuses at load what a shape
+transformers as its base. Widen it together with model.py (its family_fields, which refuse the
+same things at load; its SUPPORTED_ARCHITECTURES and QK_NORM are these lists by transformers class,
+from the harness's one table of families, harness/core/families.py). model.py also refuses at load what a shape
 does not carry: a DeepSeek-V3 config whose scoring_func is not sigmoid, or whose n_group does not
 divide its experts; a Gemma 3 config with logit softcapping, bidirectional attention, another
 hidden_activation or another local (sliding_attention) rope_type (gemma_config.gemma_config).

@@ -60,21 +60,21 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from adapters.reference.families import FAMILIES, QK_NORM_FAMILIES, ROPE_TYPES  # ROPE_TYPES: besides the default
 from adapters.reference.mla import MLAConfig, deinterleave, rms, split_latent
 from harness.core.errors import UserError
+from harness.core.families import FAMILIES as HF_FAMILIES
 from harness.core.presets import shape_from_hf_config
 
 if TYPE_CHECKING:
     from adapters.reference.gemma_config import GemmaConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
-                           "GptOssForCausalLM")
-QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# the families this engine runs (families.py), by their transformers class (harness.core.families)
+SUPPORTED_ARCHITECTURES = tuple(HF_FAMILIES[f].hf_class for f in FAMILIES)
+QK_NORM = tuple(HF_FAMILIES[f].hf_class for f in QK_NORM_FAMILIES)
 # per-layer kinds in layer_types
 LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM")
-ROPE_TYPES = ("linear", "llama3", "yarn")  # besides the default
 ROWS = 1024  # CPU: tokens per slice of the token-wise parts of a layer (see in_slices)
 
 

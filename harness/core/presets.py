@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from harness.core.errors import UserError
+from harness.core.families import family_fields
 from harness.core.paths import CONF_DIR, model_cache_dir
 from harness.core.results import atomic_write_text
 
@@ -112,7 +113,7 @@ def _shape_key(directory: Path) -> str | None:
         version = "none"
     try:
         parts = [(directory / "config.json").read_bytes(), version.encode(), Path(__file__).read_bytes(),
-                 (Path(__file__).parent / "shapes.py").read_bytes()]
+                 (Path(__file__).parent / "shapes.py").read_bytes(), (Path(__file__).parent / "families.py").read_bytes()]
     except OSError:
         return None
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:32]
@@ -154,7 +155,7 @@ def _read_hf_config(directory: Path, path: str | Path, field: str) -> ModelShape
         rope_params = dict(rope_params["full_attention"])
     rope = getattr(cfg, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
     rope_type = rope_params.get("rope_type") or rope_params.get("type") or "default"
-    fam = _family_fields(cfg, model_type, f"{field}={path}: config.json")
+    fam = family_fields(cfg, model_type, f"{field}={path}: config.json")
     window = fam.pop("sliding_window", None)
     return ModelShape(
         name=directory.name,
@@ -181,128 +182,6 @@ def _read_hf_config(directory: Path, path: str | Path, field: str) -> ModelShape
         sliding_window=int(window) if window else None,
         **fam,
     ).check(f"{field}={path}: config.json")
-
-
-# transformers' layer_types names -> ours
-_HF_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
-             "linear_attention": "linear", "attention": "full", "mamba": "linear"}
-# what an unknown model_type may say that the dense formula cannot stand for
-_EXOTIC = ("kv_lora_rank", "q_lora_rank", "attention_chunk_size", "layer_types", "layers_block_type",
-           "num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
-           "linear_num_key_heads", "linear_conv_kernel_dim", "mamba_d_state", "mamba_n_heads", "ssm_state_size",
-           "state_size", "time_step_rank", "use_sliding_window", "sliding_window", "sliding_window_pattern")
-
-
-def _layer_types(cfg: Any, where: str, attr: str = "layer_types") -> tuple[str, ...]:
-    raw = list(getattr(cfg, attr, None) or [])
-    unknown = sorted({str(k) for k in raw if k not in _HF_KINDS})
-    if unknown:
-        raise UserError(f"{where}: {attr} has layer kind(s) {', '.join(unknown)} that infer-bench does not "
-                        f"understand (it reads {', '.join(_HF_KINDS)}); it gives no KV figure rather than a wrong one.")
-    n = int(cfg.num_hidden_layers)
-    if len(raw) != n:
-        raise UserError(f"{where}: {attr} has {len(raw)} entries for num_hidden_layers={n}.")
-    return tuple(_HF_KINDS[k] for k in raw)
-
-
-def _sparse_dense_layers(cfg: Any) -> tuple[int, ...]:
-    """Qwen3-MoE / Qwen3-Next: a layer is MoE unless in mlp_only_layers or off decoder_sparse_step."""
-    only = set(getattr(cfg, "mlp_only_layers", None) or [])
-    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-    return tuple(i for i in range(int(cfg.num_hidden_layers)) if i in only or (i + 1) % step != 0)
-
-
-def _family_fields(cfg: Any, model_type: str, where: str) -> dict[str, Any]:
-    """The ModelShape fields of a config beyond the dense sizes, as each family's transformers
-    config names them (read in transformers 5's configuration_<family>.py)."""
-    g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
-    n = int(cfg.num_hidden_layers)
-    if model_type in ("llama",):
-        return {}
-    if model_type in ("mistral", "mixtral"):  # one window for every layer, when set
-        out: dict[str, Any] = {"sliding_window": g("sliding_window")}
-        if model_type == "mixtral":
-            out.update(num_experts=int(g("num_local_experts")), num_experts_per_tok=int(g("num_experts_per_tok")),
-                       moe_intermediate_size=int(g("intermediate_size")))
-        return out
-    if model_type in ("qwen2", "qwen3"):
-        window = g("sliding_window") if g("use_sliding_window", False) else None
-        kinds = _layer_types(cfg, where)
-        if not window:  # transformers gives a sliding layer no window then: it attends to everything
-            kinds = tuple("full" if k == "sliding" else k for k in kinds)
-        return {"sliding_window": window if "sliding" in kinds else None,
-                "layer_types": None if set(kinds) == {"full"} else kinds, "qk_norm": model_type == "qwen3"}
-    if model_type == "qwen3_moe":
-        window = g("sliding_window") if g("use_sliding_window", False) else None
-        return {"sliding_window": window, "qk_norm": True, "num_experts": int(g("num_experts")),
-                "num_experts_per_tok": int(g("num_experts_per_tok")),
-                "moe_intermediate_size": int(g("moe_intermediate_size")), "dense_layers": _sparse_dense_layers(cfg)}
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        first = int(g("first_k_dense_replace", 0) or 0)
-        return {"kv_lora_rank": int(g("kv_lora_rank")), "q_lora_rank": g("q_lora_rank"),
-                "qk_rope_head_dim": int(g("qk_rope_head_dim")), "qk_nope_head_dim": int(g("qk_nope_head_dim")),
-                "v_head_dim": int(g("v_head_dim")), "num_experts": int(g("n_routed_experts")),
-                "num_experts_per_tok": int(g("num_experts_per_tok")),
-                "num_shared_experts": int(g("n_shared_experts", 0) or 0),
-                "moe_intermediate_size": int(g("moe_intermediate_size")), "dense_layers": tuple(range(first))}
-    if model_type in ("gemma2", "gemma3_text"):
-        kinds = _layer_types(cfg, where)
-        return {"layer_types": kinds, "sliding_window": g("sliding_window"), "qk_norm": model_type == "gemma3_text"}
-    if model_type == "gpt_oss":
-        return {"layer_types": _layer_types(cfg, where), "sliding_window": g("sliding_window"),
-                "num_experts": int(g("num_local_experts")), "num_experts_per_tok": int(g("num_experts_per_tok")),
-                "moe_intermediate_size": int(g("intermediate_size")), "attention_sinks": True}
-    if model_type == "qwen3_next":
-        return {"layer_types": _layer_types(cfg, where), "qk_norm": True,
-                "linear_attention": {"kind": "gated_deltanet", "num_key_heads": int(g("linear_num_key_heads")),
-                                     "num_value_heads": int(g("linear_num_value_heads")),
-                                     "key_head_dim": int(g("linear_key_head_dim")),
-                                     "value_head_dim": int(g("linear_value_head_dim")),
-                                     "conv_kernel": int(g("linear_conv_kernel_dim"))},
-                "num_experts": int(g("num_experts")), "num_experts_per_tok": int(g("num_experts_per_tok")),
-                "moe_intermediate_size": int(g("moe_intermediate_size")),
-                "shared_expert_intermediate_size": int(g("shared_expert_intermediate_size") or 0) or None,
-                "dense_layers": _sparse_dense_layers(cfg)}
-    if model_type == "llama4_text":
-        moe = set(g("moe_layers") or [])
-        return {"layer_types": _layer_types(cfg, where), "attention_chunk_size": g("attention_chunk_size"),
-                "num_experts": int(g("num_local_experts")), "num_experts_per_tok": int(g("num_experts_per_tok")),
-                "num_shared_experts": 1, "moe_intermediate_size": int(g("intermediate_size")),
-                "intermediate_size": int(g("intermediate_size_mlp")),
-                "dense_layers": tuple(i for i in range(n) if i not in moe)}
-    if model_type == "granitemoehybrid":
-        experts = int(g("num_local_experts", 0) or 0)
-        out = {"layer_types": _layer_types(cfg, where),
-               "linear_attention": {"kind": "mamba2", "num_heads": int(g("mamba_n_heads")),
-                                    "head_dim": int(g("mamba_d_head")), "state_size": int(g("mamba_d_state")),
-                                    "n_groups": int(g("mamba_n_groups")), "conv_kernel": int(g("mamba_d_conv"))}}
-        if experts > 1:
-            out.update(num_experts=experts, num_experts_per_tok=int(g("num_experts_per_tok")),
-                       moe_intermediate_size=int(g("intermediate_size")),
-                       shared_expert_intermediate_size=int(g("shared_intermediate_size") or 0) or None)
-        return out
-    if model_type == "jamba":
-        per_layer = list(g("layers_num_experts"))
-        out = {"layer_types": _layer_types(cfg, where),
-               "linear_attention": {"kind": "mamba", "intermediate_size": int(g("mamba_expand")) * int(cfg.hidden_size),
-                                    "state_size": int(g("mamba_d_state")), "conv_kernel": int(g("mamba_d_conv"))}}
-        if max(per_layer) > 1:
-            out.update(num_experts=max(per_layer), num_experts_per_tok=int(g("num_experts_per_tok")),
-                       moe_intermediate_size=int(cfg.intermediate_size),
-                       dense_layers=tuple(i for i, e in enumerate(per_layer) if e <= 1))
-        return out
-    if model_type == "falcon_h1":
-        raise UserError(f"{where}: model_type falcon_h1 runs attention and a Mamba-2 block side by side in every "
-                        "layer (layers_block_type 'hybrid'); infer-bench does not model that yet and gives no KV "
-                        "figure rather than a wrong one. It understands full, sliding, chunked, latent and linear "
-                        "layers, one kind per layer.")
-    said = [k for k in _EXOTIC if g(k) not in (None, False, 0, [], ())]
-    if said:
-        raise UserError(f"{where}: model_type {model_type or 'missing'} sets {', '.join(said)}, which infer-bench "
-                        "cannot interpret for this family (it reads llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, "
-                        "deepseek_v2/v3, gemma2/3, gpt_oss, qwen3_next, llama4, granitemoehybrid and jamba configs); "
-                        "it gives no KV figure rather than one from the dense formula.")
-    return {}  # an unknown dense decoder: sizes only (no parameter count: its layout is not known)
 
 
 def _first_id(v: Any) -> int | None:

@@ -24,32 +24,17 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from harness.core.errors import UserError
+from harness.core.families import FAMILIES, HF_LAYER_TYPES
 
-# Hugging Face architecture class and model_type for each family a preset may name.
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "mixtral": ("MixtralForCausalLM", "mixtral"),
-    "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek_v2"),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
-    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-    "gemma3_text": ("Gemma3ForCausalLM", "gemma3_text"),
-    "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
-    "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
-    "llama4_text": ("Llama4ForCausalLM", "llama4_text"),
-    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
-    "jamba": ("JambaForCausalLM", "jamba"),
-}
+# Hugging Face architecture class and model_type for each family a preset may name (the table:
+# harness.core.families).
+ARCHITECTURES = {k: (f.hf_class, f.model_type) for k, f in FAMILIES.items()}
 # Families whose random-weight checkpoint hf_config_dict can write (the others are config-only:
 # the estimator and the roofline read them; a run needs the real checkpoint).
-MATERIALISABLE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gemma3_text",
-                  "gpt_oss", "qwen3_next")
+MATERIALISABLE = tuple(k for k, f in FAMILIES.items() if f.write is not None)
 # Families whose exact parameter count num_parameters() knows (checked against transformers for
 # every tiny preset by tests/test_families.py).
-COUNTED = MATERIALISABLE + ("deepseek_v2", "gemma2", "llama4_text")
+COUNTED = MATERIALISABLE + tuple(k for k, f in FAMILIES.items() if f.counted and f.write is None)
 
 LAYER_KINDS = ("full", "sliding", "chunked", "latent", "linear")
 # linear_attention kinds and the keys each needs
@@ -58,7 +43,6 @@ LINEAR_KEYS = {
     "mamba2": ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"),
     "mamba": ("intermediate_size", "state_size", "conv_kernel"),
 }
-_GEMMA = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -246,7 +230,8 @@ class ModelShape:
         return router + e * expert + shared, router + k * expert + shared
 
     def _norms_per_layer(self) -> int:
-        return (4 if self.architecture in _GEMMA else 2) * self.hidden_size
+        fam = FAMILIES.get(self.architecture)
+        return (fam.norms_per_layer if fam else 2) * self.hidden_size
 
     def _count(self) -> tuple[int, int]:
         if self.architecture not in COUNTED:
@@ -316,61 +301,9 @@ class ModelShape:
             "torch_dtype": self.dtype,
             "use_cache": True,
         }
-        a = self.architecture
-        hf_kind = {"full": "full_attention", "latent": "full_attention", "sliding": "sliding_attention",
-                   "chunked": "chunked_attention", "linear": "linear_attention"}
-        layer_types = [hf_kind[k] for k in self.layer_kinds()]
         if self.rope_scaling:
             cfg["rope_scaling"] = dict(self.rope_scaling)
-        if a == "llama":
-            cfg["attention_bias"] = self.attention_bias
-            cfg["mlp_bias"] = False
-        elif a == "mistral":
-            cfg["sliding_window"] = self.sliding_window
-        elif a in ("qwen2", "qwen3"):
-            cfg["use_sliding_window"] = bool(self.sliding_window)
-            cfg["sliding_window"] = self.sliding_window
-            cfg["max_window_layers"] = self.num_hidden_layers
-            cfg["layer_types"] = layer_types
-            if a == "qwen3":
-                cfg["attention_bias"] = self.attention_bias
-        elif a in ("qwen3_moe", "qwen3_next"):
-            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                       moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
-                       mlp_only_layers=list(self.dense_layers), norm_topk_prob=True,
-                       attention_bias=self.attention_bias)
-            if a == "qwen3_next":
-                la = self.linear_attention or {}
-                cfg.update(layer_types=layer_types, shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-                           linear_num_key_heads=la.get("num_key_heads"), linear_num_value_heads=la.get("num_value_heads"),
-                           linear_key_head_dim=la.get("key_head_dim"), linear_value_head_dim=la.get("value_head_dim"),
-                           linear_conv_kernel_dim=la.get("conv_kernel"), partial_rotary_factor=0.25)
-        elif a == "mixtral":
-            cfg.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                       sliding_window=self.sliding_window)
-            cfg["intermediate_size"] = self.moe_intermediate_size
-        elif a == "deepseek_v3":
-            cfg.update(kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
-                       qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
-                       v_head_dim=self.v_head_dim, n_routed_experts=self.num_experts,
-                       num_experts_per_tok=self.num_experts_per_tok, n_shared_experts=self.num_shared_experts,
-                       moe_intermediate_size=self.moe_intermediate_size,
-                       first_k_dense_replace=_leading(self.dense_layers), n_group=1, topk_group=1,
-                       norm_topk_prob=True, routed_scaling_factor=1.0, attention_bias=self.attention_bias,
-                       rope_interleave=True, topk_method="noaux_tc",  # DeepSeek-V3's (vLLM loads the gate's bias then)
-                       scoring_func="sigmoid")  # DeepSeek-V3's router; transformers always uses it, vLLM's default is softmax
-            cfg.pop("head_dim")
-        elif a == "gemma3_text":
-            cfg.update(layer_types=layer_types, sliding_window=self.sliding_window, hidden_activation="gelu_pytorch_tanh",
-                       query_pre_attn_scalar=self.head_dim, attention_bias=self.attention_bias,
-                       rope_local_base_freq=self.rope_theta)
-            cfg.pop("hidden_act")
-        elif a == "gpt_oss":
-            cfg.update(layer_types=layer_types, sliding_window=self.sliding_window, num_local_experts=self.num_experts,
-                       num_experts_per_tok=self.num_experts_per_tok, attention_bias=self.attention_bias)
-            cfg["intermediate_size"] = self.moe_intermediate_size
-            cfg.pop("rope_scaling", None)  # gpt-oss names it rope_parameters (vLLM's gpt_oss reads yarn's from it)
-            cfg["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
+        FAMILIES[self.architecture].write(self, cfg, [HF_LAYER_TYPES[k] for k in self.layer_kinds()])  # type: ignore[misc]
         return cfg
 
     @property
@@ -389,16 +322,6 @@ class ModelShape:
             if isinstance(d.get(k), tuple):
                 d[k] = list(d[k])
         return d
-
-
-def _leading(indices: tuple[int, ...]) -> int:
-    """How many leading layers are dense, for a family that only has that (DeepSeek's
-    first_k_dense_replace); UserError when the dense layers are not the first ones."""
-    k = len(indices)
-    if tuple(sorted(indices)) != tuple(range(k)):
-        raise UserError(f"model.dense_layers: {list(indices)}; this family's dense layers are the first k "
-                        "(first_k_dense_replace). Give 0, 1, .., k-1.")
-    return k
 
 
 _LATER_FIELDS = {"layer_types", "attention_chunk_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
