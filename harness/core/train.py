@@ -310,7 +310,6 @@ def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int =
     preset of the same vocabulary), recorded beside the trained model's figures.
     `tokenizer_dir`: the checkpoint of `cfg.tokenizer_from`, whose tokenizer is reused."""
     import torch
-    from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
     t_start = time.perf_counter()
@@ -346,50 +345,10 @@ def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int =
     initial = model_scores(model, windows)
 
     seq = min(cfg.seq_len, len(train_ids) - 1)
-    gen = torch.Generator().manual_seed(seed)
-    stream = torch.as_tensor(train_ids, dtype=torch.long)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    curve: list[dict[str, float]] = []
-    model.train()
     t0 = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc=f"training {shape.name}", unit="step", disable=not progress,
-               dynamic_ncols=True)
-    for step in bar:
-        starts = torch.randint(0, len(stream) - seq - 1 + 1, (cfg.batch_size,), generator=gen)
-        x = torch.stack([stream[s:s + seq + 1] for s in starts.tolist()])
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
-        logits = model(input_ids=x[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        value = float(loss.detach())
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            curve.append({"step": step, "loss": round(value, 4), "lr": _lr_at(step, cfg),
-                          "elapsed_s": round(time.perf_counter() - t0, 2)})
-        bar.set_postfix(loss=f"{value:.3f}")
-    bar.close()
+    curve = _optimise(model, train_ids, seq, cfg, seed, f"training {shape.name}", progress)
     train_s = time.perf_counter() - t0
-
-    final = before_rounding = model_scores(model, windows)
-    if cfg.save_dtype != "float32":
-        # the weights as stored (rounded once), computed in float32: the figures recorded are theirs
-        stored = getattr(torch, cfg.save_dtype)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(stored).float())
-        final = model_scores(model, windows)
-        model.to(stored).save_pretrained(out, safe_serialization=True)
-        written = json.loads((out / "config.json").read_text())
-        written["dtype"] = "float32"  # the dtype the model computes in; its stored weights are exact in it
-        (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-    else:
-        model.save_pretrained(out, safe_serialization=True)
+    final, before_rounding = _save(model, out, cfg, windows)
     extra = {name: fn(windows) for name, fn in (baselines or {}).items()}
     unigram = unigram_perplexity(train_ids, windows[:, 1:].reshape(-1), shape.vocab_size)
     record = {
@@ -418,6 +377,65 @@ def train_checkpoint(shape: ModelShape, out: Path, cfg: TrainConfig, seed: int =
     }
     (out / TRAINING_FILE).write_text(json.dumps(record, indent=2))
     return TrainResult(out, record)
+
+
+def _optimise(model: Any, train_ids: np.ndarray, seq: int, cfg: TrainConfig, seed: int, desc: str,
+              progress: bool) -> list[dict[str, float]]:
+    """`cfg.steps` AdamW steps of `model` on random windows of `seq + 1` tokens of the training
+    stream (seeded), the learning rate by `_lr_at`, gradients clipped at 1; the loss curve."""
+    import torch
+    from tqdm import tqdm
+
+    gen = torch.Generator().manual_seed(seed)
+    stream = torch.as_tensor(train_ids, dtype=torch.long)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    curve: list[dict[str, float]] = []
+    model.train()
+    t0 = time.perf_counter()
+    bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        starts = torch.randint(0, len(stream) - seq - 1 + 1, (cfg.batch_size,), generator=gen)
+        x = torch.stack([stream[s:s + seq + 1] for s in starts.tolist()])
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        logits = model(input_ids=x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = float(loss.detach())
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            curve.append({"step": step, "loss": round(value, 4), "lr": _lr_at(step, cfg),
+                          "elapsed_s": round(time.perf_counter() - t0, 2)})
+        bar.set_postfix(loss=f"{value:.3f}")
+    bar.close()
+    return curve
+
+
+def _save(model: Any, out: Path, cfg: TrainConfig, windows: np.ndarray) -> tuple[dict[str, float], dict[str, float]]:
+    """Write the trained model into `out` at `cfg.save_dtype`; (its held-out scores as stored,
+    before rounding to that dtype)."""
+    import torch
+
+    final = before_rounding = model_scores(model, windows)
+    if cfg.save_dtype != "float32":
+        # the weights as stored (rounded once), computed in float32: the figures recorded are theirs
+        stored = getattr(torch, cfg.save_dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(stored).float())
+        final = model_scores(model, windows)
+        model.to(stored).save_pretrained(out, safe_serialization=True)
+        written = json.loads((out / "config.json").read_text())
+        written["dtype"] = "float32"  # the dtype the model computes in; its stored weights are exact in it
+        (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    else:
+        model.save_pretrained(out, safe_serialization=True)
+    return final, before_rounding
 
 
 def summary_lines(record: dict[str, Any]) -> list[str]:
