@@ -194,6 +194,12 @@ def ckpt(tiny_ckpt: Path) -> Path:
     return tiny_ckpt
 
 
+def test_every_kind_is_recorded():
+    """A new server kind is recorded too (its preset here, then INFER_BENCH_GOLDEN=update)."""
+    from adapters.endpoint.kinds import KINDS
+    assert set(PRESETS) == set(KINDS)
+
+
 def test_what_the_endpoint_engine_sends_is_unchanged(ckpt, tmp_path, capsys):
     run_dir = tmp_path / "run"
     record: dict[str, Any] = {}
