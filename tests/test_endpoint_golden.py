@@ -36,7 +36,7 @@ from harness.core.paths import REPO_ROOT
 GOLDEN = Path(__file__).with_name("golden") / "endpoint_kinds.json"
 
 PRESETS = {"vllm": "vllm-serve", "sglang": "sglang-serve", "trtllm": "trtllm-serve",
-           "infer-bench": "infer-bench-serve", "generic": None}
+           "infer-bench": "infer-bench-serve", "llamacpp": "llamacpp-serve", "generic": None}
 GENERIC = {"kind": "generic", "launch": ["my-server", "--model", "{model}", "--served-model-name",
                                          "{served_model_name}", "--host", "{host}", "--port", "{port}"]}
 
