@@ -48,6 +48,7 @@ def test_transformers_serves_mixed_adapters_and_every_request_is_its_own_adapter
     (row,) = rows
     assert row["status"] == "ok" and row["lora_check"]["verdict"] == "pass", row.get("error")
     assert row["lora_check"]["compared"] == 12 and row["lora_split_test"]["ok"]
+    assert row["good_requests"] == row["lora_check"]["passed"] == 12 and row["good_verdict"] == "LoRA outputs check"
     per = {a["adapter"]: a for a in row["lora_per_adapter"]}
     assert list(per) == ["base", *NAMES] and sum(a["requests"] for a in per.values()) == 12
     assert all(a["ttft_s_p50"] is not None for a in per.values() if a["completed"])
@@ -69,6 +70,8 @@ def test_a_request_served_with_the_wrong_adapter_fails_the_row_naming_it(tmp_pat
     assert m["request"] in row["request_adapter"] and m["adapter"] == row["request_adapter"][m["request"]] != "base"
     assert f"request {m['request']} (adapter {m['adapter']}): token {m['position']}" in row["error"]
     assert m["got"] != m["expected"] and m["got"] == m["base_alone"]  # the fault: served by the base model
+    # only the requests equal to their alone outputs are good tokens of a cost (harness.core.cost)
+    assert row["good_requests"] == row["lora_check"]["passed"] < row["lora_check"]["compared"]
 
 
 @pytest.mark.slow

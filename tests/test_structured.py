@@ -202,14 +202,18 @@ def test_a_server_that_ignores_the_constraint_field_fails_with_constraint_not_ap
     assert any("structured_outputs" in body for body in b.seen)
     assert free["free_non_conforming"] == 4
     wl.finalize_row(row, [free, row])
+    # the good requests of a cost (harness.core.cost): a free one, or a constrained one whose reply passed
+    assert free["good_requests"] == 4 and free["good_verdict"] == "structured-output check"
     if honour:
         assert row["status"] == "ok" and row["constraint_applied"] == "yes", row.get("error")
-        assert row["structured_conforming"] == 4
+        assert row["structured_conforming"] == 4 and row["good_requests"] == 4
+        assert row["good_output_tokens"] == row["total_output_tokens"]
         assert row["output_tok_s_ratio"] == pytest.approx(row["output_tok_s"] / free["output_tok_s"])
         assert row["ttft_ratio"] == pytest.approx(row["ttft_s"] / free["ttft_s"])
     else:
         assert row["status"] == "failed" and row["constraint_applied"] == "no"
         assert row["error"].startswith("constraint not applied")
+        assert row["good_requests"] == 0 and row["good_output_tokens"] == 0
 
 
 def test_infer_bench_serve_takes_vllms_structured_outputs_field_and_refuses_a_bad_one():

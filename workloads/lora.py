@@ -285,6 +285,7 @@ def check_outputs(engine: Engine, reqs: list[Request], traces: list[RequestTrace
     by_id = {t.request_id: t for t in traces}
     engine.reset_prefix_cache()
     compared: list[str] = []
+    passed: list[str] = []  # equal to their alone outputs: the good requests of a cost (harness.core.cost)
     per: dict[str, dict[str, int]] = {}
     mismatch = None
     no_ids = False
@@ -310,13 +311,15 @@ def check_outputs(engine: Engine, reqs: list[Request], traces: list[RequestTrace
             if base_alone != alone:
                 per[e]["changed"] += 1
         pos = first_difference(alone, tr.token_ids)
+        if pos is None:
+            passed.append(r.request_id)
         if pos is not None and mismatch is None:
             mismatch = {"request": r.request_id, "adapter": e, "position": pos,
                         "expected": alone[pos] if pos < len(alone) else None,
                         "got": tr.token_ids[pos] if pos < len(tr.token_ids) else None,
                         "base_alone": base_alone[pos] if base_alone is not None and pos < len(base_alone) else None}
     out: dict[str, Any] = {"compared": len(compared), "per_adapter": per, "mismatch": mismatch,
-                           "dtype": dtype}
+                           "dtype": dtype, "passed": len(passed), "passed_ids": passed}
     unchanged = sorted(e for e, v in per.items() if e != BASE and v["requests"] and not v["changed"])
     if mismatch is not None:
         m = mismatch

@@ -48,7 +48,7 @@ import numpy as np
 
 from adapters.base import Capabilities, Engine, ListSource, Request, RequestSource, now_ns
 from harness.core.errors import UserError
-from harness.core.metrics import SLO, RequestTrace, serving_metrics
+from harness.core.metrics import SLO, RequestTrace, good_fields, serving_metrics
 from harness.core.schema import spec
 from workloads import lora
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
@@ -462,7 +462,14 @@ class Serving(Workload):
         row = self.measure(engine, cfg, ctx, point.params, point.key)
         point_lora = point.params.get("lora")
         if point_lora and not point_lora.get("swap") and lora.typed(cfg.lora).check_outputs:
-            row["lora_check"] = lora.check_outputs(engine, *self.served, ctx.dtype)
+            check = lora.check_outputs(engine, *self.served, ctx.dtype)
+            # only requests equal to their alone outputs are good (none where the check could not verify)
+            ids = check.pop("passed_ids")
+            passed = set(ids) if check["verdict"] != "unverified" else set()
+            row["lora_check"] = check
+            reqs, traces, expected = self.served
+            done = [t for t in traces if not t.error and t.token_times_ns and t.n_out == expected.get(t.request_id)]
+            row.update(good_fields(done, cfg.goodput_slo(), passed, "LoRA outputs check"))
         return row
 
 

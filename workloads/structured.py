@@ -45,7 +45,7 @@ import numpy as np
 from adapters.base import Capabilities, Engine, Request, now_ns
 from harness.core.constraints import KINDS, Constraint, Validator, load_constraints, tally
 from harness.core.errors import UserError
-from harness.core.metrics import RequestTrace, serving_metrics
+from harness.core.metrics import RequestTrace, good_fields, serving_metrics
 from harness.core.schema import spec
 from harness.core.stats import summarize
 from workloads.base import Collector, Point, RunContext, Workload
@@ -228,6 +228,9 @@ class Structured(Workload):
                 why[tr.request_id] = reason
         mine = [v for r, v in verdicts.items() if r in constrained]
         free = [v for r, v in verdicts.items() if r not in constrained]
+        # good: a free request, or a constrained one whose reply passed (harness.core.cost counts these)
+        passed = {r for r, v in verdicts.items() if r not in constrained or v in GOOD}
+        row.update(good_fields([t for t in traces if t.request_id in verdicts], None, passed, "structured-output check"))
         row.update({f"structured_{k}": v for k, v in tally(mine).items()})
         row.update({f"free_{k}": v for k, v in tally(free).items()})
         row.update(kind=p["kind"], share=p["share"], concurrency=p["concurrency"], load_mode="closed",

@@ -16,7 +16,8 @@ resources priced P per hour:
 
 A good token is a token of a request that met the point's SLO (each of its TTFT, TPOT and E2EL
 bounds, per request: the goodput of docs/metrics.md) and, where the point has a correctness
-verdict (speculative decoding's lossless check), passed it. 1,000 output tok/s at 2.00 per hour
+verdict (speculative decoding's lossless check, structured output's validation, LoRA's outputs
+check), passed it. 1,000 output tok/s at 2.00 per hour
 is 2 / (1000 * 3600 / 1e6) = 0.5556 per million output tokens; a point where half the requests
 missed the SLO costs twice as much per good Mtok as per Mtok.
 

@@ -94,6 +94,17 @@ class SLO:
         return True
 
 
+def good_fields(done: list[RequestTrace], slo: SLO | None = None, passed: set[str] | None = None,
+                verdict: str | None = None) -> dict[str, Any]:
+    """The good requests among the completed ones `done` and their tokens (what a cost per good
+    million tokens counts, harness.core.cost): those that meet every SLO given and, with a
+    correctness check (`verdict` names it), whose id is in `passed`."""
+    good = [t for t in done if (slo or SLO()).met(t) and (passed is None or t.request_id in passed)]
+    out = {"good_requests": len(good), "good_input_tokens": sum(t.prompt_len for t in good),
+           "good_output_tokens": sum(t.n_out for t in good)}
+    return {**out, "good_verdict": verdict} if verdict else out
+
+
 def _stat_fields(name: str, samples: list[float], with_samples: bool = True) -> dict[str, Any]:
     s = summarize(samples)
     out: dict[str, Any] = {f"{name}_{k}": v for k, v in s.items() if k != "count"}
@@ -128,8 +139,8 @@ def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
     tpot = [t.tpot_s for t in done if t.tpot_s is not None]
     itl = [g for t in done for g in t.itls_s]
     out_tokens = sum(t.n_out for t in done)
-    good_traces = [t for t in done if (slo or SLO()).met(t)]
-    good = len(good_traces)
+    good_row = good_fields(done, slo)  # the good requests' tokens: what a good token costs (harness.core.cost)
+    good = good_row["good_requests"]
     row: dict[str, Any] = {
         "num_requests": len(traces), "completed": len(done), "duration_s": duration,
         "failed_requests": sum(reasons.values()), "failed_request_reasons": dict(reasons),
@@ -138,9 +149,7 @@ def serving_metrics(traces: list[RequestTrace], slo: SLO | None = None,
         "output_tok_s": out_tokens / duration if duration > 0 else None,
         "goodput_req_s": good / duration if duration > 0 else None,
         "slo_attained_frac": good / len(traces) if traces else None,
-        # the good requests' tokens: what a good token costs (harness.core.cost)
-        "good_requests": good, "good_input_tokens": sum(t.prompt_len for t in good_traces),
-        "good_output_tokens": sum(t.n_out for t in good_traces),
+        **good_row,
     }
     for name, samples in (("ttft_s", ttft), ("tpot_s", tpot), ("itl_s", itl), ("e2el_s", e2el)):
         row.update(_stat_fields(name, samples))
