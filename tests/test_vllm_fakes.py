@@ -306,15 +306,15 @@ def _lp(logprob, rank):
 
 
 def test_scores_read_vllms_prompt_logprobs_actual_token_first():
-    from adapters.vllm.engine import VLLMEngine
+    from adapters.vllm.engine import prompt_scores
     seq = [7, 8, 9]
     plp = [None,
            {8: _lp(-0.5, 1), 3: _lp(-1.5, 2)},  # actual token 8 is the best: one entry for it
            {9: _lp(-4.0, 7), 5: _lp(-0.2, 1), 6: _lp(-0.9, 2)}]  # actual token 9 ranks 7th
-    s = VLLMEngine._scores(seq, 1, 2, plp)
+    s = prompt_scores(seq, 1, 2, plp)
     assert s.top_ids == [[8, 3], [5, 6]] and s.top_logprobs == [[-0.5, -1.5], [-0.2, -0.9]]
     assert s.target_logprobs == [-0.5, -4.0]
-    assert VLLMEngine._scores(seq, 2, 1, plp).top_ids == [[5]]
-    assert VLLMEngine._scores(seq, 3, 1, None).target_logprobs == []  # nothing to score
+    assert prompt_scores(seq, 2, 1, plp).top_ids == [[5]]
+    assert prompt_scores(seq, 3, 1, None).target_logprobs == []  # nothing to score
     with pytest.raises(RuntimeError, match="actual token"):
-        VLLMEngine._scores(seq, 1, 1, [None, {3: _lp(-1.0, 1)}, {5: _lp(-0.2, 1)}])
+        prompt_scores(seq, 1, 1, [None, {3: _lp(-1.0, 1)}, {5: _lp(-0.2, 1)}])

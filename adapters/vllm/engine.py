@@ -489,30 +489,7 @@ class VLLMEngine(Engine):
                 raise RuntimeError(f"vLLM finished only {len(done)} of {len(ids)} scoring requests in {limit} steps")
         finally:
             self.release()
-        return [self._scores(seq, s0, top_k, done.get(i)) for i, (seq, s0) in enumerate(zip(sequences, start))]
-
-    @staticmethod
-    def _scores(seq: list[int], s0: int, top_k: int, plp: Any) -> TokenScores:
-        """TokenScores from vLLM's prompt logprobs of one sequence (None when nothing is scored)."""
-        res = TokenScores([], [], [])
-        if s0 >= len(seq):
-            return res
-        if plp is None or len(plp) != len(seq):
-            raise RuntimeError(f"vLLM returned {None if plp is None else len(plp)} prompt-logprob entries for a "
-                               f"sequence of {len(seq)} tokens")
-        for p in range(s0, len(seq)):
-            entry = plp[p]
-            if entry is None or seq[p] not in entry:
-                raise RuntimeError(f"vLLM's prompt logprobs at position {p} lack the actual token {seq[p]} (vLLM "
-                                   "0.32/0.33 always include it): this vLLM returns them differently")
-            ranked = sorted(((lp.rank, -lp.logprob, tok, lp.logprob) for tok, lp in entry.items()
-                             if lp.rank is not None and lp.rank <= top_k))[:top_k]
-            if len(ranked) < top_k:
-                raise RuntimeError(f"vLLM returned {len(ranked)} of the top {top_k} tokens at position {p}")
-            res.top_ids.append([int(t) for _, _, t, _ in ranked])
-            res.top_logprobs.append([float(v) for *_, v in ranked])
-            res.target_logprobs.append(float(entry[seq[p]].logprob))
-        return res
+        return [prompt_scores(seq, s0, top_k, done.get(i)) for i, (seq, s0) in enumerate(zip(sequences, start))]
 
     # ---- serving -----------------------------------------------------------------------
     def serve(self, requests: list[Request] | RequestSource, start_ns: int) -> Iterator[TokenEvent]:
@@ -613,6 +590,29 @@ class VLLMEngine(Engine):
 
 
 _REFUSAL = re.compile(r"not supported|unsupported|not implemented|is not yet supported|does not support", re.I)
+
+
+def prompt_scores(seq: list[int], s0: int, top_k: int, plp: Any) -> TokenScores:
+    """TokenScores from vLLM's prompt logprobs of one sequence (None when nothing is scored)."""
+    res = TokenScores([], [], [])
+    if s0 >= len(seq):
+        return res
+    if plp is None or len(plp) != len(seq):
+        raise RuntimeError(f"vLLM returned {None if plp is None else len(plp)} prompt-logprob entries for a "
+                           f"sequence of {len(seq)} tokens")
+    for p in range(s0, len(seq)):
+        entry = plp[p]
+        if entry is None or seq[p] not in entry:
+            raise RuntimeError(f"vLLM's prompt logprobs at position {p} lack the actual token {seq[p]} (vLLM "
+                               "0.32/0.33 always include it): this vLLM returns them differently")
+        ranked = sorted(((lp.rank, -lp.logprob, tok, lp.logprob) for tok, lp in entry.items()
+                         if lp.rank is not None and lp.rank <= top_k))[:top_k]
+        if len(ranked) < top_k:
+            raise RuntimeError(f"vLLM returned {len(ranked)} of the top {top_k} tokens at position {p}")
+        res.top_ids.append([int(t) for _, _, t, _ in ranked])
+        res.top_logprobs.append([float(v) for *_, v in ranked])
+        res.target_logprobs.append(float(entry[seq[p]].logprob))
+    return res
 
 
 def structured_params(constraint: dict[str, Any]) -> Any:
