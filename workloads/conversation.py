@@ -368,24 +368,31 @@ class Conversation(Workload):
         return out
 
     # ---- one point -------------------------------------------------------------------------------
+    def warm_up(self, engine: Engine, sessions: list[Session], point: Point, ctx: RunContext,
+                cfg: ConversationConfig) -> None:
+        """The first `warmup_sessions` sessions' shapes (and the prefix cache's path) served once,
+        on unrelated tokens, each with its session's adapter."""
+        n_warm = len(sessions) if cfg.warmup_sessions is None else cfg.warmup_sessions
+        if not n_warm:
+            return
+        warm = [Session(i, [ctx.prompts(1, len(u), f"{point.key}/warm{i}/{k}")[0] for k, u in enumerate(s.users)],
+                        list(s.caps), [0.0] * len(s.users),
+                        system=ctx.prompts(1, len(s.system), f"{point.key}/warm{i}/system")[0] if s.system else None)
+                for i, s in enumerate(sessions[:n_warm])]
+        for w, s in zip(warm, sessions):
+            w.adapter = s.adapter
+        wc = Collector([], now_ns())
+        wc.source = ConversationSource(warm, wc.start_ns, wc, cfg.separator_ids, None, False)
+        for ev in engine.serve(wc.source, wc.start_ns):
+            wc.feed(ev)
+
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: ConversationConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         sessions = self.sessions(cfg, ctx, f"conversation/{cfg.sessions}")  # the same sessions in every mode
         point_lora = point.params.get("lora")
         for s, a in zip(sessions, lora.assignment(point_lora, len(sessions), ctx.seed, f"conversation/{cfg.sessions}")):
             s.adapter = a  # the same for every engine and every mode
-        n_warm = len(sessions) if cfg.warmup_sessions is None else cfg.warmup_sessions
-        if n_warm:  # the same shapes (and the prefix cache's path) once, on unrelated tokens
-            warm = [Session(i, [ctx.prompts(1, len(u), f"{point.key}/warm{i}/{k}")[0] for k, u in enumerate(s.users)],
-                            list(s.caps), [0.0] * len(s.users),
-                            system=ctx.prompts(1, len(s.system), f"{point.key}/warm{i}/system")[0] if s.system else None)
-                    for i, s in enumerate(sessions[:n_warm])]
-            for w, s in zip(warm, sessions):
-                w.adapter = s.adapter
-            wc = Collector([], now_ns())
-            wc.source = ConversationSource(warm, wc.start_ns, wc, cfg.separator_ids, None, False)
-            for ev in engine.serve(wc.source, wc.start_ns):
-                wc.feed(ev)
+        self.warm_up(engine, sessions, point, ctx, cfg)
         engine.reset_prefix_cache()
         info0 = engine.kv_cache_info()
         lora0 = engine.lora_stats() if point_lora else None
