@@ -97,9 +97,11 @@ def test_presets_convert_and_pass_parity(tmp_path, cache, model):
 
 def test_families_the_converter_lacks_are_unavailable_with_the_reason(tmp_path, cache):
     for model in REFUSED:
-        r, rows = cli(["engines=[reference,llamacpp]", f"model={model}", "workload=parity", "parity_tokens=2",
+        r, rows = cli(["engines=[hf,llamacpp]", f"model={model}", "workload=parity", "parity_tokens=2",
                        "workload.prompt_lens=[8]", "workload.tokens=2"], cache, tmp_path / model)
-        row = [x for x in rows if x["engine"] == "llamacpp"][0]
+        found = [x for x in rows if x["engine"] == "llamacpp"]
+        assert found, (model, r.returncode, r.stderr[-1500:])
+        row = found[0]
         assert row["status"] == "unavailable", row
         assert "GGUF converter" in row["error"] and "lacks" in row["error"], row["error"]
 

@@ -332,6 +332,9 @@ LLAMACPP_FLAGS = (
     ServerFlag("cache-reuse", int, "arg", 0, ge=0, help="min chunk size to reuse from the cache by KV shifting (0: off)"),
     ServerFlag("cache-ram", int, "arg", 8192, ge=-1, help="host prompt cache in MiB (-cram; -1: no limit, 0: off)"),
     ServerFlag("kv-unified", bool, "bool-pair", "auto", help="one KV buffer shared by every slot (-kvu / -no-kvu)"),
+    ServerFlag("repack", bool, "bool-pair", True,
+               help="weight repacking (-nr / --no-repack); the launch template turns it off: on the Intel Xeon build "
+                    "machine its kernels die with SIGILL on q8_0 / q4_0 weights (docs/engines/llamacpp.md)"),
 )
 
 

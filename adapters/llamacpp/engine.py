@@ -161,6 +161,7 @@ class LlamaCppEngine(Engine):
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
+        mp.use_extra_bufts = bool(o.repack)  # llama.cpp's weight repacking and extra buffer types (AMX)
         t1 = time.perf_counter()
         self._model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
@@ -203,7 +204,7 @@ class LlamaCppEngine(Engine):
             engine_version=self.version(), compute_threads=self.threads,
             details={"gguf": gguf_record, "convert_s": convert_s, "n_ctx": self.n_ctx, "n_batch": self.n_batch,
                      "n_ubatch": self.n_ubatch, "n_seq_max": self.n_seq_max, "kv_cache_type": self.kv,
-                     "flash_attn": self.flash, "kv_unified": True, "threads": self.threads,
+                     "flash_attn": self.flash, "repack": bool(o.repack), "kv_unified": True, "threads": self.threads,
                      "kv_reported": kv, "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
                      "model_desc": self._desc()})
 

@@ -43,6 +43,9 @@ class LlamaCppOptions:
     n_ubatch: int | None = spec(None, ge=1, help="physical micro-batch; null = llama.cpp's default (512)")
     n_seq_max: int | None = spec(None, ge=1, help="most sequences at once (serve()'s slots); null = the run's "
                                                   "largest batch, at least 8")
+    repack: bool = spec(False, help="llama.cpp's weight repacking (its extra buffer types: AMX, CPU repack); off by "
+                                    "default: on the Intel Xeon build machine its kernels die with SIGILL on q8_0 / "
+                                    "q4_0 weights (docs/engines/llamacpp.md)")
     threads: int | None = spec(None, ge=1, help="compute threads (n_threads and n_threads_batch); null = the run's "
                                                 "equal share")
 
