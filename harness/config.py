@@ -31,6 +31,7 @@ from harness.core.schema import check, spec
 from harness.engines import capability_problems, resolve_engine
 from workloads import get_workload, workload_names
 from workloads.base import Point, Workload
+from workloads.lora import parity_adapters
 from workloads.parity import ParityConfig, with_prompt_lens
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -357,7 +358,8 @@ def _plan_workloads(cfg: dict[str, Any], settings: Settings, shape: ModelShape |
             planned.append(PlannedWorkload(workload, wl_cfg, workload.plan(wl_cfg), source))
     if settings.parity and wl_name != "parity":
         parity = get_workload("parity")
-        pcfg = with_prompt_lens(ParityConfig(tokens=settings.parity_tokens), model_cfg, positions)
+        adapters = parity_adapters(getattr(planned[0].cfg, "lora", None)) if planned and not problems else None
+        pcfg = with_prompt_lens(ParityConfig(tokens=settings.parity_tokens, adapters=adapters), model_cfg, positions)
         planned.append(PlannedWorkload(parity, pcfg, parity.plan(pcfg)))
     return planned
 

@@ -76,6 +76,13 @@ tokens and accepts a deterministic number of them (`fake_accepts`), emitting acc
 in one chunk. `GET /fake/spec_truth` gives the fake's own totals (drafts, proposed, accepted, per
 position), what a server's counters should add up to.
 
+LoRA in the fakes (vLLM --enable-lora --lora-modules NAME=PATH, SGLang --enable-lora --lora-paths NAME=PATH,
+each refused as the server refuses it): a request names its adapter in `model` (vLLM: another name is a
+404, vllm/entrypoints/openai/serving_engine.py) or `lora_path` (SGLang: one not loaded is a 400); the
+tokens of an adapter's request are 2000 + 100 x the adapter's place + k (the base model's 1000 + k), so
+that every adapter changes the output. /metrics: vLLM's vllm:lora_requests_info (one sample per label
+set, set to the time it was last seen), SGLang's sglang:lora_pool_slots_used / _total.
+
 Launched:   python tests/fake_servers_strict.py {vllm|sglang|trtllm} <the server's own arguments>
 Knobs (environment): FAKE_SGLANG_WARMUP_S (default 0), FAKE_SGLANG_WARMUP_FAILS=1,
 FAKE_TRTLLM_VERSION (default 1.1.0), FAKE_DELAY_S (between chunks, default 0.01).
@@ -221,7 +228,24 @@ def vllm_parser() -> argparse.ArgumentParser:
     # vllm/config/cache.py (0.32.0): kv_offloading_size (GiB, float), kv_offloading_backend
     ap.add_argument("--kv-offloading-size", type=float)
     ap.add_argument("--kv-offloading-backend", choices=("native", "lmcache"), default="native")
+    # vllm/config/lora.py + engine/arg_utils.py (0.32.0): LoRA; entrypoints/launchers/cli_args.py: --lora-modules
+    ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--max-loras", type=int, default=1)
+    ap.add_argument("--max-lora-rank", type=int, default=16, choices=(1, 8, 16, 32, 64, 128, 256, 320, 512))
+    ap.add_argument("--max-cpu-loras", type=int)
+    ap.add_argument("--lora-modules", nargs="+", default=[])
     return ap
+
+
+def lora_names(items: list[str]) -> list[str]:
+    """The adapter names of --lora-modules / --lora-paths NAME=PATH items (in order)."""
+    return [i.split("=", 1)[0] for i in items if "=" in i]
+
+
+def lora_offset(adapter: str | None, names: list[str]) -> int:
+    """The fake's tokens for an adapter's request: 2000 + 100 x its place + k (the base model: 1000 + k),
+    so that every adapter changes the output as a real one does."""
+    return 1000 if adapter is None else 2000 + 100 * names.index(adapter)
 
 
 # vllm/config/speculative.py (0.32.0): SpeculativeConfig's fields the harness may write (extra="forbid"),
@@ -273,6 +297,18 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
     slots = asyncio.Semaphore(args.max_num_seqs or 128)  # the scheduler runs at most max_num_seqs
     spec = _Spec(args.speculative_config["num_speculative_tokens"]) if args.speculative_config else None
     tiers = _Tiers(args.block_size or 16) if args.kv_offloading_size else None
+    loras = lora_names(args.lora_modules) if args.enable_lora else []
+    lora_seen: dict[tuple[str, str], float] = {}  # (running, waiting) label set -> when last set
+
+    def lora_metrics() -> str:
+        """vllm/v1/metrics/loggers.py (0.32.0): vllm:lora_requests_info, one sample per label set, each
+        set to the time it was last seen (only with --enable-lora)."""
+        if not args.enable_lora:
+            return ""
+        lines = ["# TYPE vllm:lora_requests_info gauge"]
+        lines += [f'vllm:lora_requests_info{{max_lora="{args.max_loras}",running_lora_adapters="{r}",'
+                  f'waiting_lora_adapters="{w}"}} {t}' for (r, w), t in lora_seen.items()]
+        return "\n".join(lines) + "\n"
 
     @app.get("/fake/spec_truth")
     async def spec_truth() -> Any:
@@ -342,7 +378,7 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{args.block_size or 16}",cache_dtype="auto",'
             f'gpu_memory_utilization="{args.gpu_memory_utilization}",num_gpu_blocks="1000"}} 1.0\n' + spec_metrics()
-            + tier_metrics())
+            + tier_metrics() + lora_metrics())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -356,10 +392,17 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
         usage_on = bool((body.get("stream_options") or {}).get("include_usage"))
         if tiers is not None and isinstance(body["prompt"], list):
             tiers.lookup(list(body["prompt"]))
+        # vllm/entrypoints/openai/serving_engine.py (0.32.0) _check_model: the served name or a LoRA module's
+        adapter = body.get("model") if body.get("model") in loras else None
+        if body.get("model") not in (name, None) and adapter is None:
+            return _err(404, f"The model `{body.get('model')}` does not exist.")
+        base_id = lora_offset(adapter, loras)
 
         async def gen() -> Any:
             await slots.acquire()  # waiting for a running slot: its first token is late
             st.running += 1
+            if adapter is not None:
+                lora_seen[(adapter, "")] = time.time()
             try:
                 k = 0
                 steps = spec.groups(n) if spec else None  # speculating: accepted + 1 tokens per step
@@ -367,7 +410,7 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
                     per = 1 if st.running < 2 else min(3, st.running)  # under load: several per chunk
                     if steps:
                         per = steps.pop(0)
-                    group = list(range(1000 + k, 1000 + min(n, k + per)))
+                    group = list(range(base_id + k, base_id + min(n, k + per)))
                     k += len(group)
                     choice: dict[str, Any] = {"index": 0, "text": "".join(f" w{t}" for t in group), "logprobs": None,
                                               "finish_reason": "length" if k == n else None}
@@ -475,7 +518,25 @@ def sglang_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hicache-size", type=int, default=0)
     ap.add_argument("--hicache-write-policy", choices=("write_back", "write_through", "write_through_selective"),
                     default="write_through")
+    # arg_groups/fields/lora.py (0.5.23): Optional[bool] -> store_true (arg_utils.py), lists nargs "*"
+    ap.add_argument("--enable-lora", action="store_true", default=None)
+    ap.add_argument("--lora-paths", nargs="*")
+    ap.add_argument("--max-lora-rank", type=int)
+    ap.add_argument("--max-loaded-loras", type=int)
+    ap.add_argument("--max-loras-per-batch", type=int, default=8)
+    ap.add_argument("--lora-eviction-policy", choices=("lru", "fifo"), default="lru")
+    ap.add_argument("--lora-backend", choices=("triton", "csgmv", "ascend", "torch_native", "triton_v2"),
+                    default="csgmv")
     return ap
+
+
+def sglang_lora_error(args: argparse.Namespace) -> str | None:
+    """What SGLang refuses at start of its LoRA flags (server_args.py check_lora_server_args, 0.5.23):
+    --max-loaded-loras below --max-loras-per-batch."""
+    if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
+        return (f"AssertionError: max_loaded_loras ({args.max_loaded_loras}) must be >= max_loras_per_batch "
+                f"({args.max_loras_per_batch})")
+    return None
 
 
 SGLANG_SPEC_ALGORITHMS = {"EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH", "DSPARK", "UNO"}
@@ -520,6 +581,18 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
     spec = _Spec(k) if k else None
     window = {"accepted": 0, "verify": 0, "length": 0.0, "rate": 0.0}  # the reporter's window since its last log
     tiers = _Tiers(args.page_size or 1) if args.enable_hierarchical_cache else None
+    lora = bool(args.enable_lora or args.lora_paths)  # --lora-paths turns LoRA on (fields/lora.py)
+    loras = lora_names(args.lora_paths or [])
+    lora_running: dict[str, int] = {}
+
+    def lora_metrics(lab: str) -> str:
+        """observability/metrics_collector.py (0.5.23): registered only with LoRA."""
+        if not lora:
+            return ""
+        used = float(len([a for a, n in lora_running.items() if n]))
+        return (f"# TYPE sglang:lora_pool_slots_used gauge\nsglang:lora_pool_slots_used{lab} {used}\n"
+                f"# TYPE sglang:lora_pool_slots_total gauge\nsglang:lora_pool_slots_total{lab} "
+                f"{float(args.max_loras_per_batch)}\n")
 
     @app.get("/fake/spec_truth")
     async def spec_truth() -> Any:
@@ -593,7 +666,8 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
             f"# TYPE sglang:num_requests_total counter\nsglang:num_requests_total{streaming} {float(counters['requests'])}\n"
             f"# TYPE sglang:spec_verify_calls_total counter\nsglang:spec_verify_calls_total{lab} {float(counters['verify'])}\n"
             f"# TYPE sglang:spec_accept_length gauge\nsglang:spec_accept_length{lab} {window['length']}\n"
-            f"# TYPE sglang:spec_accept_rate gauge\nsglang:spec_accept_rate{lab} {window['rate']}\n")
+            f"# TYPE sglang:spec_accept_rate gauge\nsglang:spec_accept_rate{lab} {window['rate']}\n"
+            + lora_metrics(lab))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -614,15 +688,23 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
         if tiers is not None and isinstance(body["prompt"], list):
             tiers.lookup(list(body["prompt"]))
         counters["prompt"] += plen
+        # managers/tokenizer_manager.py (0.5.23): a lora_path that is not loaded is refused (400)
+        adapter = body.get("lora_path")
+        if adapter is not None and (not lora or adapter not in loras):
+            return _err(400, f"LoRA adapter {adapter!r} is not loaded" if lora else
+                        "LoRA is not enabled: launch the server with --enable-lora")
+        base_id = lora_offset(adapter, loras)
 
         async def gen() -> Any:
             st.running += 1
+            if adapter is not None:
+                lora_running[adapter] = lora_running.get(adapter, 0) + 1
             groups = spec.groups(out) if spec and out else [1] * out  # speculating: accepted + 1 per verify pass
             emitted = k = 0
             try:
                 for j, size in enumerate(groups):
                     emitted += 1
-                    ids = list(range(1000 + k, 1000 + k + size))
+                    ids = list(range(base_id + k, base_id + k + size))
                     k += size
                     choice: dict[str, Any] = {"index": 0, "text": "".join(f" w{t}" for t in ids), "logprobs": None,
                                               "finish_reason": "length" if k == out else None}
@@ -644,6 +726,8 @@ def sglang_app(args: argparse.Namespace) -> FastAPI:
                 yield "data: [DONE]\n\n"
             finally:
                 st.running -= 1
+                if adapter is not None:
+                    lora_running[adapter] -= 1
                 # observe_one_finished_request: counted when the request finishes
                 counters["gen"] += k
                 counters["requests"] += 1
@@ -852,6 +936,7 @@ def main(argv: list[str]) -> None:
     elif kind == "sglang":
         args = sglang_parser().parse_args(rest)
         _, refused = sglang_spec_k(args)
+        refused = refused or sglang_lora_error(args)
         if refused:
             print(refused, flush=True)
             sys.exit(1)

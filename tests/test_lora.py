@@ -227,3 +227,31 @@ def test_bad_adapter_input_exits_2_without_a_traceback(tmp_path, adapters):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "workload.lora.adapters: adapter 't'" in r.stderr and not (out / "results.jsonl").exists()
+
+
+def test_vllm_lora_arguments_round_the_rank_up_and_default_the_slots_to_every_adapter():
+    from adapters.base import ModelSpec
+    from adapters.vllm.options import check_problems, lora_kwargs
+    ads = [{"name": "a", "path": "/a", "rank": 4}, {"name": "b", "path": "/b", "rank": 12}]
+    assert lora_kwargs({"lora_adapters": ads}) == {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
+                                                   "max_cpu_loras": 2}
+    assert lora_kwargs({"lora_adapters": ads, "max_loras": 1, "max_cpu_loras": 1})["max_cpu_loras"] == 1
+    assert lora_kwargs({"max_loras": 3}) == {}
+    problems = check_problems({"lora_adapters": ads, "max_lora_rank": 8}, ModelSpec("/m", "m"), "vllm-cpu")
+    assert any("max_lora_rank=8: adapter 'b' has rank 12" in p for p in problems), problems
+
+
+def test_parity_scores_every_adapter_against_the_same_adapters_baseline(adapters):
+    from workloads.parity import Parity, ParityConfig, _baseline
+    cfg = ParityConfig(prompt_lens=[8], tokens=4, adapters={"lora0": str(adapters / "lora0")})
+    base, a0 = Parity().plan(cfg)
+    assert "adapter" not in base.params and a0.params["adapter"] == "lora0"
+    from adapters.base import Capabilities
+    assert Parity().unsupported(a0, Capabilities()) is not None and Parity().unsupported(base, Capabilities()) is None
+    assert Parity().engine_overrides(a0, Capabilities(lora=True))["lora_adapters"][0]["name"] == "lora0"
+    rows = [{"workload": "parity", "status": "ok", "engine": "hf", "parity_tokens": [[1]], "point": base.params},
+            {"workload": "parity", "status": "ok", "engine": "hf", "parity_tokens": [[2]], "point": a0.params}]
+    assert _baseline(rows, "vllm", "lora0")["parity_tokens"] == [[2]] and _baseline(rows, "vllm")["parity_tokens"] == [[1]]
+    from harness.cli import check_jobs
+    assert check_jobs(["engines=[hf]", "model=tiny-trained", "workload=serving",
+                       f"workload.lora.adapters={{lora0:{adapters / 'lora0'}}}"]) == []

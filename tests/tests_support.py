@@ -39,14 +39,16 @@ def vllm_python() -> Path | None:
 def vllm_parse(py: Path, argv: list[str]) -> dict:
     """`argv` (a vLLM server's arguments) as vLLM's own command-line parser reads them, run in the
     environment of `py`: {dest: value} of the scalar arguments and of those parsed into a dict
-    (JSON arguments: --speculative-config)."""
+    (JSON arguments: --speculative-config), and `lora_modules` as [name, path] pairs."""
     import json
     import subprocess
     code = ("import json, sys\n"
             "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
             "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
             "ns = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
-            "print(json.dumps({k: v for k, v in vars(ns).items() if isinstance(v, (int, float, str, bool, dict))}))")
+            "out = {k: v for k, v in vars(ns).items() if isinstance(v, (int, float, str, bool, dict))}\n"
+            "out['lora_modules'] = [[m.name, m.path] for m in ns.lora_modules or []]\n"
+            "print(json.dumps(out))")
     r = subprocess.run([str(py), "-c", code, *argv], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

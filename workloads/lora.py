@@ -190,7 +190,17 @@ def overrides(point_lora: dict[str, Any] | None) -> dict[str, Any]:
     if missing:
         raise ValueError(f"adapter(s) {', '.join(missing)} cannot be read in the engine's process")
     return {"lora_adapters": [a.option() for a in ads if a is not None], "max_loras": point_lora["max_loras"],
-            "max_lora_rank": point_lora["max_lora_rank"], "max_cpu_loras": point_lora["max_cpu_loras"]}
+            "max_lora_rank": point_lora.get("max_lora_rank") or max(a.rank for a in ads if a is not None),
+            "max_cpu_loras": point_lora["max_cpu_loras"]}
+
+
+def parity_adapters(raw: Any) -> dict[str, str] | None:
+    """The adapters a run's parity scores with ({name: directory}, the points' first num_adapters);
+    None without adapters."""
+    if not enabled(raw):
+        return None
+    t = typed(raw)
+    return dict(parse_refs(t.adapters, FIELD)[0][:t.num_adapters])
 
 
 def configured_shares(point_lora: dict[str, Any]) -> dict[str, float]:

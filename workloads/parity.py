@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters.base import Engine
+from adapters.base import Engine, Request, TokenEvent, now_ns
 from harness.core.parity import compare_scores, greedy_agreement, verdict
 from harness.core.schema import spec
 from harness.core.train import HELDOUT_FILE, TRAINING_FILE
@@ -53,6 +53,8 @@ class ParityConfig:
              "null: by model - [64,128,256,512], or [128,512,1024,2048] on a checkpoint trained here")
     tokens: int = spec(32, ge=1, le=4096, help="greedy tokens per prompt (and teacher-forced positions scored)")
     top_k: int = spec(8, ge=2, le=20, help="log-probabilities compared per position (vLLM returns at most 20)")
+    adapters: dict[str, Any] | None = spec(None, help="LoRA adapters {NAME: DIR} (the run's workload.lora): one more "
+                                                      "point per adapter, every engine scoring with it")
 
 
 def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -62,6 +64,18 @@ def greedy_tokens(engine: Engine, prompts: list[list[int]], n: int) -> list[list
     engine.release()
     steps = dec.tokens if dec else []
     return [[pre.first_tokens[b]] + [step[b] for step in steps] for b in range(len(prompts))]
+
+
+def served_tokens(engine: Engine, prompts: list[list[int]], n: int, adapter: str) -> list[list[int]]:
+    """The first n greedy tokens of every prompt with LoRA `adapter`, all requests at once through
+    serve() (the path every engine takes a request's adapter on)."""
+    reqs = [Request(f"parity{i}", list(p), n, adapter=adapter) for i, p in enumerate(prompts)]
+    got: dict[str, dict[int, int]] = {r.request_id: {} for r in reqs}
+    for ev in engine.serve(reqs, now_ns()):
+        if not isinstance(ev, TokenEvent):
+            raise RuntimeError(f"parity request {ev.request_id} with adapter {adapter} failed: {ev.reason}")
+        got[ev.request_id][ev.index] = ev.token_id
+    return [[got[r.request_id][i] for i in sorted(got[r.request_id])] for r in reqs]
 
 
 def trained_here(model_path: str | None) -> bool:
@@ -104,13 +118,19 @@ def heldout_prompts(model_path: str, lens: list[int]) -> list[list[int]]:
     return [list(map(int, held[s:s + n])) for s, n in zip(starts, lens)]
 
 
-def _baseline(rows: list[dict[str, Any]], engine: str | None = None) -> dict[str, Any] | None:
-    """The run's baseline parity row: the first ok parity row (not `engine`'s own)."""
+def _baseline(rows: list[dict[str, Any]], engine: str | None = None, adapter: str | None = None) -> dict[str, Any] | None:
+    """The run's baseline parity row: the first ok parity row (not `engine`'s own) of the same LoRA
+    adapter (None: the base model)."""
     for r in rows:
         if r.get("workload") == WORKLOAD and r.get("status") == "ok" and r.get("parity_tokens") and \
-                r.get("engine") != engine:
+                r.get("engine") != engine and (r.get("point") or {}).get("adapter") == adapter:
             return r
     return None
+
+
+def _adapter(point: Point | dict[str, Any]) -> str | None:
+    params = point.params if isinstance(point, Point) else (point.get("point") or {})
+    return params.get("adapter")
 
 
 class Parity(Workload):
@@ -119,8 +139,22 @@ class Parity(Workload):
     roofline = False
 
     def plan(self, cfg: ParityConfig) -> list[Point]:
-        return [Point(self.name, {"prompt_lens": list(cfg.prompt_lens or PROMPT_LENS), "tokens": cfg.tokens,
-                                  "top_k": cfg.top_k})]
+        base = {"prompt_lens": list(cfg.prompt_lens or PROMPT_LENS), "tokens": cfg.tokens, "top_k": cfg.top_k}
+        # with LoRA adapters: the same prompts once more per adapter, every engine scoring with it
+        return [Point(self.name, base)] + [Point(self.name, {**base, "adapter": name, "adapter_path": path})
+                                           for name, path in (cfg.adapters or {}).items()]
+
+    def unsupported(self, point: Point, caps: Any) -> str | None:
+        if _adapter(point) and not caps.lora:
+            return caps.lora_unsupported or "the engine serves no LoRA adapters here"
+        return None
+
+    def engine_overrides(self, point: Point, caps: Any) -> dict[str, Any]:
+        if not _adapter(point):
+            return {}
+        from workloads.lora import overrides
+        return overrides({"adapters": {point.params["adapter"]: point.params["adapter_path"]}, "max_loras": 1,
+                          "max_cpu_loras": 1, "max_lora_rank": None})
 
     def max_model_len(self, cfg: ParityConfig) -> int:
         # the scored sequence is prompt + tokens, and an engine that scores through generation
@@ -139,20 +173,22 @@ class Parity(Workload):
         return [ctx.prompts(1, s, f"parity/{i}")[0] for i, s in enumerate(lens)]
 
     def point_inputs(self, point: Point, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-        base = _baseline(rows)
+        base = _baseline(rows, adapter=_adapter(point))
         return {"teacher": base["parity_tokens"], "baseline": base["engine"]} if base else None
 
     def run_point(self, engine: Engine, point: Point, ctx: RunContext, cfg: ParityConfig,
                   inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         n, k = point.params["tokens"], point.params["top_k"]
         prompts = self.prompts(point, ctx)
-        greedy = greedy_tokens(engine, prompts, n)
+        adapter = _adapter(point)
+        greedy = greedy_tokens(engine, prompts, n) if adapter is None else served_tokens(engine, prompts, n, adapter)
         inputs = inputs or {}
         teacher = inputs.get("teacher") or greedy
         row: dict[str, Any] = {"parity_tokens": greedy, "parity_prompt_lens": [len(p) for p in prompts],
                                "parity_teacher": inputs.get("baseline") or "own greedy tokens"}
         try:
-            scores = engine.score([p + t for p, t in zip(prompts, teacher)], [len(p) for p in prompts], k)
+            seqs, starts = [p + t for p, t in zip(prompts, teacher)], [len(p) for p in prompts]
+            scores = engine.score(seqs, starts, k) if adapter is None else engine.score(seqs, starts, k, adapter=adapter)
         except NotImplementedError as e:
             row["parity_scores"] = None
             row["parity_note"] = str(e)
@@ -169,7 +205,7 @@ class Parity(Workload):
         row["positions_expected"] = expected
         problems: list[str] = []
         unverified: str | None = None
-        base = _baseline(rows, row["engine"])
+        base = _baseline(rows, row["engine"], _adapter(row))
         if base is None:  # this engine is the baseline: its own tokens and scores must be complete
             row.update(parity_baseline=row["engine"], agreement=1.0, first_divergence=None)
             got = sum(len(t) for t in row["parity_tokens"])
@@ -221,6 +257,8 @@ class Parity(Workload):
         for r in rows:
             if r.get("workload") != self.name:
                 continue
+            if _adapter(r):  # a LoRA adapter's point: its engine named with the adapter
+                r = {**r, "engine": f"{r['engine']}+{_adapter(r)}"}
             if r.get("agreement") is None:
                 lines.append(f"parity    {r['engine']:<9} {r['status']}: {(r.get('error') or '').splitlines()[0]}")
                 continue

@@ -132,24 +132,36 @@ class RequestBodies:
                                                           clean_up_tokenization_spaces=False)} for m in msgs]
 
     def payload(self, prompt_ids: list[int], max_tokens: int, messages: list[dict[str, Any]] | None = None,
-                constraint: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+                constraint: dict[str, Any] | None = None, adapter: str | None = None) -> tuple[dict[str, Any], int]:
         """(request body, prompt tokens as the client counts them). api=chat: the tokenizer's
         count of the chat-templated prompt (the template of endpoints.<name>.chat_template /
-        chat_separator, else the checkpoint's own), with the generation prompt."""
+        chat_separator, else the checkpoint's own), with the generation prompt. `adapter`: the LoRA
+        adapter that serves it, in the kind's field (`lora`)."""
         if not self.chat:
-            return self.completion(self.prompt(prompt_ids), max_tokens, constraint), len(prompt_ids)
+            return self.lora(self.completion(self.prompt(prompt_ids), max_tokens, constraint), adapter), len(prompt_ids)
         msgs = self.chat_messages(messages, prompt_ids)
         n = len(chat_prompt_ids(self.tokenizer(), msgs, chat_template_text(self.cfg)))
-        return self.chat_completion(msgs, max_tokens, constraint), n
+        return self.lora(self.chat_completion(msgs, max_tokens, constraint), adapter), n
 
-    def scores(self, seq: list[int], top_k: int) -> dict[str, Any]:
+    def lora(self, body: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+        """`body` served by LoRA adapter `adapter` (None: the base model, unchanged): vLLM takes the
+        adapter's --lora-modules name as `model`, SGLang its --lora-paths name as `lora_path`."""
+        if adapter is None:
+            return body
+        field = self.kind.lora_field
+        if field is None:
+            raise ValueError(f"endpoint {self.name} (kind {self.kind.name}) is not given LoRA adapters by the harness")
+        body[field] = adapter
+        return body
+
+    def scores(self, seq: list[int], top_k: int, adapter: str | None = None) -> dict[str, Any]:
         """One sequence's teacher-forced log-probabilities: vLLM's `prompt_logprobs` extension
-        (kinds with `scores`), one output token, not streamed."""
+        (kinds with `scores`), one output token, not streamed; with a LoRA adapter's."""
         body: dict[str, Any] = {"model": self.model, "prompt": list(seq), "max_tokens": 1, "temperature": 0.0,
                                 "prompt_logprobs": int(top_k), "stream": False}
         if self.kind.token_ids:
             body["return_token_ids"] = True
-        return body
+        return self.lora(body, adapter)
 
 
 def max_tokens(prompt: list[int], max_new_tokens: int | None, max_model_len: int) -> int:

@@ -59,6 +59,7 @@ def capabilities(cfg: EndpointConfig) -> Capabilities:
         prefix = paged = "prefix_caching" in kind.options
         spec_methods = kind.speculative_methods
         offload = "kv_offload" in kind.options
+        lora = "lora_adapters" in kind.options and kind.lora_field is not None
     else:  # an attached server runs with what it was started with
         declared = given(cfg.attached_options)
         kv_dtypes = ("auto",) if "kv_dtype" not in declared else ("auto", str(declared["kv_dtype"]))
@@ -66,11 +67,16 @@ def capabilities(cfg: EndpointConfig) -> Capabilities:
         paged = False
         spec_methods = (declared["speculative_method"],) if "speculative_method" in declared else ()
         offload = bool(declared.get("kv_offload"))
+        lora = bool(declared.get("lora_adapters")) and kind.lora_field is not None
     return Capabilities(
         dtypes=("float32", "bfloat16", "float16"), devices=("cpu", "cuda"), kv_dtypes=kv_dtypes,
         prefix_caching=prefix, chunked_prefill=False, no_cache_mode=False, contiguous_layout=False,
         continuous_batching=True, paged=paged, logits=False, scores=kind.scores,
         speculative_methods=spec_methods, kv_offload=offload, structured_output=kind.structured_kinds,
+        lora=lora, lora_slots=lora, lora_mixed_batch=lora,
+        lora_unsupported=None if lora else (f"a kind={cfg.kind} server is not given LoRA adapters by the harness"
+                                            if cfg.launched else "the attached server declares no lora_adapters "
+                                            "(endpoints.<name>.attached_options)"),
         options=STANDARD_ENDPOINT_OPTIONS + ((SERVER_FLAGS,) if cfg.launched and kind.flags else ()))
 
 

@@ -200,7 +200,8 @@ class EndpointEngine(Engine):
         self.point += states
         return out
 
-    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int,
+              adapter: str | None = None) -> list[TokenScores]:
         if not KINDS[self.cfg.kind].scores:
             raise NotImplementedError(f"{self.name}: kind={self.cfg.kind} servers give no prompt log-probabilities")
         assert self.server.loop is not None and self.server.client is not None
@@ -208,7 +209,7 @@ class EndpointEngine(Engine):
         for seq, s0 in zip(sequences, start):
             if s0 < 1:
                 raise ValueError("score: start must be at least 1 (the first token has no context)")
-            r = self.server.post(self.server.base + "/completions", json=self.bodies.scores(seq, top_k),
+            r = self.server.post(self.server.base + "/completions", json=self.bodies.scores(seq, top_k, adapter),
                                  wait_s=self.cfg.request_timeout_s)
             if r.status_code >= 400:
                 raise RuntimeError(f"{self.name}: prompt_logprobs: "
@@ -232,6 +233,11 @@ class EndpointEngine(Engine):
     def speculation(self) -> Speculation | None:
         """The speculation the server runs with (as `server_options()` say); None: it does not."""
         return speculation(self.server_options())
+
+    def lora_stats(self) -> dict[str, Any] | None:
+        """The server's LoRA gauges from /metrics (its kind's record names them: vLLM's
+        vllm:lora_requests_info, SGLang's lora_pool_slots_*); a server counts no loads or evictions."""
+        return self.metrics.lora_stats() if given(self.server_options()).get("lora_adapters") else None
 
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         """Speculative decoding's cumulative counters from /metrics, by the names of the kind's

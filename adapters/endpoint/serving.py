@@ -78,7 +78,7 @@ def serve(server: Server, bodies: RequestBodies, requests: list[Request] | Reque
                 if r.max_new_tokens < 1:
                     raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
                 scheduled = open_loop_start + round(r.arrival_s * 1e9) if open_loop_start is not None else now
-                body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint)
+                body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint, r.adapter)
                 st = ReqState(r.request_id, plen, r.max_new_tokens, scheduled_ns=scheduled,
                               may_stop=r.constraint is not None)
                 live[r.request_id] = st
@@ -157,7 +157,7 @@ def load_items(bodies: RequestBodies, requests: list[Request]) -> list[Item]:
     for r in requests:
         if r.max_new_tokens < 1:
             raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-        body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint)
+        body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint, r.adapter)
         items.append(Item(r.request_id, dumps(body), plen, r.max_new_tokens, r.arrival_s,
                           may_stop=r.constraint is not None))
     return items

@@ -46,6 +46,17 @@ def parse(text: str) -> tuple[dict[str, float], dict[str, dict[str, str]]]:
     return out, infos
 
 
+def lora_info(text: str, name: str) -> dict[str, str] | None:
+    """The labels of gauge `name`'s latest sample (vLLM's vllm:lora_requests_info: one sample per label
+    set it was ever given, each set to the time it was last seen); None where it has none."""
+    best: tuple[float, dict[str, str]] | None = None
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and (best is None or s.value > best[0]):
+                best = (float(s.value), dict(s.labels))
+    return best[1] if best else None
+
+
 def wanted(kind: str, values: dict[str, float]) -> dict[str, float]:
     """The samples kept of a kind's server (its record's `metrics.series`; others: by their words)."""
     m = KINDS[kind].metrics if kind in KINDS else None
@@ -159,6 +170,31 @@ class ServerMetrics:
         self.kind, self.fetch, self.path, self.readable, self.redact = kind, fetch, path, readable, redact
         self.spec_error: str | None = None  # why spec_decode_stats() could not read the counters
         self.scraper: Scraper | None = None
+
+    def lora_stats(self) -> dict[str, Any]:
+        """The LoRA gauges of the server's /metrics, by its kind's record: the slots (max_lora), the
+        adapters running and waiting (vLLM's `lora_requests_info` labels, its latest set), the slots in
+        use (SGLang); loads and evictions are not exported by either server (None)."""
+        m = KINDS[self.kind].metrics
+        out: dict[str, Any] = {"loads": None, "evictions": None, "source": self.path}
+        if not self.readable() or m is None:
+            return {**out, "source": "none (the server has no /metrics, or metrics=false)"}
+        try:
+            text = self.fetch()
+        except Exception as e:
+            return {**out, "source": f"/metrics failed: {type(e).__name__}"}
+        if m.lora_info:
+            latest = lora_info(text, m.lora_info)
+            out["gauge"] = m.lora_info
+            if latest is not None:
+                names = lambda v: [n for n in (v or "").split(",") if n]  # noqa: E731
+                out.update(max_loras=_int(latest.get("max_lora")), running=names(latest.get("running_lora_adapters")),
+                           waiting=names(latest.get("waiting_lora_adapters")))
+        if m.lora_slots_used or m.lora_slots_total:
+            values, _ = parse(text)
+            out.update(gauge=", ".join(n for n in (m.lora_slots_used, m.lora_slots_total) if n),
+                       slots_used=values.get(m.lora_slots_used or ""), max_loras=_int(values.get(m.lora_slots_total or "")))
+        return out
 
     def kv_cache_info(self, offloading: bool) -> KVCacheInfo:
         """What the server's /metrics says of its KV cache (usage, blocks, prefix-cache counters,

