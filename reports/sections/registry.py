@@ -15,7 +15,7 @@ from reports.data import ReportData
 # Page order: the modules of reports/sections/ whose sections the report shows.
 PAGE_ORDER = [
     "header", "summary", "baseline", "sweep", "memory", "kv_ablation_section", "prefix", "conversation", "serving_load",
-    "speculative", "structured", "reasoning",
+    "speculative", "structured", "reasoning", "lora",
     "capacity",
     "tuning", "cost", "endpoints", "energy", "kv_fragmentation", "roofline_section", "parity_section", "quality", "history_links",
     "definitions",
