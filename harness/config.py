@@ -31,7 +31,7 @@ from harness.core.schema import check, spec
 from harness.engines import capability_problems, resolve_engine
 from workloads import get_workload, workload_names
 from workloads.base import Point, Workload
-from workloads.lora import parity_adapters
+from workloads.lora import parity_adapters, with_hub_adapters
 from workloads.parity import ParityConfig, with_prompt_lens
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -352,6 +352,7 @@ def _plan_workloads(cfg: dict[str, Any], settings: Settings, shape: ModelShape |
         if isinstance(wl_cfg, ParityConfig):
             wl_cfg = with_prompt_lens(wl_cfg, model_cfg, positions)
         wl_cfg, source = hub_datasets(wl_cfg, problems)  # workload.dataset=hf:ORG/NAME: the cached file's path
+        wl_cfg = with_hub_adapters(wl_cfg, problems)  # workload.lora.adapters naming Hub ids: their snapshots
         if wl_cfg is not None and shape is not None:
             problems += workload.check(wl_cfg, shape)
         if wl_cfg is not None:

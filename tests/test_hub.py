@@ -409,3 +409,30 @@ def test_infer_bench_serve_takes_a_hub_id(hf_env, fake_hub):
     assert plan.hub is not None and plan.hub.commit == fake_hub.commits["v2"] and plan.shape.name == MODEL
     assert plan.settings.served_model_name is None  # served under plan.shape.name: the id
     assert Path(plan.hub.download(progress=False), "model.safetensors").is_file()
+
+
+# ---- a LoRA adapter by its id ---------------------------------------------------------------------------------
+
+def test_a_lora_adapter_by_its_id_is_downloaded_checked_and_named_when_missing(hf_env, fake_hub, micro, tmp_path,
+                                                                                monkeypatch):
+    """workload.lora.adapters naming a Hub repository: the plan downloads its adapter_config.json and
+    adapter_model.safetensors into the cache and checks them against the model like a directory; an
+    unknown id, or a repository that is a model, is a problem naming the adapter's field."""
+    from harness.cli import check_jobs
+    from harness.core.presets import shape_from_hf_config
+    from harness.lora_cli import make_adapters
+    (name, path), = make_adapters(micro, shape_from_hf_config(micro), str(micro), tmp_path / "ads", ["a"], 4, 8,
+                                  ["q_proj"], 0, 2.0)
+    fake_hub.add_dir("org/micro-lora", Path(path))
+    base = ["engines=[hf]", "model=local", f"model.path={micro}", "workload=serving"]
+    assert check_jobs(base + ["workload.lora.adapters={a:org/micro-lora}"]) == []
+    snap = next((Path(hf_env["HF_HOME"]) / "hub" / "models--org--micro-lora" / "snapshots").iterdir())
+    assert sorted(p.name for p in snap.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    problems = check_jobs(base + ["workload.lora.adapters={a:org/no-such-adapter}"])
+    assert any("workload.lora.adapters.a=org/no-such-adapter" in p and "has no model" in p for p in problems), problems
+    problems = check_jobs(base + [f"workload.lora.adapters={{m:{MODEL}}}"])
+    assert any("not a PEFT LoRA adapter" in p for p in problems), problems
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hubmod._ADAPTERS.clear()
+    fake_hub.clear()
+    assert check_jobs(base + ["workload.lora.adapters={a:org/micro-lora}"]) == [] and not fake_hub.requests

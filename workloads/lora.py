@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Capabilities, Engine, Request, now_ns
+from harness.core.errors import UserError
 from harness.core.lora import (
     BASE, SPLITS, Adapter, assign, first_difference, parse_refs, read_adapter, shape_problems, shares, split_problems,
     split_test,
@@ -82,14 +83,14 @@ def enabled(raw: Any) -> bool:
 
 
 def adapters_of(t: LoraTraffic, n: int | None = None) -> list[Adapter]:
-    """The first n adapters (all: n None), read from their directories."""
+    """The first n adapters (all: n None), read from their directories; one that cannot be read is
+    left out (the plan is built even when problems() refuses the config, which exits 2)."""
     refs, _ = parse_refs(t.adapters, f"{FIELD}.adapters")
     out = []
     for name, ref in refs[:n] if n is not None else refs:
-        a, _, problems = read_adapter(name, ref, f"{FIELD}.adapters")
-        if a is None:
-            raise ValueError("; ".join(problems))
-        out.append(a)
+        a = read_adapter(name, ref, f"{FIELD}.adapters")[0]
+        if a is not None:
+            out.append(a)
     return out
 
 
@@ -137,6 +138,31 @@ def problems(raw: Any, shape: Any, workload: str = "serving") -> list[str]:
     return out
 
 
+def with_hub_adapters(cfg: Any, problems: list[str]) -> Any:
+    """A workload config whose `lora.adapters` name Hub repositories (ORG/NAME[@REV], not a directory
+    here) with each one's snapshot directory in its place (downloaded into the Hugging Face cache:
+    harness.core.hub.resolve_adapter), so that workers read local directories only; problems
+    appended for one that cannot be had. A config without such an adapter comes back as it is."""
+    from dataclasses import replace
+
+    from harness.core.hub import is_hub_adapter, resolve_adapter
+    raw = getattr(cfg, "lora", None) if cfg is not None else None
+    if not enabled(raw) or not isinstance(raw, dict):
+        return cfg
+    refs, _ = parse_refs(raw.get("adapters"), f"{FIELD}.adapters")  # malformed entries: problems() says so
+    if not any(is_hub_adapter(ref) for _, ref in refs):
+        return cfg
+    out = {}
+    for name, ref in refs:
+        if is_hub_adapter(ref):
+            try:
+                ref = resolve_adapter(ref, f"{FIELD}.adapters.{name}")[0]
+            except UserError as e:
+                problems += e.problems
+        out[name] = ref
+    return replace(cfg, lora={**raw, "adapters": out})
+
+
 # ---- points and engine options --------------------------------------------------------------------------------
 # A point's `lora` parameter holds everything its requests and the engine's options need: the
 # adapters {name: directory} in order, the split, the slots and ranks (filled in at plan time), so
@@ -156,7 +182,7 @@ def point_params(raw: Any) -> dict[str, Any]:
     elif t.base_share is not None:
         lora["base_share"] = t.base_share
     lora["max_loras"] = t.max_loras or len(ads)
-    lora["max_lora_rank"] = t.max_lora_rank or max(a.rank for a in ads)
+    lora["max_lora_rank"] = t.max_lora_rank or max((a.rank for a in ads), default=1)
     lora["max_cpu_loras"] = max(t.max_cpu_loras or len(ads), lora["max_loras"])
     return {"lora": lora}
 
@@ -166,7 +192,7 @@ def swap_params(raw: Any, n: int) -> dict[str, Any]:
     t = typed(raw)
     ads = adapters_of(t, n)
     return {"lora": {"adapters": {a.name: a.path for a in ads}, "split": "round_robin", "base_share": 0.0, "swap": n,
-                     "max_loras": 1, "max_lora_rank": t.max_lora_rank or max(a.rank for a in adapters_of(t)),
+                     "max_loras": 1, "max_lora_rank": t.max_lora_rank or max((a.rank for a in adapters_of(t)), default=1),
                      "max_cpu_loras": max(t.max_cpu_loras or n, 1)}}
 
 

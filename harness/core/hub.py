@@ -571,3 +571,66 @@ def hub_datasets(cfg: Any, problems: list[str]) -> tuple[Any, dict[str, Any]]:
         problems += e.problems
         return None, {}
     return replace(cfg, dataset=ds.path), ds.row_fields()
+
+
+# ---- LoRA adapters -----------------------------------------------------------------------------------------
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+_ADAPTERS: dict[tuple[Any, ...], tuple[str, str]] = {}
+
+
+def is_hub_adapter(ref: Any) -> bool:
+    """A LoRA adapter reference that names a Hub repository (ORG/NAME[@REV]) rather than a directory
+    here: no such path exists, and it is a valid repository id."""
+    if not isinstance(ref, str) or Path(ref).expanduser().exists() or ref.startswith((".", "/", "~")):
+        return False
+    return ref.count("/") == 1 and check_repo_id(ref.split("@", 1)[0]) is None
+
+
+def resolve_adapter(ref: str, field_: str, env: HubEnv | None = None) -> tuple[str, str]:
+    """A LoRA adapter on the Hub (ORG/NAME[@REV]): (its snapshot directory with adapter_config.json and
+    adapter_model.safetensors, the commit), downloaded into the cache, or found there offline (or when
+    the Hub cannot be reached). UserError naming `field_` where it cannot be had."""
+    env = env or HubEnv.current()
+    _quiet_http_logs()
+    repo_id, _, revision = ref.partition("@")
+    revision = revision or DEFAULT_REVISION
+    key = (ref, env)
+    if key in _ADAPTERS and Path(_ADAPTERS[key][0]).is_dir():
+        return _ADAPTERS[key]
+    if env.offline:
+        out = _adapter_from_cache(ref, repo_id, revision, env, "HF_HUB_OFFLINE=1 keeps infer-bench off the network",
+                                  field_)
+    else:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()  # an adapter is small
+        try:
+            snap = snapshot_download(repo_id, revision=revision, allow_patterns=list(ADAPTER_FILES),
+                                     cache_dir=env.cache_dir, token=env.hf_token(), endpoint=env.endpoint,
+                                     library_name="infer-bench")
+            out = (str(snap), Path(snap).name)
+        except Exception as e:
+            if _unreachable(e):
+                out = _adapter_from_cache(ref, repo_id, revision, env, f"the Hub at {env.endpoint} cannot be reached "
+                                          f"({type(e).__name__}: {_server_reason(e)})", field_)
+            else:
+                raise UserError(_hub_problem(e, field_, ref, repo_id, revision, env)) from None
+    missing = [f for f in ADAPTER_FILES if not (Path(out[0]) / f).is_file()]
+    if missing:
+        raise UserError(f"{field_}={ref}: the Hub repository {repo_id} (commit {out[1][:12]}) has no "
+                        f"{', '.join(missing)} at its top level: not a PEFT LoRA adapter. Give an adapter's id, or a "
+                        "directory PEFT's save_pretrained wrote.")
+    _ADAPTERS[key] = out
+    return out
+
+
+def _adapter_from_cache(ref: str, repo_id: str, revision: str, env: HubEnv, why: str, field_: str) -> tuple[str, str]:
+    storage = _storage(repo_id, "model", env)
+    commit = _cached_commit(storage, revision)
+    snap = storage / "snapshots" / (commit or "-")
+    if commit is None or not all((snap / f).is_file() for f in ADAPTER_FILES):
+        raise UserError(f"{field_}={ref}: adapter {repo_id} (revision {revision}) is not in {env.where()}, and {why}. "
+                        "Download it once with the network on (run without HF_HUB_OFFLINE), or give the path of a "
+                        "local copy.")
+    return str(snap), commit
