@@ -267,13 +267,15 @@ def test_serving_frames() -> None:
 
 def test_kv_memory_roofline_parity_frames() -> None:
     rows = frame(other_workload_rows() + sweep_rows({"hf": 1.0}, batches=(1,), prompts=(32,),
-                                                     decode_bw_fraction=0.42))
+                                                     decode_bw_fraction=0.42, decode_roofline_fraction=0.6,
+                                                     decode_roofline_bound="compute"))
     km = kv_memory_frame(rows)
     assert km.loc[(km["series"] == "hf") & (km["kv_layout"] == "contiguous"), "waste"].iloc[0] == pytest.approx(1 - 300 / 1024)
     assert set(km["where"]) == {"paged", "contiguous"}        # the layouts' points are otherwise equal
     assert set(km["point_label"]) == {"batch 4 · prompt 64"}
     rf = roofline_frame(rows)
     assert list(rf["decode_bw_fraction"]) == [0.42]
+    assert list(rf["decode_roofline_fraction"]) == [0.6] and list(rf["decode_roofline_bound"]) == ["compute"]
     pa = parity_frame(rows)
     assert list(pa["agreement"]) == [1.0, 0.9]
     assert roofline_frame(frame(sweep_rows({"hf": 1.0}))).empty

@@ -5,10 +5,14 @@ memory bandwidth from a large tensor copy (bytes read + bytes written per second
 several), and matrix-product FLOP/s in the run's dtype (best of several). They are measured in
 a short-lived child process so the run's own processes start clean.
 
-Decode is bound by memory bandwidth: a step must read every weight it uses once - for a
-mixture of experts the experts the batch's tokens are routed to, expected E x (1 - (1 - k/E)^b)
-of E per MoE layer for b tokens each choosing k uniformly - plus the KV cache of every live
-sequence by layer group (sliding layers their window, linear layers their fixed state). Prefill
+Decode is bound by the larger of two times (`decode_roofline_fraction`, `decode_roofline_bound`):
+its bytes over the bandwidth and its arithmetic over the matrix peak (a large batch, or a CPU
+without half-precision arithmetic, can make the second bind). Its bytes: a step must read every
+weight it uses once - for a mixture of experts the experts the batch's tokens are routed to,
+expected E x (1 - (1 - k/E)^b) of E per MoE layer for b tokens each choosing k uniformly - plus
+the KV cache of every live sequence by layer group (sliding layers their window, linear layers
+their fixed state); its arithmetic: 2 FLOPs per active weight per token plus attention over each
+token's keys (`decode_flops_per_step`). `decode_bw_fraction` stays the bandwidth's alone. Prefill
 is bound by arithmetic: 2 FLOPs per *active* weight per prompt token (the LM head only for the
 last token of each sequence) plus attention, 2 x heads x (qk dim + v dim) x the keys each query
 sees, summed over positions: S^2/2 for full and latent layers, about S x W for a window W, S x C/2
@@ -190,15 +194,51 @@ def prefill_flops(shape: ModelShape, batch: int, prompt_len: int) -> float:
     embed = shape.vocab_size * shape.hidden_size
     body = shape.active_parameters() - embed - (0 if shape.tie_word_embeddings else head)
     dense = 2 * body * batch * prompt_len + 2 * head * batch
-    attn = 0.0
+    attn = sum(per_key * _attended_keys(kind, prompt_len, window) for kind, per_key, window in _attention_layers(shape))
+    return float(dense + attn * batch)
+
+
+def _attention_layers(shape: ModelShape):
+    """Per layer: (its kind, FLOPs per query and key: 2 x heads x (qk dim + v dim), its window or
+    chunk); latent layers counted expanded."""
     for kind in shape.layer_kinds():
         if kind == "latent":
             dims = (shape.qk_nope_head_dim or 0) + (shape.qk_rope_head_dim or 0) + (shape.v_head_dim or 0)
         else:
             dims = 2 * shape.head_dim
-        window = shape.sliding_window if kind == "sliding" else shape.attention_chunk_size
-        attn += 2 * shape.num_attention_heads * dims * _attended_keys(kind, prompt_len, window)
+        yield kind, 2 * shape.num_attention_heads * dims, (shape.sliding_window if kind == "sliding"
+                                                           else shape.attention_chunk_size)
+
+
+def _decode_keys(kind: str, context: float, window: int | None) -> float:
+    """Keys one decode query sees in a layer of this kind at `context` tokens (its own included)."""
+    if kind in ("full", "latent") or not window:
+        return context
+    if kind == "sliding":
+        return min(window, context)
+    if kind == "chunked":  # the chunk so far: up to C, C/2 on average once past the first chunk
+        return context if context <= window else window / 2
+    return 0.0  # linear: no attention over keys
+
+
+def decode_flops_per_step(shape: ModelShape, batch: int, mean_context: float) -> float:
+    """Arithmetic of a decode step of `batch` sequences at `mean_context` tokens: 2 FLOPs per active
+    weight per token (each token its own k experts; the LM head on every token; the input
+    embedding table is a lookup, no product) plus attention, per layer 2 x heads x (qk dim + v dim)
+    x the keys each token sees (full and latent layers its context, a window at most W, chunked
+    layers their chunk so far, linear layers none; latent layers counted expanded, as prefill_flops)."""
+    embed = shape.vocab_size * shape.hidden_size
+    dense = 2 * (shape.active_parameters() - embed + (embed if shape.tie_word_embeddings else 0)) * batch
+    attn = sum(per_key * _decode_keys(kind, mean_context, window) for kind, per_key, window in _attention_layers(shape))
     return float(dense + attn * batch)
+
+
+def decode_roofline(by: float, flops: float, ceil: Ceilings) -> tuple[float, str]:
+    """(the step's bound in seconds, which binds): the larger of bytes / bandwidth ("memory") and
+    FLOPs / the matrix peak ("compute") measured for the run's dtype (on a CPU without half-precision
+    arithmetic, float32's: what an engine computes a bf16 model in there, `_measure`)."""
+    memory, compute = by / ceil.mem_bw_bytes_s, flops / ceil.matmul_flops
+    return (memory, "memory") if memory >= compute else (compute, "compute")
 
 
 def decode_bytes_per_step(shape: ModelShape, dtype: str, kv_dtype: str, batch: int, mean_context: float) -> float:
@@ -233,6 +273,12 @@ def annotate(row: dict[str, Any], shape: ModelShape, ceil: Ceilings) -> dict[str
     if row.get("decode_step_latency_s") and o > 1:
         mean_ctx = s + o / 2  # decode step i (1 .. o-1) attends to s + i tokens
         by = decode_bytes_per_step(shape, dtype, kv_dtype, b, mean_ctx)
+        flops = decode_flops_per_step(shape, b, mean_ctx)
+        bound_s, binds = decode_roofline(by, flops, ceil)
         out["decode_bytes_per_step"] = by
+        out["decode_flops_per_step"] = flops
         out["decode_bw_fraction"] = by / row["decode_step_latency_s"] / ceil.mem_bw_bytes_s
+        out["decode_roofline_s"] = bound_s
+        out["decode_roofline_bound"] = binds
+        out["decode_roofline_fraction"] = bound_s / row["decode_step_latency_s"]
     return out

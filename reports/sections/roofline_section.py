@@ -24,13 +24,14 @@ def roofline_frame(rows: pd.DataFrame) -> pd.DataFrame:
         return df
     df["point_label"] = column(df, "point").map(point_label)
     keep = ["engine", "series", "workload", "point_label", "batch_size", "prompt_len", *fields,
-            "roofline_mem_bw_bytes_s", "roofline_matmul_flops"]
+            "decode_roofline_fraction", "decode_roofline_bound", "roofline_mem_bw_bytes_s", "roofline_matmul_flops"]
     return pd.DataFrame({k: column(df, k) for k in keep}).reset_index(drop=True)
 
 
-@section("roofline", "Roofline", "Achieved fraction of the bound that applies: decode is bound by "
-         "memory bandwidth (weights + KV read once per step), prefill by arithmetic (about 2 × "
-         "parameters × tokens FLOPs plus attention), against the ceilings measured at start.")
+@section("roofline", "Roofline", "Achieved fraction of the bound that applies: decode by memory bandwidth "
+         "(weights + KV read once per step) or, where it takes longer, by its arithmetic (the binding "
+         "bound, `decode % of its roofline`), prefill by arithmetic (about 2 × parameters × tokens FLOPs "
+         "plus attention), against the ceilings measured at start.")
 def roofline(data: ReportData) -> list[Block]:
     df = roofline_frame(data.rows)
     if df.empty:
@@ -53,7 +54,10 @@ def roofline(data: ReportData) -> list[Block]:
         blocks.append(Figure(fig, f"roofline-{field.split('_')[0]}", f"{what.capitalize()} achieved (100% = the bound)."))
     cols = [Col("engine", "series", text=True), Col("workload", "workload", text=True), Col("point", "point_label", text=True)]
     cols += [Col(h, f, 100, None, "higher") for f, h in (("decode_bw_fraction", "decode % of bandwidth"),
+                                                          ("decode_roofline_fraction", "decode % of its roofline"),
                                                           ("prefill_compute_fraction", "prefill % of compute")) if has(df, f)]
+    if has(df, "decode_roofline_bound"):
+        cols.append(Col("decode bound", "decode_roofline_bound", text=True))
     if blocks:
         blocks[-1].table = values_table(df, cols, "roofline-values", group="point_label")
     bw, flops = column(df, "roofline_mem_bw_bytes_s").dropna(), column(df, "roofline_matmul_flops").dropna()
