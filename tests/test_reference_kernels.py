@@ -29,7 +29,7 @@ import torch
 
 from adapters.base import ModelSpec, Request, now_ns
 from adapters.reference import llm_engine as engine_module
-from adapters.reference import cpu_decode, cpu_gemv, cpu_layer, kernels, kernels_cpu
+from adapters.reference import cpu_amx, cpu_decode, cpu_gemv, cpu_layer, kernels, kernels_cpu
 from adapters.reference.config import EngineConfig
 from adapters.reference.cuda_graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to
 from adapters.reference.engine import ReferenceEngine
@@ -89,6 +89,7 @@ def plain(spec):
 # oneDNN's bf16 linear needs these (its own error names them); on a CPU without them (an AVX2-only
 # AMD EPYC, say) the probe must refuse bf16 and the engine take the plain path.
 CPU_FLAGS = set(cpu_flags())
+HAVE_AMX = cpu_amx.cpu_has_amx() is None
 ONEDNN_BF16 = "avx_ne_convert" in CPU_FLAGS or {"avx512bw", "avx512vl", "avx512dq"} <= CPU_FLAGS
 NO_ONEDNN_BF16 = ("this CPU lacks what oneDNN's bf16 linear needs (avx_ne_convert, or avx512bw + avx512vl + "
                   "avx512dq): the reference engine widens bf16 products to float32 here (kernels_cpu.WidenedLinear)")
@@ -111,7 +112,11 @@ def test_onednn_probe_succeeds_on_the_pinned_torch(dtype):
             assert "by the C kernel" in chosen.details["linear"], chosen.details
         return
     assert kernels_cpu.probe(dtype) is None
-    assert kernels.select(torch.device("cpu"), dtype, EngineConfig()).details["linear"] == "onednn-packed"
+    linear = kernels.select(torch.device("cpu"), dtype, EngineConfig()).details["linear"]
+    if dtype == torch.bfloat16 and HAVE_AMX and HAVE_CC:  # decode products on the AMX tiles (cpu_amx.py)
+        assert linear.startswith("amx tiles") and linear.endswith("onednn-packed for more"), linear
+    else:
+        assert linear == "onednn-packed"
 
 
 @pytest.mark.parametrize("op", ["_reorder_linear_weight", "_linear", "_linear_add"])
@@ -134,6 +139,7 @@ def test_fallback_gives_the_same_numbers(tiny_ckpt, monkeypatch, dtype, tol):
     if dtype == "bfloat16" and not ONEDNN_BF16:
         pytest.skip(NO_ONEDNN_BF16 + ", so there is no fast path to compare with")
     spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype=dtype, max_model_len=MAX_LEN)
+    monkeypatch.setattr(cpu_amx, "probe", lambda: (None, "refused by the test"))  # oneDNN for every product
     fast = run(spec)
     assert fast[0].kernels.details["linear"] == "onednn-packed"
     assert isinstance(fast[0].model.layers[0].qkv, kernels_cpu.PackedLinear)
@@ -439,6 +445,233 @@ def test_decode_layer_probe_refuses_a_wrong_kernel(monkeypatch, tmp_path, bug, f
     assert kernel is None and ("disagrees" in why or "other keys" in why), why
 
 
+# ---- AMX: products, decode attention and whole decode layers of a batch (cpu_amx.py) ----------
+
+needs_amx = pytest.mark.skipif(not (HAVE_AMX and HAVE_CC), reason=(
+    f"{cpu_amx.cpu_has_amx() or 'no C compiler here'}: the engine keeps oneDNN's products and the fused C "
+    "decode attention on this CPU (the AMX kernels are built and chosen only where the CPU has AMX)"))
+
+
+@pytest.mark.parametrize("flags,kind", [
+    ({"avx2", "fma"}, "avx2"),
+    ({"avx2", "avx512f", "avx512bw", "avx512vl"}, "avx512"),
+    ({"avx2", "avx512f", "avx512bw", "avx512_bf16"}, "avx512_bf16"),
+    ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}, "amx"),
+    ({"amx_tile", "amx_int8"}, "other"),  # AMX without bf16 tiles or AVX-512 bf16: nothing here uses it
+    (set(), "other"),
+])
+def test_cpu_kind_names_each_kind(flags, kind):
+    assert kernels.cpu_kind(flags) == kind
+
+
+def test_amx_probe_refuses_a_cpu_without_amx(monkeypatch):
+    """A CPU without the AMX flags (an AVX2-only or AVX-512-only one): no build is tried, the reason
+    names the missing flags, and the engine keeps oneDNN's products."""
+    import harness.core.env as env
+
+    monkeypatch.setattr(env, "cpu_flags", lambda: ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"])
+    monkeypatch.setattr(cpu_amx, "build", lambda: pytest.fail("built on a CPU without AMX"))
+    kernel, why = cpu_amx.probe()
+    assert kernel is None and "amx_tile" in why and "amx_bf16" in why, why
+
+
+def amx_kernels() -> cpu_amx.AmxKernels:
+    kernel, why = cpu_amx.probe()
+    assert why is None and kernel is not None, why
+    return kernel
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k,rows,bias,residual", [
+    (1280, 768, 16, False, False),  # the small preset's qkv at batch 16
+    (64, 64, 1, True, True),  # one m-block, four n-blocks
+    (48, 96, 5, False, True),  # a tail of n-blocks
+    (80, 32, 37, True, False),  # a pair of m-blocks, then an odd one; 4 + 1 n-blocks
+    (112, 64, 64, True, True),  # four m-blocks (the most rows it takes)
+])
+def test_amx_product_matches_torch(n, k, rows, bias, residual):
+    """AmxLinear for at most MAX_ROWS rows: bit for bit torch's float32 product rounded once to bf16 on
+    integer inputs (every sum exact), and within one bf16 rounding of float64 on random ones."""
+    amx = amx_kernels()
+    g = torch.Generator().manual_seed(3)
+    ints = lambda *shape: torch.randint(-8, 9, shape, generator=g).bfloat16()  # noqa: E731
+    w, x = ints(n, k), ints(rows, k + 3)[:, 3:]  # x's rows strided
+    b, r = (ints(n) * 16 if bias else None), (ints(rows, n) * 16 if residual else None)
+    lin = cpu_amx.AmxLinear(w, b, kernel=amx)
+    assert lin.tiles is not None and lin.shape == (n, k) and lin.weight is None
+    got = lin.add(x, r) if residual else lin(x)
+    want = (x.float() @ w.float().T + (0 if b is None else b.float()) + (0 if r is None else r.float())).bfloat16()
+    assert torch.equal(got, want)
+    w, x = (torch.randn(n, k, generator=g) * 0.1).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+    lin = cpu_amx.AmxLinear(w, b, kernel=amx)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert rel_err(lin(x), exact) < 8e-3
+
+
+@needs_amx
+def test_amx_linear_leaves_large_products_and_odd_shapes_to_onednn():
+    """More than MAX_ROWS rows (a prefill) go to oneDNN's packed copy; a weight whose shape the tiles
+    cannot take (K not a multiple of 32) has no tiles and always goes there."""
+    amx = amx_kernels()
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(64, 96, generator=g) * 0.1).bfloat16()
+    lin, onednn = cpu_amx.AmxLinear(w, kernel=amx), kernels_cpu.PackedLinear(w)
+    x = torch.randn(cpu_amx.MAX_ROWS + 1, 96, generator=g).bfloat16()
+    assert torch.equal(lin(x), onednn(x))
+    odd = cpu_amx.AmxLinear(w[:, :80].contiguous(), kernel=amx)
+    assert odd.tiles is None and torch.equal(odd(x[:3, :80]), kernels_cpu.PackedLinear(w[:, :80].contiguous())(x[:3, :80]))
+
+
+@needs_amx
+@pytest.mark.parametrize("bs,heads,kv_heads,d,lens", [
+    (16, 6, 2, 64, [70, 1, 80]),
+    (32, 12, 4, 64, [300, 17, 33, 200]),  # blocks of 32 tokens
+    (16, 8, 1, 128, [5, 100]),  # head_dim 128: two passes of 64
+    (16, 4, 4, 96, [31, 32, 33]),  # head_dim 96: a last pass of 32
+    (16, 16, 1, 32, [300]),  # 16 query heads on one KV head
+])
+def test_amx_decode_attention_matches_plain(bs, heads, kv_heads, d, lens):
+    """The AMX paged decode against the plain decode (gather + matmul), shuffled block tables, within
+    bf16 rounding, and closer to float64 than the plain path (which rounds the probabilities)."""
+    from adapters.reference.attention import decode_attention, length_mask
+
+    amx = amx_kernels()
+    g = torch.Generator().manual_seed(5)
+    blocks = sum(-(-n // bs) for n in lens) + 2
+    pool = KVPool(1, blocks, bs, kv_heads, d, "auto", torch.bfloat16, torch.device("cpu"))
+    pool.prepare(set(range(blocks)))
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g).bfloat16())
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g).bfloat16())
+    order, width, tables = torch.randperm(blocks, generator=g).tolist(), max(-(-n // bs) for n in lens), []
+    for n in lens:
+        mine, order = order[:-(-n // bs)], order[-(-n // bs):]
+        tables.append(mine + mine[:1] * (width - len(mine)))
+    tables, lens = torch.tensor(tables), torch.tensor(lens)
+    q = (torch.randn(len(lens), heads, d, generator=g) * 2).bfloat16()
+    kc, vc = pool.gather(0, tables, int(lens.max()))
+    mask = length_mask(lens, kc.shape[2])
+    assert amx.supports_pool(pool, torch.bfloat16)
+    got = amx.decode(q, pool, 0, tables, lens)
+    want = decode_attention(q, kc, vc, mask)
+    exact = decode_attention(q.double(), kc.double(), vc.double(), mask.double())
+    assert rel_err(got, want) < 2e-2 and rel_err(got, exact) <= rel_err(want, exact)
+
+
+@needs_amx
+@pytest.mark.parametrize("bug,fragment", [
+    ("x[i] = round_bf16(a + t[(i + d / 2) % d] * widen(sin[i]));", "x[i] = round_bf16(a + t[i] * widen(sin[i]));"),
+    ("int64_t slot = (((int64_t)j * NB + block) * BS + pos[m] % BS) * hd;",
+     "int64_t slot = (((int64_t)j * NB + block) * BS) * hd;"),  # the new K/V in the block's first slot
+    ("static float silu(float g) { return g / (1.f + expf(-g)); }", "static float silu(float g) { return g; }"),
+    ("product(h, E, M, wo, H * hd, D, bo, x, D, x, D);", "product(h, E, M, wo, H * hd, D, NULL, x, D, x, D);"),
+    ("product(h, E, M, wo, H * hd, D, bo, x, D, x, D);", "product(h, E, M, wo, H * hd, D, bo, NULL, D, x, D);"),
+    ("lens[m], scale, h + m * E", "lens[0], scale, h + m * E"),  # every row with the first row's length
+    ("if (t + 1 < len) b =", "if (t + 1 < len && 0) b ="),  # odd tokens' values left out
+    ("_tile_stored(3, acc, 64); epilogue(acc, rows, nb * 16 + 48",
+     "_tile_stored(2, acc, 64); epilogue(acc, rows, nb * 16 + 48"),  # the fourth n-block's sums lost
+    ("if (r) v += widen(r[n]);", ""),  # the residual left out of every product
+])
+def test_amx_probe_refuses_a_wrong_kernel(monkeypatch, tmp_path, bug, fragment):
+    """RoPE without its half turn, the new K/V in the wrong slot, SiLU left out, the output bias or the
+    residual left out, every row attending over the first row's length, half the values lost in the
+    attention, a lost accumulator tile, no residual in the products: the probe catches each."""
+    assert bug in cpu_amx.C_SOURCE
+    monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_amx, "C_SOURCE", cpu_amx.C_SOURCE.replace(bug, fragment))
+    kernel, why = cpu_amx.probe()
+    assert kernel is None and ("disagrees" in why or "other keys" in why), why
+
+
+def amx_spy(monkeypatch) -> list[int]:
+    """Rows of every AmxDecodeLayer call (the kernel still runs)."""
+    rows = []
+    real_call = cpu_amx.AmxDecodeLayer.__call__
+    monkeypatch.setattr(cpu_amx.AmxDecodeLayer, "__call__", lambda self, x, *a: rows.append(x.shape[0]) or real_call(self, x, *a))
+    return rows
+
+
+@needs_amx
+@pytest.mark.parametrize("lengths", [[29], [12, 40, 7], [9 + i for i in range(17)]])
+def test_engine_decodes_whole_layers_on_amx(tiny_ckpt, monkeypatch, lengths):
+    """bf16 on an AMX CPU: every layer of every decode step runs in one AMX layer call (batch 1, 3 and
+    17: two m-blocks), recorded in the details; tokens and logits agree with the same engine with
+    the AMX kernels refused (each layer op by op on oneDNN and the fused C decode attention) while
+    the tokens agree."""
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
+    rows = amx_spy(monkeypatch)
+    engine = ReferenceEngine()
+    engine.load(spec, {})
+    details = engine.kernels.details
+    assert details["cpu_kind"] == "amx" and "amx tiles" in details["decode_layer"] and "amx tiles" in details["linear"]
+    rows.clear()  # the probe's call at load
+    steps, layers = 12, len(engine.model.layers)
+    fast = run(engine, prompts=make_prompts(lengths), steps=steps)
+    assert rows == [len(lengths)] * (layers * steps)
+    engine.close()
+    monkeypatch.setattr(cpu_amx, "probe", lambda: (None, "refused by the test"))
+    slow = run(spec, prompts=make_prompts(lengths), steps=steps)
+    assert slow[0].kernels.details["linear"] == "onednn-packed" and "decode_layer" not in slow[0].kernels.details
+    slow[0].close()
+    assert len(rows) == layers * steps  # not called again
+    assert_bf16_engines_agree(fast, slow, len(lengths))
+
+
+@needs_amx
+def test_amx_layers_not_taken_where_they_do_not_apply(tiny_ckpt, monkeypatch):
+    """Prefill steps, blocks of 8 tokens (the tiles read 16 rows of a block) and float32 never call the
+    AMX layer; a qk-norm layer is refused by `takes` while the others are taken."""
+    rows = amx_spy(monkeypatch)
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
+    engine = ReferenceEngine()
+    engine.load(spec, {"block_size": 8})
+    rows.clear()
+    run(engine, prompts=make_prompts([12, 20]), steps=3)
+    assert rows == []
+    model = engine.model
+    assert all(cpu_amx.AmxDecodeLayer.takes(model, i) for i in range(len(model.layers)))
+    model.layers[0] = dataclasses.replace(model.layers[0], q_norm=torch.ones(model.cfg.head_dim, dtype=torch.bfloat16))
+    assert not cpu_amx.AmxDecodeLayer.takes(model, 0) and cpu_amx.AmxDecodeLayer.takes(model, 1)
+    engine.close()
+    engine = ReferenceEngine()
+    engine.load(dataclasses.replace(spec, dtype="float32"), {})
+    assert "amx" not in engine.kernels.details["linear"]
+    rows.clear()
+    run(engine, prompts=make_prompts([12, 20]), steps=3)
+    assert rows == []
+    engine.close()
+
+
+# ---- greedy sampling on the CPU (cpu_decode.Greedy) ------------------------------------------
+
+@needs_cc
+def test_greedy_kernel_is_torch_argmax():
+    """The first largest value of each row (integers: many ties), the first NaN, an all -inf row,
+    the largest in the tail after the last 64, a row of equal values: torch.argmax's indices."""
+    kernel, why = cpu_decode.greedy_probe()
+    assert why is None, why
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(-50, 50, (7, 32001), generator=g).float()
+    x[1, 20000], x[1, 3] = float("nan"), float("nan")
+    x[2] = float("-inf")
+    x[3, 32000] = 1e4
+    x[4] = 7.0
+    x[5, 31999] = float("inf")
+    assert kernel(x) == x.argmax(dim=-1).tolist()
+    assert kernel(x[:, :100]) == x[:, :100].argmax(dim=-1).tolist()
+
+
+@needs_cc
+def test_greedy_probe_refuses_a_wrong_kernel(monkeypatch, tmp_path):
+    """The last largest value instead of the first: the probe catches it."""
+    bug = "for (; i < n; i++) if (x[i] == mx) return i;"
+    assert bug in cpu_decode.GREEDY_SOURCE
+    monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "GREEDY_SOURCE", cpu_decode.GREEDY_SOURCE.replace(
+        bug, "int64_t last = 0; for (i = 0; i < n; i++) if (x[i] == mx) last = i; return last;"))
+    kernel, why = cpu_decode.greedy_probe()
+    assert kernel is None and "disagrees" in why, why
+
+
 # ---- the fused CPU decode kernel (cpu_decode.py) -----------------------------------------
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler here: the engine uses the plain decode path")
@@ -447,7 +680,10 @@ def test_fused_cpu_decode_builds_and_is_chosen(dtype):
     kernel, why = cpu_decode.probe(dtype)
     assert why is None and kernel is not None
     details = kernels.select(torch.device("cpu"), dtype, EngineConfig()).details
-    assert details["decode_attention"].startswith("fused C kernel")
+    if dtype == torch.bfloat16 and HAVE_AMX:  # AMX tiles where the pool suits them, else this kernel
+        assert details["decode_attention"].startswith("amx tiles") and "fused C kernel" in details["decode_attention"]
+    else:
+        assert details["decode_attention"].startswith("fused C kernel")
     assert kernels.select(torch.device("cpu"), dtype, EngineConfig(kv_dtype="int8")).details[
         "decode_fallback_reason"] == "kv_dtype=int8"
 

@@ -226,6 +226,78 @@ def build() -> ctypes.CDLL:
     return compile_library("paged_decode", C_SOURCE, [i, p, i64, i64, p, p, p, p, p, i, i, i, i, i64, i, i, ctypes.c_float, i])
 
 
+GREEDY_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+static inline int is_nan(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return (u & 0x7fffffffu) > 0x7f800000u; }
+
+/* The first index of the largest value of row x[0 .. n-1] (the first NaN if there is one), as
+   torch.argmax: the largest value (and whether there is a NaN, tested on the bits: built with
+   -ffast-math) in one vectorised pass, then the first place it occurs, 64 values at a time. */
+static int64_t row_argmax(const float *x, int64_t n) {
+    int nan = 0;
+    float mx = -3.0e38f;
+    for (int64_t i = 0; i < n; i++) { nan |= is_nan(x[i]); mx = x[i] > mx ? x[i] : mx; }
+    if (nan) { for (int64_t i = 0; i < n; i++) if (is_nan(x[i])) return i; }
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        int hit = 0;
+        for (int j = 0; j < 64; j++) hit += x[i + j] == mx;
+        if (hit) break;
+    }
+    for (; i < n; i++) if (x[i] == mx) return i;
+    return 0;  /* every value -inf (below -3e38): torch gives 0 too */
+}
+
+/* out[r] = argmax of row r of x [rows][n] (row stride ld), rows in parallel. */
+int greedy(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * ld, n);
+    return 0;
+}
+"""
+
+
+class Greedy:
+    """greedy(logits [rows, vocab] float32) -> the argmax of each row as a list, torch.argmax's (the
+    first largest, or the first NaN) in a vectorised C loop: torch's argmax over a vocabulary row
+    runs one element at a time (1.1 ms for 16 x 32,000 on one core of an Intel Xeon with AMX, against
+    0.06 ms for its amax), a cost in every decode step."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.fn = lib.greedy
+
+    def __call__(self, logits: torch.Tensor) -> list[int]:
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+            return logits.argmax(dim=-1).tolist()
+        rows, n = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self.fn(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
+        return out.tolist()
+
+
+def greedy_probe() -> tuple[Greedy | None, str | None]:
+    """(the kernel, None) when it builds and gives torch.argmax's indices (ties, a NaN, -inf rows, a
+    tail after the last 16); else (None, why)."""
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    kernel, why = built(lambda: Greedy(compile_library("greedy", GREEDY_SOURCE, [p, i64, i64, i64, p, i])),
+                        "greedy sampling kernel")
+    if kernel is None:
+        return None, why
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-50, 50, (6, 1003), generator=g).float()  # integers: many ties
+    x[1, 700] = float("nan")
+    x[1, 900] = float("nan")
+    x[2] = float("-inf")
+    x[3, 1001] = 1e4  # in the tail
+    x[4, :] = 7.0
+    got, want = kernel(x[:, :1002]), x[:, :1002].argmax(dim=-1).tolist()
+    if got != want:
+        return None, f"the greedy sampling kernel disagrees with torch.argmax ({got} vs {want})"
+    return kernel, None
+
+
 class PagedDecode:
     """Callable like kernels_cuda.paged_decode_torch: (q, pool, layer, tables, lens) -> [B, heads * d]."""
 

@@ -40,14 +40,8 @@ import torch
 
 from adapters.reference.cpu_decode import built, compile_library
 
-C_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define ROWS 4  /* output rows per iteration: four sums sharing each load of x */
-#define AHEAD 4096  /* prefetch distance in weights (8 KiB): see the module's docstring */
-
+# bf16 <-> float32 in C (after <stdint.h> and <string.h>); cpu_amx.py's source uses them too
+BF16_SOURCE = r"""
 static inline float widen(uint16_t h) {  /* bf16 -> float32: exact */
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -62,6 +56,16 @@ static inline uint16_t round_bf16(float f) {  /* round to nearest even, as torch
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+"""
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROWS 4  /* output rows per iteration: four sums sharing each load of x */
+#define AHEAD 4096  /* prefetch distance in weights (8 KiB): see the module's docstring */
+""" + BF16_SOURCE + r"""
 
 /* s[r] = sum_k w[r * K + k] * x[k] for r < ROWS; 32 weights of a row (a 64-byte line) at a time,
    asking for the line AHEAD weights further on in each row (past the block: the rows are adjacent,

@@ -44,17 +44,13 @@ import torch.nn.functional as F
 from adapters.reference import cpu_decode, cpu_gemv
 from adapters.reference.cpu_decode import built, compile_library
 
-LAYER_SOURCE = r"""
+# the steps between a layer's products, as Model.forward rounds them (after cpu_gemv.BF16_SOURCE and a
+# MAXD, the largest head_dim); cpu_amx.py's layer uses them too
+STEPS_SOURCE = r"""
 static float rms_scale(const uint16_t *x, int n, float eps) {
     float s = 0.f;
     for (int i = 0; i < n; i++) { float v = widen(x[i]); s += v * v; }
     return 1.f / sqrtf(s / (float)n + eps);
-}
-
-/* hf[i] = float(bf16(x[i] * r * w[i])): the norm's output, rounded as torch rounds it, widened for a product */
-static void rms_norm(const uint16_t *x, const uint16_t *w, int n, float eps, float *hf) {
-    float r = rms_scale(x, n, eps);
-    for (int i = 0; i < n; i++) hf[i] = widen(round_bf16(widen(x[i]) * r * widen(w[i])));
 }
 
 /* Rotary embedding of one head (d numbers) in place: bf16(bf16(x * cos) + roll(x, d/2) * sin). */
@@ -68,6 +64,14 @@ static void rotate(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int d)
 }
 
 static float silu(float g) { return g / (1.f + expf(-g)); }
+"""
+
+LAYER_SOURCE = STEPS_SOURCE + r"""
+/* hf[i] = float(bf16(x[i] * r * w[i])): the norm's output, rounded as torch rounds it, widened for a product */
+static void rms_norm(const uint16_t *x, const uint16_t *w, int n, float eps, float *hf) {
+    float r = rms_scale(x, n, eps);
+    for (int i = 0; i < n; i++) hf[i] = widen(round_bf16(widen(x[i]) * r * widen(w[i])));
+}
 
 /* One decoder layer for one token (see cpu_layer.py). x: [D] bf16, updated in place. wqkv:
    [(H + 2 KV) * hd, D], bqkv: its bias or NULL; wo: [D, H * hd], bo: bias or NULL; wgu: [2 I, D];
@@ -145,6 +149,8 @@ class DecodeLayer:
     `layer`: a model.LayerWeights that `layer_takes` accepted; cos, sin: the token's [hd] rows;
     k, v: the layer's pool tensors; table: int64 block table; length: tokens with the new one."""
 
+    max_rows = 1  # one token (a decode step at batch 1)
+
     def __init__(self, lib: ctypes.CDLL):
         self.fn = lib.decode_layer
 
@@ -171,11 +177,21 @@ def layer_takes(model, i: int) -> bool:
     """Whether layer i of `model` is a plain pre-norm layer whose four products run on the C
     matrix-vector kernel (the layers DecodeLayer computes exactly as Model.forward does)."""
     from adapters.reference.kernels_cpu import WidenedLinear
+
+    layer = model.layers[i]
+    return plain_decoder_layer(model, i) and all(isinstance(m, WidenedLinear) and m.gemv is not None
+                                                 for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+
+def plain_decoder_layer(model, i: int) -> bool:
+    """Whether layer i of `model` is a plain pre-norm bf16 layer (LLaMA's, with Q/K/V and output
+    biases allowed): no qk-norm, MoE, latent attention, window, sinks, MLP biases or a family's own
+    layer code. What the fused layers (this module's and cpu_amx.py's) compute; they check the
+    products' kernels themselves."""
     from adapters.reference.model import Model
 
     layer, cls = model.layers[i], type(model)
-    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    return (model.dtype == torch.bfloat16 and all(isinstance(m, WidenedLinear) and m.gemv is not None for m in linears)
+    return (model.dtype == torch.bfloat16 and layer.qkv is not None and layer.gate_up is not None
             and layer.gate_up.bias is None and layer.down.bias is None
             and layer.q_norm is None and layer.moe is None and layer.mla is None and layer.sinks is None
             and not layer.local_rope and layer.attn_out_norm is None and model.cfg.window(i) is None

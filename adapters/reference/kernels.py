@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adapters.reference import cpu_decode, cpu_gemv, cpu_layer, kernels_cpu
+from adapters.reference import cpu_amx, cpu_decode, cpu_gemv, cpu_layer, kernels_cpu
 from adapters.reference.attention import PrefillGroup, StepAttention
 from adapters.reference.config import EngineConfig
 from adapters.reference.model import ROWS, Linear
@@ -47,6 +47,7 @@ class Kernels:
     attention: Callable[..., StepAttention]  # (pool, chunks, num_heads, device) -> the step's attention
     decode_graphs: bool = False  # replay pure decode steps from CUDA graphs
     decode_fn: Callable[..., Any] | None = None  # CUDA: the paged decode kernel (graphs call it)
+    greedy: Callable[..., Any] | None = None  # logits -> each row's argmax (a list); None: torch.argmax
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -64,9 +65,19 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
                        details={"kernels": "plain", "linear": "torch", "attention": "plain (gather + matmul)"})
     why = kernels_cpu.probe(dtype)
     details = {"kernels": "cpu", "linear": "onednn-packed" if why is None else "torch", "cpu_flags": cpu_flags(),
-               "prefill_attention": "sdpa (fresh chunks causal; after a cached prefix, row slices under a mask)"}
+               "cpu_kind": cpu_kind(), "prefill_attention": "sdpa (fresh chunks causal; after a cached prefix, row "
+                                                             "slices under a mask)"}
     make_linear = kernels_cpu.PackedLinear if why is None else Linear
     gemv = None  # the bf16 matrix-vector kernel, where the products are widened
+    amx = None  # the AMX kernels (cpu_amx.py), on a CPU that has AMX, for bf16
+    if why is None and dtype == torch.bfloat16:
+        amx, why_amx = cpu_amx.probe()
+        if amx is not None:
+            make_linear = partial(cpu_amx.AmxLinear, kernel=amx)
+            details["linear"] = (f"amx tiles (cpu_amx.py) for products of at most {cpu_amx.MAX_ROWS} rows, "
+                                 "onednn-packed for more")
+        elif details["cpu_kind"] == "amx":  # the CPU has AMX, but the kernels are not usable here: say why
+            details["amx_fallback_reason"] = why_amx
     if why:
         details["linear_fallback_reason"] = why
         # oneDNN works here but has no kernels for this half precision (an AVX2-only CPU): widen
@@ -87,12 +98,34 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
     if why:
         details["decode_fallback_reason"] = why
     layer_fn = None
-    if decode is not None and gemv is not None:
+    if decode is not None and amx is not None:
+        decode = AmxOrFusedDecode(amx, decode)
+        details["decode_attention"] = ("amx tiles (cpu_amx.py) where the pool's blocks are a multiple of 16 tokens and "
+                                       "head_dim of 32, else the fused C kernel (cpu_decode.py)")
+        layer_fn = cpu_amx.AmxDecodeLayer(amx)
+        details["decode_layer"] = (f"whole layers of decode steps of 1 to {cpu_amx.MAX_ROWS} sequences in one C call "
+                                   "on amx tiles (cpu_amx.py)")
+    elif decode is not None and gemv is not None:
         layer_fn, why_layer = cpu_layer.probe(dtype)
         details["decode_layer"] = ("whole layers of 1-token decode steps in one C call (cpu_layer.py)" if layer_fn
                                    else f"per operation ({why_layer})")
+    greedy, why = cpu_decode.greedy_probe()
+    details["greedy"] = "C kernel (cpu_decode.py)" if greedy else f"torch.argmax ({why})"
     return Kernels("cpu", make_linear, ROWS, partial(CpuStepAttention, decode_fn=decode, layer_fn=layer_fn),
-                   details=details)
+                   details=details, greedy=greedy)
+
+
+class AmxOrFusedDecode:
+    """Decode attention on the AMX tiles where the pool suits them (cpu_amx.AmxKernels.supports_pool),
+    else by the fused C kernel (cpu_decode.PagedDecode); PagedDecode's interface."""
+
+    def __init__(self, amx: cpu_amx.AmxKernels, fused: cpu_decode.PagedDecode):
+        self.amx, self.fused = amx, fused
+
+    def __call__(self, q: torch.Tensor, pool, layer: int, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        if self.amx.supports_pool(pool, q.dtype):
+            return self.amx.decode(q, pool, layer, tables, lens)
+        return self.fused(q, pool, layer, tables, lens)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,22 +152,31 @@ class CpuStepAttention(StepAttention):
         super().__init__(pool, chunks, num_heads, device, **kwargs)
         self.decode_fn = decode_fn
         self.layer_fn = None
-        if (layer_fn is not None and decode_fn is not None and len(chunks) == 1 and self.num_decode == 1
-                and not self.window and self.sinks is None and pool.kv_dtype == "auto"):
+        rows = getattr(layer_fn, "max_rows", 1)  # cpu_layer.DecodeLayer: 1; cpu_amx.AmxDecodeLayer: a batch
+        if (layer_fn is not None and decode_fn is not None and len(chunks) == self.num_decode and 0 < self.num_decode <= rows
+                and not self.window and self.sinks is None and pool.kv_dtype == "auto"
+                and (rows == 1 or pool.block_size % 16 == 0)):
             self.layer_fn, self.length = layer_fn, chunks[0].end
+            self.max_len = max(c.end for c in chunks)
 
-    def decode_layer(self, model, i: int, x: torch.Tensor, position: int) -> torch.Tensor | None:
-        """Layer i of this 1-token decode step by the fused C kernel: the new x, or None where it
-        does not apply (the model then runs the layer op by op)."""
+    def decode_layer(self, model, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Layer i of this decode step by a fused C kernel: the new x, or None where it does not apply
+        (the model then runs the layer op by op)."""
         if self.layer_fn is None:
             return None
         takes = self._takes.get(model)
         if takes is None:
-            takes = self._takes[model] = [cpu_layer.layer_takes(model, j) for j in range(len(model.layers))]
+            accept = getattr(self.layer_fn, "takes", cpu_layer.layer_takes)
+            takes = self._takes[model] = [accept(model, j) for j in range(len(model.layers))]
         if not takes[i]:
             return None
-        return self.layer_fn(x, model.layers[i], model.cos[position], model.sin[position], self.pool.k[i],
-                             self.pool.v[i], self.decode_tables[0], self.length, model.cfg.rms_norm_eps)
+        if self.layer_fn.max_rows == 1:  # cpu_layer.DecodeLayer: one token
+            if not hasattr(self, "position"):  # once a step
+                self.position = int(positions[0])
+            return self.layer_fn(x, model.layers[i], model.cos[self.position], model.sin[self.position], self.pool.k[i],
+                                 self.pool.v[i], self.decode_tables[0], self.length, model.cfg.rms_norm_eps)
+        return self.layer_fn(x, model.layers[i], model.cos, model.sin, positions, self.pool.k[i], self.pool.v[i],
+                             self.decode_tables, self.decode_lens, self.max_len, model.cfg.rms_norm_eps)
 
     def decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         if self.decode_fn is None:
@@ -161,6 +203,26 @@ class CpuStepAttention(StepAttention):
             o = F.scaled_dot_product_attention(qs[:, :, r0:r1], ks[:, :, :g.start + r1], vs[:, :, :g.start + r1],
                                                attn_mask=mask, enable_gqa=heads != kv_heads)
             dest[r0:r1] = o.transpose(1, 2).reshape(r1 - r0, heads * d)
+
+
+def cpu_kind(flags: set[str] | None = None) -> str:
+    """The CPU's kind as the kernels see it, from /proc/cpuinfo's flags: amx (AMX tiles with bf16, and
+    AVX-512 bf16), avx512_bf16, avx512 (AVX-512 without bf16 arithmetic), avx2, or other. On x86 the
+    kernels are chosen by probing (oneDNN's bf16 products; cpu_amx.probe checks the AMX flags itself);
+    this names what was found, for the record (docs/reference-engine.md, "Kernels per CPU kind")."""
+    if flags is None:
+        from harness.core.env import cpu_flags as proc_flags
+
+        flags = set(proc_flags())
+    if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        return "amx"
+    if {"avx512f", "avx512_bf16"} <= flags:
+        return "avx512_bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    return "other"
 
 
 def cpu_flags() -> str:

@@ -217,7 +217,7 @@ class LLMEngine:
         if mcfg.mla is not None:
             attention = partial(MLAStepAttention, kv_b=[layer.mla["kv_b"] for layer in self.model.layers], mla=mcfg.mla,
                                 form=cfg.mla_attention)
-        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs)
+        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs, self.kernels.greedy)
         self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
         self._grammars: Any = None  # structured output's compiler (grammar.Grammars), made on first use
         self._next_id = 0

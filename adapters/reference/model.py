@@ -720,13 +720,14 @@ class Model:
             for layer in self.layers:
                 if layer.moe is not None:
                     layer.moe.touched.clear()
-        fused = getattr(attend, "decode_layer", None) if t == 1 else None  # a whole layer in C (cpu_layer.py)
-        position = int(positions[0]) if fused is not None else 0
+        fused = getattr(attend, "decode_layer", None)  # a whole layer in C (cpu_layer.py, cpu_amx.py)
         for i, layer in enumerate(self.layers):
             if fused is not None:
-                y = fused(self, i, x, position)
+                y = fused(self, i, x, positions)
                 if y is not None:
                     x = y
+                    if i == len(self.layers) - 1 and logits_indices is not None and logits_indices.numel() != t:
+                        x = x[logits_indices]
                     continue
             if layer.mla is not None:
                 q, latent = self._mla_inputs(x, layer, cos, sin)

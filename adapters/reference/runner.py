@@ -50,10 +50,12 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, pool: KVPool | None, attention=StepAttention, graphs=None):
+    def __init__(self, model: Model, pool: KVPool | None, attention=StepAttention, graphs=None, greedy=None):
         """`attention(pool, chunks, num_heads, device)` builds a step's attention (kernels.py);
-        `graphs`: a cuda_graphs.DecodeGraphs, or None."""
+        `graphs`: a cuda_graphs.DecodeGraphs, or None; `greedy(logits) -> list of row argmaxes`: the
+        device's (kernels.py), else torch.argmax."""
         self.model, self.pool, self.attention, self.graphs = model, pool, attention, graphs
+        self.greedy = greedy or (lambda logits: logits.argmax(dim=-1).tolist())
         self.device = model.device
 
     def _attention_chunks(self, chunks: list[Chunk]) -> list[Chunk]:
@@ -105,11 +107,13 @@ class ModelRunner:
             # each sampling chunk's last row; a verify chunk's last 1 + len(draft) rows
             sampling = [(c, first + len(keep) - 1 - len(c.seq.draft)) for c, keep, first in kept if c.samples]
             sample_rows = [r for c, r0 in sampling for r in range(r0, r0 + 1 + len(c.seq.draft))]
-            sample_logits = logits[sample_rows]
+            # a decode step samples every row, in order: no copy (a constrained step masks a copy)
+            every = not constrained and sample_rows == list(range(logits.shape[0]))
+            sample_logits = logits if every else logits[sample_rows]
             if constrained:  # structured output: only what each request's grammar allows (no drafts then)
                 mask_rows(sample_logits, [(i, c.seq.grammar) for i, (c, _) in enumerate(sampling)
                                           if c.seq.grammar is not None])
-            tokens = sample_logits.argmax(dim=-1).tolist()  # a host copy: the step has finished
+            tokens = self.greedy(sample_logits)  # a host copy: the step has finished
         out = StepOutput([])
         if len(tokens) == len(sampling):  # no drafts: one token per chunk
             cpu_rows = sample_logits.cpu() if keep_logits else [None] * len(tokens)
