@@ -234,6 +234,9 @@ def vllm_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-lora-rank", type=int, default=16, choices=(1, 8, 16, 32, 64, 128, 256, 320, 512))
     ap.add_argument("--max-cpu-loras", type=int)
     ap.add_argument("--lora-modules", nargs="+", default=[])
+    # vllm/engine/arg_utils.py (0.32.0): --reasoning-parser, a name checked after parsing against
+    # vllm/reasoning's registry ("" = none)
+    ap.add_argument("--reasoning-parser", default="")
     return ap
 
 

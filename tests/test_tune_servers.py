@@ -230,7 +230,7 @@ def test_each_trial_relaunches_the_server_a_refused_flag_is_a_pruned_row_and_the
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_rows(out / "results.jsonl")
     doc = documented_fields()
-    assert not {k for x in rows for k in x} - doc, "fields missing from docs/results-schema.md"
+    assert not {k for x in rows for k in x} - doc, ("fields missing from docs/results-schema.md", {k for x in rows for k in x} - doc)
     trials = [x for x in rows if x["point"].get("result") and x["point"]["role"] == "trial"]
     assert [x["tune_trial"] for x in trials] == [1, 2, 3, 4, 5]
     refused = [x for x in trials if x["status"] == "failed"]

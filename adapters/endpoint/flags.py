@@ -71,7 +71,8 @@ class ServerFlag:
             ok = isinstance(value, str)
         if not ok:
             return [f"{where}={value!r}: must be {tname} (or null: the server's own default)."]
-        if self.choices is not None and value not in self.choices:
+        if self.choices is not None and value not in self.choices and value != self.default:
+            # the server's own default (vLLM's reasoning parser: "", none) is what it runs without the flag
             return [f"{where}={value}: not one of {', '.join(map(str, self.choices))}."]
         if self.type in (int, float):
             if self.gt is not None and not value > self.gt:
