@@ -75,9 +75,11 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     arrival_s: float = 0.0
-    # A conversation's turn (workloads/conversation.py): its messages in order, each
-    # {"role": "user" | "assistant", "ids": token ids}; `prompt_ids` is their concatenation.
-    # An endpoint with api=chat sends these (as text) to /v1/chat/completions; other engines
+    # A conversation's turn (workloads/conversation.py): its messages in order, each as the chat
+    # API carries it (a dataset's, as logged: adapters/chat.py) or {"role", "ids": token ids} (an
+    # engine's own reply, a synthetic turn); `prompt_ids` is their concatenation or their chat
+    # template's rendering. An endpoint with api=chat sends the messages to /v1/chat/completions
+    # (ids as their text), with `tools` and `tool_choice` where the log has them; other engines
     # take `prompt_ids`. None: a plain prompt.
     messages: list[dict[str, Any]] | None = None
     # Structured output (harness.core.constraints): {"kind": json | regex | choice | grammar,
@@ -88,6 +90,8 @@ class Request:
     # the LoRA adapter that serves it, by its name in the engine's `lora_adapters` option
     # (workloads/lora.py); None: the base model
     adapter: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
 
 
 class RequestSource:
@@ -232,6 +236,10 @@ class TokenEvent:
     # the reply's text as the engine sent it, on a request's last event, where the engine gives text
     # and not token ids (a server without token ids: structured output validates this text)
     text: str | None = None
+    # the prompt's token ids as the engine took them, where they are not the request's
+    # prompt_ids (an endpoint with api=chat: the server's, else the client's chat-templated
+    # prompt); None: the request's prompt_ids
+    prompt_ids: list[int] | None = None
 
 
 @dataclass
@@ -356,6 +364,12 @@ class Capabilities:
     lora_mixed_batch: bool = False
     lora_unsupported: str | None = None
     options: tuple[str, ...] = ()  # option names accepted in engine_options.<name>
+    # the chat API (an endpoint with api=chat): requests go as their messages (and tools), the
+    # server applies its chat template; else as prompt token ids
+    chat_api: bool = False
+    # the chat API's content parts beside text that the engine takes as logged (image_url,
+    # input_audio, ...: endpoints.<name>.content_parts); a message with another is not sent
+    content_parts: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -482,6 +482,8 @@ def build_plan(cfg: dict[str, Any]) -> Plan:
     max_len = max((w.workload.max_model_len(w.cfg) for w in planned), default=0)
     if shape is not None:
         main_len = planned[0].workload.max_model_len(planned[0].cfg) if planned else 0
+        if planned and not main_len:  # a dataset's lengths are known only once it is tokenised: the model's
+            max_len = 0               # positions, not the length of a check beside it (parity's prompts)
         max_len = min(max(max_len, main_len) or shape.max_position_embeddings, shape.max_position_embeddings)
         spec_ = ModelSpec(path=str(model_cfg.get("path") or ""), name=shape.name, dtype=dtype, device=device,
                           max_model_len=max_len, seed=settings.seed, threads=len(cpus), cpus=tuple(cpus))

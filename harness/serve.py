@@ -6,10 +6,11 @@ Serves on http://HOST:PORT until SIGINT/SIGTERM (FastAPI on uvicorn):
   POST /v1/completions   streamed (SSE) or not; prompt as token ids or text; `max_tokens`,
                          `ignore_eos`, `min_tokens`, `return_token_ids`, `stream_options.include_usage`
                          (and `continuous_usage_stats`), `prompt_logprobs` (teacher-forced scores)
-  POST /v1/chat/completions  the same fields with `messages` ({role, content} with text) instead of
-                         `prompt`: the prompt is the tokenizer's chat template applied to them
-                         (`apply_chat_template`, add_generation_prompt; chat_template=FILE replaces
-                         the checkpoint's own); chunks carry `delta.content`. Usage carries
+  POST /v1/chat/completions  the same fields with `messages` (text content; assistant tool_calls,
+                         tool messages) and `tools` instead of `prompt`: the prompt is the
+                         tokenizer's chat template applied to them with the tools
+                         (adapters.chat.template_ids, add_generation_prompt; chat_template=FILE
+                         replaces the checkpoint's own); chunks carry `delta.content`. Usage carries
                          `prompt_tokens_details.cached_tokens` (the prefix cache's share).
   GET  /v1/models, /health, /version, /metrics (Prometheus)
   POST /reset_prefix_cache
@@ -47,7 +48,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from adapters.base import Request as EngineRequest
-from adapters.endpoint.config import chat_prompt_ids
+from adapters.chat import template_ids
 from harness.core.version import __version__
 from harness.core.constraints import KINDS, Constraint, constraint_problems
 from harness.core.errors import EXIT_BAD_INPUT, UserError
@@ -393,7 +394,27 @@ def build_app(rt: Runtime) -> Any:
 
 
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "stream", "stream_options",
-               "ignore_eos", "min_tokens", "return_token_ids", "n", "add_generation_prompt", "structured_outputs"}
+               "ignore_eos", "min_tokens", "return_token_ids", "n", "add_generation_prompt", "structured_outputs",
+               "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _message_problem(m: Any) -> str | None:
+    """Why a chat message is not one this server takes (None: it is)."""
+    if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        return f"a message's role must be one of {', '.join(CHAT_ROLES)}"
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "content parts must be text parts ({\"type\": \"text\", \"text\": ...}): this server takes text alone"
+    elif not (isinstance(content, str) or (content is None and m["role"] == "assistant" and m.get("tool_calls"))):
+        return "a message's content must be text (null only beside an assistant's tool_calls)"
+    calls = m.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), str) for c in calls)):
+        return "tool_calls must be a list of {id, type: function, function: {name, arguments: a JSON string}}"
+    return None
 
 
 def _chat_as_completion(rt: Runtime, body: Any) -> dict[str, Any]:
@@ -404,20 +425,27 @@ def _chat_as_completion(rt: Runtime, body: Any) -> dict[str, Any]:
     if unknown:
         raise BadRequest(f"unknown field(s) {', '.join(unknown)}: this server takes {', '.join(sorted(CHAT_FIELDS))}")
     msgs = body.get("messages")
-    if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                    and isinstance(m.get("content"), str) for m in msgs)):
+    if not (isinstance(msgs, list) and msgs):
         raise BadRequest("`messages` must be a non-empty list of {role, content} with text content")
+    for i, m in enumerate(msgs):
+        why = _message_problem(m)
+        if why:
+            raise BadRequest(f"messages[{i}]: {why}")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and tools and all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
+        raise BadRequest("`tools` must be a non-empty list of {type: function, function: {name, ...}}")
     if rt.tokenizer is None:
         raise BadRequest("this model has no tokenizer: chat needs one (and a chat template)")
     if rt.chat_template is None and not getattr(rt.tokenizer, "chat_template", None):
         raise BadRequest("this model's tokenizer has no chat template: start the server with chat_template=FILE, "
                          "or use /v1/completions")
     try:
-        ids = chat_prompt_ids(rt.tokenizer, [{"role": m["role"], "content": m["content"]} for m in msgs],
-                              rt.chat_template)
+        ids = template_ids(rt.tokenizer, msgs, rt.chat_template, tools)
     except Exception as e:
         raise BadRequest(f"the chat template failed on these messages: {e}") from None
-    out = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "add_generation_prompt")}
+    out = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "add_generation_prompt",
+                                                       "tools", "tool_choice", "parallel_tool_calls")}
     if body.get("max_completion_tokens") is not None:
         out["max_tokens"] = body["max_completion_tokens"]
     out["prompt"] = ids

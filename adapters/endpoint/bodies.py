@@ -8,9 +8,15 @@ the engine does the HTTP. Every body asks for exactly the tokens the workload wa
   completion(prompt, n)        POST /v1/completions: the prompt as token ids where the kind takes
                                them (or prompt_format=ids), else as text that the model's tokenizer
                                re-encodes to the same length (checked: `prompt`)
-  chat_completion(messages, n) POST /v1/chat/completions (api=chat): the messages' roles and texts
-  payload(ids, n, messages)    either, by the endpoint's `api`, with the prompt tokens as the client
-                               counts them (api=chat: the chat-templated prompt's)
+  chat_completion(messages, n, constraint, tools, tool_choice)
+                               POST /v1/chat/completions (api=chat): the messages as the API carries
+                               them (adapters/chat.py: as logged, or an engine's reply as its text),
+                               the request's tools and tool_choice where it has them
+  payload_ids(ids, n, messages, constraint, adapter, tools, tool_choice)
+                               either, by the endpoint's `api`, with the prompt's token ids as the
+                               client makes them (api=chat: the chat-templated prompt's)
+  payload(ids, n, messages, constraint, adapter)
+                               the same, with the prompt tokens counted
   scores(seq, top_k)           a non-streamed completion asking for `prompt_logprobs` (score());
                                its answer read by `prompt_logprobs_scores`
 
@@ -25,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from adapters.base import TokenScores
-from adapters.endpoint.config import EndpointConfig, chat_prompt_ids, chat_template_text
+from adapters.chat import decoder, template_ids, wire
+from adapters.endpoint.config import EndpointConfig, chat_template_text
 from adapters.endpoint.kinds import KINDS, ServerKind
 
 
@@ -110,14 +117,18 @@ class RequestBodies:
         body.update(kind.constraint_fields(constraint))
         body["ignore_eos"] = False
 
-    def chat_completion(self, messages: list[dict[str, Any]], max_tokens: int,
-                        constraint: dict[str, Any] | None = None) -> dict[str, Any]:
-        """/v1/chat/completions: the messages with their roles and text, greedy, exactly max_tokens
-        (`ignore_eos`), usage in the stream; token ids where the kind sends them; a constraint as
-        for completion()."""
+    def chat_completion(self, messages: list[dict[str, Any]], max_tokens: int, constraint: dict[str, Any] | None = None,
+                        tools: list[Any] | None = None, tool_choice: Any = None) -> dict[str, Any]:
+        """/v1/chat/completions: the messages, greedy, exactly max_tokens (`ignore_eos`), usage in
+        the stream; token ids where the kind sends them; a constraint as for completion(); the
+        request's `tools` (and `tool_choice`) where it has them."""
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": int(max_tokens),
                                 "temperature": 0.0, "stream": True, "ignore_eos": True,
                                 "stream_options": {"include_usage": True}}
+        if tools:
+            body["tools"] = tools
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
         if self.kind.token_ids:
             body["return_token_ids"] = True
         self._constrain(body, constraint)
@@ -125,23 +136,28 @@ class RequestBodies:
         return body
 
     def chat_messages(self, messages: list[dict[str, Any]] | None, prompt_ids: list[int]) -> list[dict[str, Any]]:
-        """A request's messages as text ({role, content}); a plain prompt is one user message."""
-        tok = self.tokenizer()
-        msgs = messages or [{"role": "user", "ids": prompt_ids}]
-        return [{"role": m["role"], "content": tok.decode(m["ids"], skip_special_tokens=False,
-                                                          clean_up_tokenization_spaces=False)} for m in msgs]
+        """A request's messages as the API carries them (adapters.chat.wire); a plain prompt is one
+        user message."""
+        return wire(messages or [{"role": "user", "ids": prompt_ids}], decoder(self.tokenizer()))
+
+    def payload_ids(self, prompt_ids: list[int], max_tokens: int, messages: list[dict[str, Any]] | None = None,
+                    constraint: dict[str, Any] | None = None, adapter: str | None = None,
+                    tools: list[Any] | None = None, tool_choice: Any = None) -> tuple[dict[str, Any], list[int]]:
+        """(request body, the prompt's token ids as the client makes them). api=chat: the
+        tokenizer's chat-templated prompt (the template of endpoints.<name>.chat_template /
+        chat_separator, else the checkpoint's own), the tools included, with the generation prompt.
+        `adapter`: the LoRA adapter that serves it, in the kind's field (`lora`)."""
+        if not self.chat:
+            return self.lora(self.completion(self.prompt(prompt_ids), max_tokens, constraint), adapter), prompt_ids
+        msgs = self.chat_messages(messages, prompt_ids)
+        ids = template_ids(self.tokenizer(), msgs, chat_template_text(self.cfg), tools)
+        return self.lora(self.chat_completion(msgs, max_tokens, constraint, tools, tool_choice), adapter), ids
 
     def payload(self, prompt_ids: list[int], max_tokens: int, messages: list[dict[str, Any]] | None = None,
                 constraint: dict[str, Any] | None = None, adapter: str | None = None) -> tuple[dict[str, Any], int]:
-        """(request body, prompt tokens as the client counts them). api=chat: the tokenizer's
-        count of the chat-templated prompt (the template of endpoints.<name>.chat_template /
-        chat_separator, else the checkpoint's own), with the generation prompt. `adapter`: the LoRA
-        adapter that serves it, in the kind's field (`lora`)."""
-        if not self.chat:
-            return self.lora(self.completion(self.prompt(prompt_ids), max_tokens, constraint), adapter), len(prompt_ids)
-        msgs = self.chat_messages(messages, prompt_ids)
-        n = len(chat_prompt_ids(self.tokenizer(), msgs, chat_template_text(self.cfg)))
-        return self.lora(self.chat_completion(msgs, max_tokens, constraint), adapter), n
+        """(request body, prompt tokens as the client counts them): payload_ids, counted."""
+        body, ids = self.payload_ids(prompt_ids, max_tokens, messages, constraint, adapter)
+        return body, len(ids)
 
     def lora(self, body: dict[str, Any], adapter: str | None) -> dict[str, Any]:
         """`body` served by LoRA adapter `adapter` (None: the base model, unchanged): vLLM takes the

@@ -77,7 +77,8 @@ def capabilities(cfg: EndpointConfig) -> Capabilities:
         lora_unsupported=None if lora else (f"a kind={cfg.kind} server is not given LoRA adapters by the harness"
                                             if cfg.launched else "the attached server declares no lora_adapters "
                                             "(endpoints.<name>.attached_options)"),
-        options=STANDARD_ENDPOINT_OPTIONS + ((SERVER_FLAGS,) if cfg.launched and kind.flags else ()))
+        options=STANDARD_ENDPOINT_OPTIONS + ((SERVER_FLAGS,) if cfg.launched and kind.flags else ()),
+        chat_api=cfg.api == "chat", content_parts=tuple(map(str, cfg.content_parts)) if cfg.api == "chat" else ())
 
 
 def tuning_flags(name: str, cfg: EndpointConfig) -> tuple[dict[str, ServerFlag], str | None]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from adapters.chat import is_template_text, read_template
 from harness.core.redact import DEFAULT as REDACT, is_sensitive_key, looks_like_credential
 from adapters.endpoint.kinds import KIND_NAMES, KINDS as KIND_RECORDS
 from adapters.endpoint.options import STANDARD_ENDPOINT_OPTIONS, option_problems, speculation_problems
@@ -56,6 +57,14 @@ class EndpointConfig:
                                      "for a checkpoint without one: a launched server gets it, token counts use it")
     chat_separator: str | None = spec(None, help="api=chat, a checkpoint without a chat template: the messages' "
                                       "texts joined with this string (a template made from it, as chat_template)")
+    tool_call_parser: str | None = spec(None, help=(
+        "api=chat, a launched server: the parser of its model's tool calls (vLLM: --enable-auto-tool-choice "
+        "--tool-call-parser NAME, e.g. hermes); a request with tools and no tool_choice asks for 'auto', which vLLM "
+        "refuses without it"))
+    content_parts: list = spec([], help=(
+        "api=chat: content-part types beside text (image_url, input_audio, ...) that the server's model takes: a "
+        "conversation's message holding them is sent as logged; []: text only (a turn holding another part is not "
+        "sent, counted)"))
     metrics: Any = spec("auto", choices=(True, False, "auto"),
                         help="scrape Prometheus /metrics during points (auto: when the server has it)")
     metrics_interval_s: float = spec(1.0, gt=0, help="seconds between /metrics scrapes during a point")
@@ -100,10 +109,6 @@ class EndpointConfig:
 
 # ---- chat templates -----------------------------------------------------------------------------
 
-def _is_template_text(value: str) -> bool:
-    return "{%" in value or "{{" in value
-
-
 def separator_template(sep: str) -> str:
     """A chat template that joins the messages' contents with `sep` (nothing else: no roles, no
     generation prompt)."""
@@ -116,21 +121,7 @@ def chat_template_text(cfg: EndpointConfig) -> str | None:
     separator); None: the checkpoint's own."""
     if cfg.chat_separator is not None:
         return separator_template(cfg.chat_separator)
-    if cfg.chat_template is None:
-        return None
-    if _is_template_text(cfg.chat_template):
-        return cfg.chat_template
-    return Path(cfg.chat_template).expanduser().read_text()
-
-
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None) -> list[int]:
-    """The token ids of `messages` under the chat template (the tokenizer's own unless given),
-    with the generation prompt: what a chat server prefills, and what the client counts."""
-    out = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
-                                        tokenize=True)
-    if hasattr(out, "keys"):  # a BatchEncoding (newer transformers)
-        out = out["input_ids"]
-    return [int(t) for t in out]
+    return read_template(cfg.chat_template)
 
 
 def checkpoint_has_chat_template(path: str | None) -> bool:
@@ -407,9 +398,20 @@ def _request_option_problems(p: str, cfg: EndpointConfig) -> list[str]:
     problems += speculation_problems(f"{p}.attached_options.", cfg.attached_options)
     if (cfg.chat_template is not None or cfg.chat_separator is not None) and cfg.api != "chat":
         problems.append(f"{p}.chat_template / chat_separator apply to api=chat only; set {p}.api=chat or drop them.")
+    if (cfg.tool_call_parser is not None or cfg.content_parts) and cfg.api != "chat":
+        problems.append(f"{p}.tool_call_parser / content_parts apply to api=chat only; set {p}.api=chat or drop them.")
+    kind = KIND_RECORDS.get(cfg.kind)
+    if kind is not None and cfg.tool_call_parser is not None and cfg.launched and not kind.tool_parser_args:
+        problems.append(f"{p}.tool_call_parser: the harness cannot give a kind={cfg.kind} server a tool-call parser; "
+                        f"put its flags in {p}.launch, or drop it.")
+    if kind is not None and kind.content_parts is not None:
+        other = sorted(set(map(str, cfg.content_parts)) - set(kind.content_parts))
+        if other:
+            problems.append(f"{p}.content_parts: {', '.join(other)} are not parts a kind={cfg.kind} server's chat API "
+                            f"takes ({', '.join(kind.content_parts) or 'text alone'}).")
     if cfg.chat_template is not None and cfg.chat_separator is not None:
         problems.append(f"{p}: give chat_template or chat_separator, not both.")
-    if cfg.chat_template is not None and not _is_template_text(cfg.chat_template) \
+    if cfg.chat_template is not None and not is_template_text(cfg.chat_template) \
             and not Path(cfg.chat_template).expanduser().is_file():
         problems.append(f"{p}.chat_template={cfg.chat_template}: no such file (and not a Jinja template's text). "
                         "Give a .jinja file or the template itself.")

@@ -207,6 +207,12 @@ class ServerKind:
     chat_template_arg: str | None = None
     chat: bool = True  # serves /v1/chat/completions with the fields the harness sends
     chat_args: tuple[str, ...] = ()  # api=chat: launch arguments for it (usage with cached tokens)
+    # api=chat, endpoints.<name>.tool_call_parser=NAME: the launch arguments that let a launched
+    # server take requests with `tools` ({} is the name); () : the harness cannot ask it of this kind
+    tool_parser_args: tuple[str, ...] = ()
+    # api=chat: the content-part types beside text its chat protocol takes (endpoints.<name>.content_parts
+    # may name these); None: not known (a generic server: whatever the user declares)
+    content_parts: tuple[str, ...] | None = ()
     # speculative decoding: the methods its mapping gives a launched server (values of
     # speculative_method), and where its /metrics counts drafts and accepted tokens
     speculative_methods: tuple[str, ...] = ()
@@ -695,6 +701,12 @@ VLLM = ServerKind(
     # src: vllm/entrypoints/launchers/cli_args.py (0.32.0): chat_template, enable_prompt_tokens_details;
     # vllm/entrypoints/openai/chat_completion/protocol.py: messages, return_token_ids, ignore_eos, stream_options
     chat_template_arg="--chat-template={}", chat_args=("--enable-prompt-tokens-details",),
+    # src: launchers/cli_args.py (--enable-auto-tool-choice needs --tool-call-parser); renderers/
+    # online_renderer.py: tools without tool_choice are "auto", refused without them;
+    # renderers/chat_utils.py MM_PARSER_MAP: the part types it parses (the model must take them)
+    tool_parser_args=("--enable-auto-tool-choice", "--tool-call-parser={}"),
+    content_parts=("image_url", "input_image", "image_embeds", "image_pil", "audio_url", "input_audio", "audio_embeds",
+                   "video_url", "video_embeds"),
     speculative_methods=("ngram", "draft", "eagle", "mtp"),
     # src: vllm/v1/spec_decode/metrics.py (0.32.0) SpecDecodingProm: counters registered only when the
     # server speculates, labelled model_name and engine; the per-position one also by `position`
@@ -952,7 +964,7 @@ GENERIC = ServerKind(
     name="generic", distributions=(),
     ready_paths=("/health", "/v1/models"), version_paths=("/version",), reset_path=None, reset_hint="",
     prompt_ids=False, token_ids=False, continuous_usage=False, accepted_fields=None, scores=False,
-    kv_dtypes=("auto",), options=(), map_options=_none, defaults={}, metrics=None,
+    kv_dtypes=("auto",), options=(), map_options=_none, defaults={}, metrics=None, content_parts=None,
     constraint_fields=openai_constraint, structured_kinds=("json",),
 )
 

@@ -95,6 +95,8 @@ def launch_plan(name: str, cfg: EndpointConfig, model: ModelSpec, options: dict[
             tpl = str(beside / f"endpoint-{name}-chat-template.jinja")
             extras.files[tpl] = text
             extras.args.append(kind.chat_template_arg.format(tpl))
+        if cfg.tool_call_parser is not None:
+            extras.args += [a.format(cfg.tool_call_parser) for a in kind.tool_parser_args]
     command = render(cfg.launch or [], values) + (list(cfg.cpu_launch) if on_cpu else []) + extras.args
     if kind.threads_option and model.threads:  # equal resources: the run's threads, unless the template says
         flag = kind.threads_option.split("{")[0]

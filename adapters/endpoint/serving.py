@@ -78,9 +78,10 @@ def serve(server: Server, bodies: RequestBodies, requests: list[Request] | Reque
                 if r.max_new_tokens < 1:
                     raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
                 scheduled = open_loop_start + round(r.arrival_s * 1e9) if open_loop_start is not None else now
-                body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint, r.adapter)
-                st = ReqState(r.request_id, plen, r.max_new_tokens, scheduled_ns=scheduled,
-                              may_stop=r.constraint is not None)
+                body, ids = bodies.payload_ids(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint, r.adapter,
+                                               r.tools, r.tool_choice)
+                st = ReqState(r.request_id, len(ids), r.max_new_tokens, scheduled_ns=scheduled,
+                              may_stop=r.constraint is not None, prompt_ids_client=ids)
                 live[r.request_id] = st
                 states.append(st)
                 futs.append(loop.submit(request_task(st, body)))
@@ -100,7 +101,8 @@ def serve(server: Server, bodies: RequestBodies, requests: list[Request] | Reque
                     held.discard(st.request_id)
                     k = min(st.expected, len(st.token_ids)) - 1
                     yield TokenEvent(st.request_id, k, st.token_ids[k], st.token_times[k], finished=True,
-                                     cached_tokens=st.usage_cached, text=st.text if st.may_stop else None)
+                                     cached_tokens=st.usage_cached, text=st.text if st.may_stop else None,
+                                     prompt_ids=st.prompt_ids_server or st.prompt_ids_client)
                 if st.error is not None:
                     yield RequestFailed(st.request_id, server.failure_detail(st),
                                         st.token_times[-1] if st.token_times else now_ns())
@@ -157,8 +159,9 @@ def load_items(bodies: RequestBodies, requests: list[Request]) -> list[Item]:
     for r in requests:
         if r.max_new_tokens < 1:
             raise ValueError(f"request {r.request_id}: max_new_tokens must be at least 1.")
-        body, plen = bodies.payload(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint, r.adapter)
-        items.append(Item(r.request_id, dumps(body), plen, r.max_new_tokens, r.arrival_s,
+        body, ids = bodies.payload_ids(r.prompt_ids, r.max_new_tokens, r.messages, r.constraint, r.adapter,
+                                       r.tools, r.tool_choice)
+        items.append(Item(r.request_id, dumps(body), len(ids), r.max_new_tokens, r.arrival_s,
                           may_stop=r.constraint is not None))
     return items
 

@@ -97,7 +97,8 @@ class ReqState:
     usage_prompt: int | None = None
     usage_cached: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
     server_timings: dict[str, Any] | None = None  # the server's own per-response `timings` (llama-server: prompt_ms ...)
-    prompt_ids_server: list[int] | None = None
+    prompt_ids_server: list[int] | None = None  # the prompt's ids as the server says it prefilled them
+    prompt_ids_client: list[int] | None = None  # ... as the client made them (api=chat: the templated prompt)
     finish_reason: str | None = None
     count_source: str | None = None
     error: str | None = None  # the full reason
@@ -203,6 +204,8 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
     if choices is not None and not isinstance(choices, list):
         raise SSEError("`choices` is not a list")
     new = first = 0
+    if state.prompt_ids_server is None and isinstance(obj.get("prompt_token_ids"), list):
+        state.prompt_ids_server = obj["prompt_token_ids"]  # a chat stream's first chunk (vLLM: return_token_ids)
     for choice in choices or ():
         if not isinstance(choice, dict):
             raise SSEError("a choice is not an object")

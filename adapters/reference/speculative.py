@@ -40,6 +40,7 @@ from adapters.reference.kv_cache import KVPool
 from adapters.reference.runner import ModelRunner, Sampled
 from adapters.reference.scheduler import Chunk, Sequence
 from adapters.speculative import SpecCounter
+from harness.core.metrics import common_prefix
 
 OPT = "engine_options.reference"
 
@@ -48,12 +49,7 @@ def accept_length(draft: list[int], greedy: list[int]) -> int:
     """Greedy verification: how many leading draft tokens equal the target's own choices.
     `greedy[i]` is the target's greedy token at the position of `draft[i]` (i.e. after the
     tokens before it)."""
-    a = 0
-    for d, g in zip(draft, greedy):
-        if d != g:
-            break
-        a += 1
-    return a
+    return common_prefix(draft, greedy)
 
 
 # ---- n-gram (prompt lookup) -------------------------------------------------------------------

@@ -30,6 +30,7 @@ class RequestTrace:
     error: str | None = None  # why the request failed (a server's HTTP error, a stream cut short)
     cached_tokens: int | None = None  # prompt tokens the engine reported taking from its prefix cache
     reloaded_tokens: int | None = None  # of those, the ones reloaded from a second KV tier (kv_offload)
+    prompt_ids: list[int] | None = None  # the prompt as the engine took it, where it said (TokenEvent.prompt_ids)
     # reasoning (a server's stream; docs/metrics.md, "Reasoning"): when the first answer or tool-call
     # token arrived (None: no answer came, or the engine cannot tell answer from reasoning), whether
     # the stream carried reasoning, the reasoning and answer token counts and where the counts came
@@ -74,6 +75,16 @@ class RequestTrace:
     def itls_s(self) -> list[float]:
         t = self.token_times_ns
         return [(b - a) / 1e9 for a, b in zip(t, t[1:])]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
