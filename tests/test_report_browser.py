@@ -174,9 +174,18 @@ def test_every_section_draws_in_chromium(driver: Any, tmp_path: Path) -> None:
         assert f["plotted"] and f["traces"] > 0 and f["drawn"] > 0, f
     names = {f["name"] for f in figs}
     assert {"capacity-pareto", "capacity-cost-pareto", "http-telemetry", "serving-closed-ttft", "parity", "conversation-ttft",
-            "conversation-hit-rate"} <= names
+            "conversation-hit-rate", "conversation-kinds"} <= names
     conv = table(driver, "conversation-values")
     assert len(conv["rows"]) == 2 * 2 * 2 * 4  # engines x pools x caching x turns
+    kinds = table(driver, "conversation-kind-values")  # per turn kind: an agent's user and tool-result turns
+    assert len(kinds["rows"]) == 2 * 2 * 2 * 2  # engines x pools x caching x kinds
+    head = kinds["headers"]
+    by_kind: dict[str, list] = {}
+    for r in kinds["rows"]:
+        by_kind.setdefault(r[head.index("turn kind")]["text"], []).append(r)
+    assert set(by_kind) == {"user turn", "tool-result turn"}
+    assert {float(r[head.index("reusable %")]["value"]) for r in by_kind["tool-result turn"]} == {0.8}
+    assert {float(r[head.index("growth per turn")]["value"]) for r in by_kind["user turn"]} == {120.0}
     failures = table(driver, "failures")
     assert [c[1]["text"] for c in failures["rows"]] == ["failed", "unavailable", "failed"]   # parity (vllm) first
     regressions = driver.execute_script("return document.querySelectorAll('table[data-table=\"comparison\"] tr.bad').length")

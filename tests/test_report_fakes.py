@@ -185,7 +185,8 @@ def reasoning_rows(engine: str = "vllm-serve") -> list[dict[str, Any]]:
 
 def conversation_rows(engines=("hf", "reference"), pools=((5461, 16), (40, 16))) -> list[dict[str, Any]]:
     """FAKE rows of workload=conversation: 4 turns, caching on/off, per pool size (blocks, block
-    size); with the small pool the hit rate falls below the reusable share from turn 3 on."""
+    size); with the small pool the hit rate falls below the reusable share from turn 3 on; turns of
+    two kinds (user, tool result), as an agent's trace has them."""
     rows = []
     for i, e in enumerate(engines):
         for blocks, bs in pools:
@@ -198,11 +199,18 @@ def conversation_rows(engines=("hf", "reference"), pools=((5461, 16), (40, 16)))
                     turns.append({"turn": k, "requests": 16, "completed": 16, "prompt_tokens_mean": 72.0 * k,
                                   "reusable_share": reusable, "hit_rate": hit, "hit_minus_reusable": hit - reusable,
                                   "ttft_s": ttft})
+                # an agent's turns: those answering a tool's result reuse more (a longer history, a short result)
+                kinds = [{"kind": kind, "requests": n, "completed": n, "prompt_tokens_mean": prompt,
+                          "growth_tokens_mean": growth, "output_tokens_mean": 30.0, "reusable_share": share,
+                          "hit_rate": share if caching else 0.0, "hit_minus_reusable": 0.0 if caching else -share,
+                          "ttft_s": 0.05 * (1 - (share if caching else 0.0)) * (1 + 0.2 * i), "ttft_s_p90": 0.08}
+                         for kind, n, prompt, growth, share in (("user", 16, 400.0, 120.0, 0.5),
+                                                                 ("tool", 48, 900.0, 180.0, 0.8))]
                 rows.append(make_row(engine=e, workload="conversation", status="ok", model="tiny",
                                      point={"prefix_caching": caching, "sessions": 16},
                                      point_key=f"conv:{caching}:{blocks}")
                             | {"prefix_caching": caching, "turns": turns, "kv_blocks_total": blocks, "block_size": bs,
-                               "ttft_s": 0.1})
+                               "ttft_s": 0.1, "turn_kinds": kinds})
     return rows
 
 

@@ -4,7 +4,9 @@ reusable; one panel per KV pool size, so a pool smaller than the histories shows
 rate falls below the reusable share (the eviction curve). With KV tiers (`kv_tiers`: the pool
 alone, the full pool, a second tier of some capacity) a panel of its own: the eviction curve of
 each mode beside the reusable share, the prompt tokens each tier supplied (stacked) per turn, and
-a table of TTFT beside recompute and the full-pool bound."""
+a table of TTFT beside recompute and the full-pool bound. An agent's trace (turns that answer a
+tool's result beside those that answer a user's message) gets a panel per turn kind: TTFT, hit
+rate beside reusable share, and how much each turn adds to the prompt."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pandas as pd
 from reports.blocks import Block, Figure
 from reports.data import ReportData
 from harness.core.sizes import human_size
-from reports.figures import facet_lines, stacked_bars
+from reports.figures import bars, facet_lines, stacked_bars
 from reports.sections.common import MS, Col, column, values_table, workload_rows
 from reports.sections.registry import section
 
@@ -131,6 +133,56 @@ def tier_blocks(df: pd.DataFrame, data: ReportData) -> list[Block]:
     return blocks
 
 
+KIND_LABELS = {"user": "user turn", "tool": "tool-result turn"}
+
+
+def kind_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per (series, caching, pool, turn kind) of the runs whose turns are of more than one
+    kind (an agent's trace: turns that answer a user's message, turns that answer a tool's result):
+    TTFT, hit rate beside reusable share, the prompt's length and its growth per turn."""
+    df = workload_rows(rows, "conversation", "turn_kinds")
+    if df.empty:
+        return df
+    out = []
+    for r in df.to_dict("records"):
+        kinds = r.get("turn_kinds") or []
+        if len(kinds) < 2:
+            continue
+        caching = "caching on" if r.get("prefix_caching") is True else "caching off" if r.get("prefix_caching") is False \
+            else "caching ?"
+        for k in kinds:
+            out.append({"engine": r["engine"], "base_series": r["series"], "caching": caching,
+                        "series": f"{r['series']} · {caching}", "pool": pool_label(r),
+                        "kind": KIND_LABELS.get(k.get("kind"), str(k.get("kind"))), **{
+                            f: k.get(f) for f in ("requests", "prompt_tokens_mean", "growth_tokens_mean",
+                                                  "output_tokens_mean", "reusable_share", "hit_rate",
+                                                  "hit_minus_reusable", "ttft_s", "ttft_s_p90")}})
+    f = pd.DataFrame(out)
+    return f if f.empty else f.sort_values(["pool", "base_series", "caching", "kind"], ascending=[True, True, False, False],
+                                           kind="stable").reset_index(drop=True)
+
+
+def kind_blocks(rows: pd.DataFrame, data: ReportData) -> list[Block]:
+    """Per turn kind: median TTFT (bars) and a table of TTFT, hit rate beside reusable share and
+    the prompt's growth."""
+    k = kind_frame(rows)
+    if k.empty:
+        return []
+    fig = Figure(bars(k.dropna(subset=["ttft_s"]), x="kind", y="ttft_s", colours=data.colours, x_title="turn kind",
+                      y_title="TTFT, median (ms)", scale=MS),
+                 "conversation-kinds", "Median TTFT per turn kind, caching on and off: a user turn answers a user's "
+                                       "message, a tool-result turn answers a tool's result (the agent's next step).")
+    fig.table = values_table(
+        k, [Col("engine", "base_series", text=True), Col("caching", "caching", text=True), Col("pool", "pool", text=True),
+            Col("turn kind", "kind", text=True), Col("requests", "requests"),
+            Col("prompt tokens", "prompt_tokens_mean"), Col("growth per turn", "growth_tokens_mean"),
+            Col("reply tokens", "output_tokens_mean"), Col("reusable %", "reusable_share", 100),
+            Col("hit rate %", "hit_rate", 100), Col("hit − reusable (pts)", "hit_minus_reusable", 100),
+            Col("TTFT ms", "ttft_s", MS, better="lower"), Col("TTFT p90 ms", "ttft_s_p90", MS)],
+        "conversation-kind-values", group=["pool", "kind"])
+    return [fig]
+
+
 @section("conversation", "Conversations", "Multi-turn sessions: each turn's prompt is the whole history (the "
          "engine's own replies included) plus a new message. Per turn index: time to first token with prefix "
          "caching on and off, and the prefix-cache hit rate the engine reported beside the share of the prompt "
@@ -160,4 +212,4 @@ def conversation(data: ReportData) -> list[Block]:
              Col("hit − reusable (pts)", "hit_minus_reusable", 100), Col("KV in use %", "kv_occupancy", 100),
              Col("TTFT ms", "ttft_s", MS, better="lower")],
         "conversation-values", group=["pool", "turn"])
-    return blocks + tier_blocks(df, data)
+    return blocks + kind_blocks(data.rows, data) + tier_blocks(df, data)
