@@ -61,6 +61,8 @@ def tls_context(verify_tls: bool, ca_bundle: str | None) -> bool | ssl.SSLContex
     return ctx
 
 
+KEEPALIVE_S = 4.0  # seconds an idle connection is kept for the next request (ClientSpec.session)
+
 @dataclass
 class ClientSpec:
     """How to reach the server: what a client process needs (picklable)."""
@@ -75,9 +77,13 @@ class ClientSpec:
 
     def session(self) -> aiohttp.ClientSession:
         """An aiohttp session (call inside the running loop): no connection limit, keep-alive,
-        every socket read stamped (`StampedHandler`)."""
+        every socket read stamped (`StampedHandler`). An idle connection is closed after
+        KEEPALIVE_S, before the server's own idle timeout (uvicorn's, vLLM's
+        VLLM_HTTP_TIMEOUT_KEEP_ALIVE: 5 s) can close it under a request sent on it: aiohttp's 15 s
+        default lost such a request ("server disconnected", 0 tokens) after a conversation's
+        think time."""
         conn = aiohttp.TCPConnector(limit=0, ssl=tls_context(self.verify_tls, self.ca_bundle),
-                                    enable_cleanup_closed=True)
+                                    enable_cleanup_closed=True, keepalive_timeout=KEEPALIVE_S)
         stamp_reads(conn)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         return aiohttp.ClientSession(connector=conn, headers=self.headers, timeout=timeout, trust_env=False)
