@@ -48,7 +48,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 MODULES = ATTENTION + MLP
 SPLIT_ALPHA = 1e-3  # a random split's chi-squared p-value below this: the served split is not the configured one
-_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+TENSOR_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -160,7 +160,7 @@ def read_adapter(name: str, path: str, field: str, source: str | None = None) ->
     except Exception as e:  # a truncated or foreign file: safetensors says why
         return None, {}, problems + [f"{where}: {WEIGHTS_FILE} cannot be read ({type(e).__name__}: {e}). Write it "
                                      "again with PEFT."]
-    modules = sorted({m.group(3) for k in shapes if (m := _TENSOR.match(k))})
+    modules = sorted({m.group(3) for k in shapes if (m := TENSOR_KEY.match(k))})
     if problems:
         return None, shapes, problems
     return Adapter(name, str(d.resolve()), int(r), float(alpha), tuple(targets or modules),
@@ -187,7 +187,7 @@ def shape_problems(adapter: Adapter, shapes: dict[str, list[int]], shape: ModelS
     found: dict[tuple[int, str], dict[str, list[int]]] = {}
     out: list[str] = []
     for key, dims in shapes.items():
-        m = _TENSOR.match(key)
+        m = TENSOR_KEY.match(key)
         if m is None:
             out.append(f"tensor {key}: not a LoRA A/B matrix of a decoder layer's projection")
             continue
