@@ -41,9 +41,10 @@ def run(tmp_path: Path, adapters: Path, *args: str) -> tuple[int, list[dict], st
 
 
 @pytest.mark.slow
-def test_transformers_serves_mixed_adapters_and_every_request_is_its_own_adapters(tmp_path, adapters):
-    code, rows, out = run(tmp_path, adapters, "engines=[hf]", "workload.concurrency=[4]", "workload.lora.split=zipf",
-                          "workload.lora.zipf_alpha=1.5")
+@pytest.mark.parametrize("engine", ["hf", "reference"])
+def test_an_engine_serves_mixed_adapters_and_every_request_is_its_own_adapters(tmp_path, adapters, engine):
+    code, rows, out = run(tmp_path, adapters, f"engines=[{engine}]", "workload.concurrency=[4]",
+                          "workload.lora.split=zipf", "workload.lora.zipf_alpha=1.5")
     assert code == 0, out[-3000:]
     (row,) = rows
     assert row["status"] == "ok" and row["lora_check"]["verdict"] == "pass", row.get("error")
@@ -89,3 +90,19 @@ def test_a_conversation_keeps_each_sessions_adapter_for_every_turn(tmp_path, ada
     by = row["request_adapter"]
     assert all(by[f"s{i}t1"] == by[f"s{i}t2"] for i in range(6)) and len(set(by.values())) > 1
     assert not set(row) - documented_fields()
+
+
+@pytest.mark.slow
+def test_the_reference_engines_swap_cost_has_its_interval_and_its_loads(tmp_path, adapters):
+    """Swap points on the reference engine: one adapter, then two in round robin through one slot, one
+    request at a time; the second row has the swap cost with its interval and a load (and an eviction)
+    for every request whose adapter the slot did not hold; the first row none."""
+    code, rows, out = run(tmp_path, adapters, "engines=[reference]", "workload.concurrency=[]", "workload.num_requests=8",
+                          "workload.lora.swap_cost=[2]")
+    assert code == 0, out[-3000:]
+    one, two = rows
+    assert (one["lora_swap"], two["lora_swap"]) == (1, 2)
+    # round robin through one slot: every request but the first (its adapter stays from the warm-up) loads
+    assert one["lora_stats"]["loads"] == 0 and two["lora_stats"]["loads"] >= 7 and two["lora_stats"]["evictions"] >= 7
+    assert two["swap_cost_s"] is not None and two["swap_cost_pairs"] == 8 and len(two["swap_cost_ci"]) == 2
+    assert "swap cost at 2 adapters" in out

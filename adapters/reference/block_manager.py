@@ -95,12 +95,14 @@ class BlockManager:
         return self.blocks_for(num_tokens) <= self.num_blocks
 
     # ---- prefix cache -------------------------------------------------------------------
-    def match_prefix(self, tokens: list[int], max_tokens: int) -> list[int]:
+    def match_prefix(self, tokens: list[int], max_tokens: int, root: bytes | None = None) -> list[int]:
         """Cached blocks holding the longest prefix of `tokens` (whole blocks, at most
-        `max_tokens` tokens). Only looks; `admit` takes them."""
+        `max_tokens` tokens), their hash chain started from `root` (a LoRA adapter's: blocks
+        computed with one adapter are another K/V than the base model's). Only looks; `admit`
+        takes them."""
         if not self.prefix_caching:
             return []
-        bs, found, parent = self.block_size, [], None
+        bs, found, parent = self.block_size, [], root
         hashes, seen = [], []  # with a second tier: each hit's identity, for admit() to reload by
         for i in range(max_tokens // bs):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
@@ -190,7 +192,7 @@ class BlockManager:
         while len(seq.block_hashes) < seq.num_computed // bs:
             i = len(seq.block_hashes)
             tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
-            h = chain_hash(seq.block_hashes[-1] if i else None, tokens)
+            h = chain_hash(seq.block_hashes[-1] if i else seq.hash_root, tokens)
             if h not in self.cached:  # else an identical block is already registered: keep that one
                 block = self.blocks[seq.block_table[i]]
                 block.hash, block.token_ids = h, tokens

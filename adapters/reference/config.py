@@ -80,6 +80,13 @@ class EngineConfig:
         "pinned on CUDA)"))
     kv_offload_dir: str | None = spec(None, help=(
         "medium disk: the directory of the tier's slab file (local disk); null: the system's temp directory"))
+    # LoRA adapters (adapters.base.STANDARD_OPTIONS; lora.py): slots of stacked adapter weights
+    lora_adapters: list[Any] | None = spec(None, help=(
+        "LoRA adapters [{name, path, rank}]: each request names its own; a batch mixes them (lora.py)"))
+    max_loras: int | None = spec(None, ge=1, help="adapter slots: adapters resident at once; null: every adapter")
+    max_lora_rank: int | None = spec(None, ge=1, help="the slots' rank: no adapter may exceed it; null: the largest")
+    max_cpu_loras: int | None = spec(None, ge=1, help=(
+        "accepted and recorded: every adapter is read into host memory at load"))
     step_delay_frac: float = spec(0.0, ge=0, le=10, help=(
         "a deliberate handicap for calibrating regression gates: each step busy-waits this fraction of its "
         "own CPU time on a CPU (its wall time on an accelerator): 0.25 is 25 % more work; 0: off"))
@@ -124,7 +131,22 @@ def cross_field_problems(cfg: EngineConfig) -> list[str]:
     if cfg.kv_cache == "none" and cfg.kv_dtype != "auto":
         problems.append("engine_options.reference.kv_dtype: a quantised cache needs kv_cache=on "
                         "(with kv_cache=none nothing is stored). Drop kv_dtype or set kv_cache=on.")
-    return problems + speculative_problems(cfg) + offload_problems(cfg)
+    return problems + speculative_problems(cfg) + offload_problems(cfg) + lora_problems(cfg)
+
+
+def lora_problems(cfg: EngineConfig) -> list[str]:
+    """LoRA adapters: each {name, path, rank}, within max_lora_rank, and not with speculative decoding."""
+    opt, out = "engine_options.reference", []
+    for a in cfg.lora_adapters or []:
+        if not isinstance(a, dict) or not a.get("name") or not a.get("path"):
+            out.append(f"{opt}.lora_adapters: {a!r}: each adapter is {{name, path, rank}} (a PEFT directory).")
+        elif cfg.max_lora_rank is not None and int(a.get("rank") or 0) > cfg.max_lora_rank:
+            out.append(f"{opt}.max_lora_rank={cfg.max_lora_rank}: adapter '{a['name']}' has rank {a.get('rank')}. "
+                       "Raise max_lora_rank.")
+    if cfg.lora_adapters and cfg.speculative:
+        out.append(f"{opt}.lora_adapters with speculative_method={cfg.speculative_method}: the reference engine does "
+                   "not speculate with adapters; measure one or the other.")
+    return out
 
 
 def offload_problems(cfg: EngineConfig) -> list[str]:

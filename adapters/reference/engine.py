@@ -73,7 +73,10 @@ class ReferenceEngine(Engine):
                             paged=paged, logits=True, scores=True,
                             speculative_methods=SPECULATIVE_METHODS if cfg.use_cache else (),
                             kv_offload=paged, structured_output=STRUCTURED_KINDS if not cfg.speculative else (),
-                            options=OPTIONS)
+                            lora=not cfg.speculative, lora_slots=not cfg.speculative,
+                            lora_mixed_batch=not cfg.speculative,
+                            lora_unsupported="the reference engine does not speculate with LoRA adapters"
+                            if cfg.speculative else None, options=OPTIONS)
 
     @classmethod
     def check_options(cls, options: dict[str, Any], model: ModelSpec) -> list[str]:
@@ -242,10 +245,14 @@ class ReferenceEngine(Engine):
             core.release()
 
     # ---- scores and statistics: the core's ------------------------------------------------
-    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int,
+              adapter: str | None = None) -> list[TokenScores]:
         self.core.check_score_args(sequences, start, top_k)  # bad arguments leave the batch alone
         self.release()
-        return self.core.score(sequences, start, top_k)
+        return self.core.score(sequences, start, top_k, adapter)
+
+    def lora_stats(self) -> dict[str, Any] | None:
+        return self.core.lora_stats() if self.core is not None else None
 
     def kv_cache_info(self) -> KVCacheInfo:
         return self.core.kv_cache_info() if self.core is not None else KVCacheInfo()

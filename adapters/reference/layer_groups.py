@@ -203,12 +203,12 @@ class GroupedBlockManager:
         self._stats.peak_used = max(self._stats.peak_used, self.num_used)
 
     # ---- prefix cache --------------------------------------------------------------------
-    def match_prefix(self, tokens: list[int], max_tokens: int) -> GroupHits:
+    def match_prefix(self, tokens: list[int], max_tokens: int, root: bytes | None = None) -> GroupHits:
         hits = GroupHits()
         hits.per_group, hits.hashes = [[] for _ in self.groups], []
         if not self.prefix_caching:
             return hits
-        bs, parent = self.block_size, None
+        bs, parent = self.block_size, root
         found: list[list[int | None]] = [[] for _ in self.groups]  # per group, per block: a cached id or None
         hashes = []
         for i in range(max_tokens // bs):
@@ -266,7 +266,7 @@ class GroupedBlockManager:
         while self.prefix_caching and len(seq.block_hashes) < seq.num_computed // bs:
             i = len(seq.block_hashes)
             tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
-            h = chain_hash(seq.block_hashes[-1] if i else None, tokens)
+            h = chain_hash(seq.block_hashes[-1] if i else seq.hash_root, tokens)
             for gi, m in enumerate(self.managers):
                 b = seq.group_tables[gi][i] if i < len(seq.group_tables[gi]) else self.null[gi]
                 if b != self.null[gi] and h not in m.cached:

@@ -45,6 +45,7 @@ from adapters.reference.kv_tiers import SecondTier, TierStats, make_tier
 from adapters.reference.layer_groups import (
     GroupedBlockManager, GroupedPool, GroupedStepAttention, bytes_per_token_of, group_blocks, layer_groups,
 )
+from adapters.reference.lora import HostAdapter, Slots
 from adapters.reference.mla import LatentPool, MLAStepAttention, latent_bytes_per_token
 from adapters.reference.gemma import GemmaModel
 from adapters.reference.model import Model, ModelConfig
@@ -198,11 +199,12 @@ class LLMEngine:
             self._make_pool(mcfg, dtype, max_len, scratch=1 if graphs else 0)
         self.tier: SecondTier | None = self._make_tier() if cfg.kv_offload else None
         self.speculator = self._speculator() if cfg.speculative else None
+        self.lora: Slots | None = self._load_lora(mcfg, dtype) if cfg.lora_adapters else None
         # a fixed batch (the adapter's prefill()) is admitted whole: at least the run's largest batch may run
         max_seqs = max(cfg.max_num_seqs, model.max_batch_size)
         self.scheduler = Scheduler(self.blocks, max_seqs, cfg.max_num_batched_tokens,
                                    lookahead=cfg.num_speculative_tokens if self.speculator else 0,
-                                   on_release=self.speculator.release if self.speculator else None)
+                                   on_release=self.speculator.release if self.speculator else None, lora=self.lora)
         self.graphs = self._capture_graphs(max_seqs, max_len) if graphs else None
         attention = self.kernels.attention
         sinks = [layer.sinks for layer in self.model.layers] if mcfg.attention_sinks else None
@@ -217,7 +219,8 @@ class LLMEngine:
         if mcfg.mla is not None:
             attention = partial(MLAStepAttention, kv_b=[layer.mla["kv_b"] for layer in self.model.layers], mla=mcfg.mla,
                                 form=cfg.mla_attention)
-        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs, self.kernels.greedy)
+        self.runner: ModelRunner | None = ModelRunner(self.model, self.pool, attention, self.graphs, self.kernels.greedy,
+                                                      self.lora)
         self._requests: dict[str, Sequence] = {}  # the online API's live requests, by id
         self._grammars: Any = None  # structured output's compiler (grammar.Grammars), made on first use
         self._next_id = 0
@@ -225,6 +228,24 @@ class LLMEngine:
         self.details["num_blocks"] = self.pool.num_blocks if self.pool else 0
         self.compute_threads = torch.get_num_threads()
         self.load_time_s = time.perf_counter() - t0
+
+    def _load_lora(self, mcfg: ModelConfig, dtype: torch.dtype) -> Slots:
+        """Every adapter of `lora_adapters` read into host memory, and `max_loras` slots (lora.py)."""
+        if mcfg.mla is not None or mcfg.moe is not None or mcfg.gemma is not None:
+            raise ValueError("engine_options.reference.lora_adapters: the reference engine applies LoRA to dense "
+                             f"LLaMA-style layers; {mcfg.architecture} has latent, expert or Gemma layers.")
+        ads = self.cfg.lora_adapters
+        rank = self.cfg.max_lora_rank or max(int(a.get("rank") or 1) for a in ads)
+        host = {a["name"]: HostAdapter.read(a["name"], a["path"], mcfg, rank) for a in ads}
+        slots = Slots(mcfg, host, self.cfg.max_loras or len(ads), rank, dtype, self.device)
+        self.details["lora"] = {"adapters": list(host), "max_loras": slots.max_loras, "max_lora_rank": rank,
+                                "max_cpu_loras": "every adapter in host memory (read at load)",
+                                "batching": "each row's own adapter: a row mask over the resident slots (lora.py)",
+                                "fused_decode_layer": "not used in a step with an adapter's row"}
+        return slots
+
+    def lora_stats(self) -> dict[str, Any] | None:
+        return self.lora.stats() if self.lora is not None else None
 
     def _load_draft(self, mcfg: ModelConfig, dtype: torch.dtype, max_len: int) -> Model:
         """The draft model (speculative_method=draft), checked against the target (speculative.py)."""
@@ -395,10 +416,19 @@ class LLMEngine:
             raise ValueError(f"request {request.request_id}: max_new_tokens must be at least 1.")
         seq = self.new_sequence(request.prompt_ids, len(request.prompt_ids) + request.max_new_tokens,
                                 request.request_id)
+        seq.adapter = self._adapter(request.adapter)
         if request.constraint is not None:
             seq.grammar = self._grammar(request)
         self.scheduler.add(seq)
         self._requests[request.request_id] = seq
+
+    def _adapter(self, name: str | None) -> str | None:
+        """`name`, checked: None (the base model) or one of lora_adapters."""
+        if name is not None and (self.lora is None or name not in self.lora.adapters):
+            loaded = ", ".join(self.lora.adapters) if self.lora else "none"
+            raise ValueError(f"reference: adapter {name} is not among engine_options.reference.lora_adapters "
+                             f"(loaded: {loaded})")
+        return name
 
     def _grammar(self, request: Request) -> Any:
         """The request's grammar matcher (grammar.py), its grammar compiled once per constraint."""
@@ -450,8 +480,9 @@ class LLMEngine:
         self._requests = {}
 
     # ---- teacher-forced scores ---------------------------------------------------------
-    def score(self, sequences: list[list[int]], start: list[int], top_k: int) -> list[TokenScores]:
-        """For each position p in [start[i], len(seq)): the next-token distribution given
+    def score(self, sequences: list[list[int]], start: list[int], top_k: int,
+              adapter: str | None = None) -> list[TokenScores]:
+        """For each position p in [start[i], len(seq)) (with LoRA `adapter`, or the base model): the next-token distribution given
         seq[:p], from ONE teacher-forced pass through the normal paged path (chunks through the
         block table, the prefix cache supplying what it can before the first scored position).
         The sequence without its last token is prefilled with the logits of every position
@@ -466,6 +497,7 @@ class LLMEngine:
                 continue  # nothing to score
             seq = self.new_sequence(full[:-1], len(full), request_id=None)
             seq.score_from = s0 - 1
+            seq.adapter = self._adapter(adapter)
             work.append((seq, full, res, s0))
             self.scheduler.add(seq)
         try:

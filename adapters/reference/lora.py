@@ -116,7 +116,7 @@ class HostAdapter:
 
 class Slots:
     """`max_loras` slots of stacked adapter weights on the model's device and dtype, per layer and
-    projection: A_all [S W, in] and B_all [out, S W]. `acquire(name, busy)` makes an adapter
+    projection, stored transposed for the two products: A_all^T [in, S W] and B_all^T [S W, out]. `acquire(name, busy)` makes an adapter
     resident (loading it into a free slot, or into the least recently used slot no running
     sequence uses) and returns its slot, or None when every slot is busy; `loads` and `evictions`
     count what it did since the engine loaded."""
@@ -127,9 +127,9 @@ class Slots:
         self.dtype, self.device = dtype, device
         sizes = group_sizes(cfg)
         span = max_loras * self.width
-        self.a = [{g: torch.zeros(span, sizes[g][0], dtype=dtype, device=device) for g in GROUPS}
+        self.a = [{g: torch.zeros(sizes[g][0], span, dtype=dtype, device=device) for g in GROUPS}
                   for _ in range(cfg.num_layers)]
-        self.b = [{g: torch.zeros(sum(sizes[g][1]), span, dtype=dtype, device=device) for g in GROUPS}
+        self.b = [{g: torch.zeros(span, sum(sizes[g][1]), dtype=dtype, device=device) for g in GROUPS}
                   for _ in range(cfg.num_layers)]
         self.resident: list[str | None] = [None] * max_loras
         self.recent: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first
@@ -163,11 +163,11 @@ class Slots:
             for g in GROUPS:
                 w = adapter.weights.get((layer, g))
                 if w is None:
-                    a_all[g][cols].zero_()
-                    b_all[g][:, cols].zero_()
+                    a_all[g][:, cols].zero_()
+                    b_all[g][cols].zero_()
                 else:
-                    a_all[g][cols].copy_(w[0].to(self.dtype))
-                    b_all[g][:, cols].copy_(w[1].to(self.dtype))
+                    a_all[g][:, cols].copy_(w[0].t().to(self.dtype))
+                    b_all[g][cols].copy_(w[1].t().to(self.dtype))
         self.resident[slot] = adapter.name
         self.loads += 1
 
@@ -184,8 +184,8 @@ class Slots:
 
     def add(self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, layer: int, group: str) -> torch.Tensor:
         """y += ((x A_all^T) * mask) B_all^T, in place; y is returned."""
-        h = torch.mm(x, self.a[layer][group].t()).mul_(mask)
-        return y.addmm_(h, self.b[layer][group].t())
+        h = torch.mm(x, self.a[layer][group]).mul_(mask)
+        return y.addmm_(h, self.b[layer][group])
 
     def stats(self) -> dict[str, Any]:
         return {"loads": self.loads, "evictions": self.evictions, "max_loras": self.max_loras,

@@ -55,7 +55,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -688,24 +688,41 @@ class Model:
         the sign is folded into `sin` (see __init__)."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
-    def attention_input(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        """Q, K and V, fused: qkv(norm(x))."""
-        return layer.qkv(self.rms_norm(x, layer.input_norm))
+    def attention_input(self, x: torch.Tensor, layer: LayerWeights, lora: Any = None, i: int = 0,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Q, K and V, fused: qkv(norm(x)); with LoRA slots (lora.Slots) and the step's row mask,
+        plus each row's own adapter's product."""
+        xn = self.rms_norm(x, layer.input_norm)
+        y = layer.qkv(xn)
+        return y if lora is None else lora.add(y, xn, mask, i, "qkv")
 
-    def attention_output_and_mlp(self, x: torch.Tensor, o: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        """h = x + o_proj(o); then h + down(silu(gate(norm(h))) * up(norm(h)))."""
+    def attention_output_and_mlp(self, x: torch.Tensor, o: torch.Tensor, layer: LayerWeights, lora: Any = None,
+                                 i: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """h = x + o_proj(o); then h + down(silu(gate(norm(h))) * up(norm(h))); with LoRA, each
+        projection plus each row's own adapter's product (as in attention_input)."""
         h = layer.o.add(o, x)
+        if lora is not None:
+            lora.add(h, o, mask, i, "o")
         if layer.moe is not None:
             return layer.moe(self.rms_norm(h, layer.post_norm), h)
-        gate, up = layer.gate_up(self.rms_norm(h, layer.post_norm)).chunk(2, dim=-1)
-        return layer.down.add(F.silu(gate).mul_(up), h)
+        hn = self.rms_norm(h, layer.post_norm)
+        gate_up = layer.gate_up(hn)
+        if lora is not None:
+            lora.add(gate_up, hn, mask, i, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)
+        out = layer.down.add(act, h)
+        return out if lora is None else lora.add(out, act, mask, i, "down")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                logits_indices: torch.Tensor | None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None, lora: Any = None,
+                lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run the flat batch through the decoder; return float32 logits [N, vocab] of the tokens
         at `logits_indices` only (the last token of each sequence that samples this step, and any
-        scored positions); None: of every token (a decode step: each row samples)."""
+        scored positions); None: of every token (a decode step: each row samples). `lora` (LoRA
+        slots, lora.Slots) and `lora_mask` (the step's row mask, Slots.mask): each row's projections
+        plus its own adapter's product; a whole layer in C (the fused decode layer) is not used then."""
         c = self.cfg
         t = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -721,6 +738,14 @@ class Model:
                 if layer.moe is not None:
                     layer.moe.touched.clear()
         fused = getattr(attend, "decode_layer", None)  # a whole layer in C (cpu_layer.py, cpu_amx.py)
+        if lora_mask is None:
+            lora = None
+        else:
+            fused = None  # the C layer has no adapters' products
+        ls = () if lora is None else (lora_mask,)  # the mask's rows go through in_slices with the tokens'
+
+        def lora_args(*masks: torch.Tensor) -> dict[str, Any]:
+            return {} if lora is None else {"lora": lora, "mask": masks[0]}
         for i, layer in enumerate(self.layers):
             if fused is not None:
                 y = fused(self, i, x, positions)
@@ -738,7 +763,8 @@ class Model:
                     o, x = o[logits_indices], x[logits_indices]
                 x = in_slices(lambda xs, os: self.attention_output_and_mlp(xs, os, layer), x, o, rows=self.rows)
                 continue
-            qkv = in_slices(lambda xs: self.attention_input(xs, layer), x, rows=self.rows)
+            qkv = in_slices(lambda xs, *ms: self.attention_input(xs, layer, i=i, **lora_args(*ms)), x, *ls,
+                            rows=self.rows)
             # Q and K sit side by side in the fused output: one rotation for both
             qk = qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None:  # qk-norm: each head's Q and K normalised before RoPE
@@ -755,5 +781,7 @@ class Model:
                 if logits_indices.numel() == 0:  # a step of unfinished prompt chunks only
                     return torch.empty(0, c.vocab_size, device=x.device)
                 o, x = o[logits_indices], x[logits_indices]
-            x = in_slices(lambda xs, os: self.attention_output_and_mlp(xs, os, layer), x, o, rows=self.rows)
+                ls = tuple(m[logits_indices] for m in ls)
+            x = in_slices(lambda xs, os, *ms: self.attention_output_and_mlp(xs, os, layer, i=i, **lora_args(*ms)),
+                          x, o, *ls, rows=self.rows)
         return self.lm_head(self.rms_norm(x, self.norm)).float()

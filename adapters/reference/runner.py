@@ -50,11 +50,13 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, pool: KVPool | None, attention=StepAttention, graphs=None, greedy=None):
+    def __init__(self, model: Model, pool: KVPool | None, attention=StepAttention, graphs=None, greedy=None,
+                 lora=None):
         """`attention(pool, chunks, num_heads, device)` builds a step's attention (kernels.py);
         `graphs`: a cuda_graphs.DecodeGraphs, or None; `greedy(logits) -> list of row argmaxes`: the
-        device's (kernels.py), else torch.argmax."""
+        device's (kernels.py), else torch.argmax; `lora`: the LoRA slots (lora.Slots), or None."""
         self.model, self.pool, self.attention, self.graphs = model, pool, attention, graphs
+        self.lora = lora
         self.greedy = greedy or (lambda logits: logits.argmax(dim=-1).tolist())
         self.device = model.device
 
@@ -77,7 +79,8 @@ class ModelRunner:
 
     def run(self, chunks: list[Chunk], keep_logits: bool = False) -> StepOutput:
         constrained = any(c.seq.grammar is not None for c in chunks)
-        if self.graphs is not None and not constrained and self.graphs.fits(chunks):
+        adapters = any(c.seq.lora_slot is not None for c in chunks)
+        if self.graphs is not None and not constrained and not adapters and self.graphs.fits(chunks):
             tokens, logits = self.graphs.run(chunks)
             rows = logits.cpu() if keep_logits else [None] * len(tokens)
             return StepOutput([Sampled(c, tok, row) for c, tok, row in zip(chunks, tokens, rows)])
@@ -100,10 +103,13 @@ class ModelRunner:
                              f"{self.model.rope_len} positions (max_position_embeddings).")
         dev = self.device
         attend = self.attention(self.pool, self._attention_chunks(chunks), self.model.cfg.num_heads, dev)
+        # LoRA: each token's row of the mask picks its sequence's adapter slot (lora.py)
+        mask = self.lora.mask([c.seq.lora_slot for c in chunks for _ in range(c.end - c.start)]) \
+            if adapters else None
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
                                         torch.tensor(positions, dtype=torch.long, device=dev),
-                                        attend, torch.tensor(rows, dtype=torch.long, device=dev))
+                                        attend, torch.tensor(rows, dtype=torch.long, device=dev), self.lora, mask)
             # each sampling chunk's last row; a verify chunk's last 1 + len(draft) rows
             sampling = [(c, first + len(keep) - 1 - len(c.seq.draft)) for c, keep, first in kept if c.samples]
             sample_rows = [r for c, r0 in sampling for r in range(r0, r0 + 1 + len(c.seq.draft))]

@@ -27,6 +27,7 @@ cached context. What the target rejects gives its slots back after the step (llm
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,15 @@ class Sequence:
     score_from: int | None = None
     # structured output: the request's grammar matcher (grammar.py), masking what it may sample
     grammar: Any = None
+    # LoRA (lora.py): the adapter that serves it (None: the base model), and its slot while it runs
+    adapter: str | None = None
+    lora_slot: int | None = None
+
+    @property
+    def hash_root(self) -> bytes | None:
+        """Where its blocks' hash chain starts: nothing for the base model, the adapter's name for
+        an adapter's sequence (its K/V differ from the base model's for the same tokens)."""
+        return None if self.adapter is None else hashlib.blake2b(b"lora:" + self.adapter.encode(), digest_size=16).digest()
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
@@ -113,10 +123,12 @@ class PoolTooSmall(RuntimeError):
 
 class Scheduler:
     def __init__(self, blocks: BlockManager | None, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: int = 0, on_release: Callable[[Sequence], None] | None = None):
+                 lookahead: int = 0, on_release: Callable[[Sequence], None] | None = None, lora: Any = None):
         """`lookahead`: draft tokens budgeted per decoding sequence (speculative decoding's k);
-        `on_release(seq)`: called when a sequence's blocks go (finished, released or preempted)."""
+        `on_release(seq)`: called when a sequence's blocks go (finished, released or preempted);
+        `lora`: the LoRA slots (lora.Slots) an adapter's sequence needs one of to be admitted."""
         self.blocks = blocks  # None: no KV cache (every step recomputes every sequence whole)
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.lookahead, self.on_release = lookahead, on_release
@@ -179,9 +191,11 @@ class Scheduler:
                 # prefix cache: whole blocks only, and never the last token (its logits are needed),
                 # nor a scored position
                 limit = seq.num_tokens - 1 if seq.score_from is None else min(seq.num_tokens - 1, seq.score_from)
-                hits = self.blocks.match_prefix(seq.tokens, limit)
+                hits = self.blocks.match_prefix(seq.tokens, limit, seq.hash_root)
             start = len(hits) * self.blocks.block_size if self.blocks else 0
             n = self._chunk_len(seq, start, budget, first=not chunks)
+            if n > 0 and not self._lora_slot(seq):
+                continue  # every LoRA slot serves running sequences: it waits, later ones may run
             if n == 0 or (self.blocks and not self.blocks.can_admit(hits, start + n)):
                 if not chunks and not any(s.wants_step for s in self.running):
                     if self._preempt_idle():  # a fixed batch: make room, try again
@@ -204,6 +218,18 @@ class Scheduler:
             raise PoolTooSmall(f"no sequence could be scheduled ({len(self.running)} running, "
                                f"{len(self.waiting)} waiting, max_num_seqs={self.max_num_seqs}).")
         return chunks
+
+    def _lora_slot(self, seq: Sequence) -> bool:
+        """A LoRA slot for an adapter's sequence (its adapter loaded into a free slot, or into the
+        least recently used one no running sequence uses: lora.Slots.acquire); False when every slot
+        serves running sequences. The base model's sequences need none."""
+        if seq.adapter is None:
+            return True
+        if self.lora is None:
+            raise ValueError(f"a request names adapter {seq.adapter} but no LoRA adapter is loaded "
+                             "(engine_options.reference.lora_adapters)")
+        seq.lora_slot = self.lora.acquire(seq.adapter, {s.lora_slot for s in self.running if s.lora_slot is not None})
+        return seq.lora_slot is not None
 
     def _draft_room(self, seq: Sequence) -> int:
         """Draft tokens a running sequence may verify this step: up to `lookahead` while it is
