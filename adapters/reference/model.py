@@ -744,8 +744,9 @@ class Model:
             fused = None  # the C layer has no adapters' products
         ls = () if lora is None else (lora_mask,)  # the mask's rows go through in_slices with the tokens'
 
-        def lora_args(*masks: torch.Tensor) -> dict[str, Any]:
-            return {} if lora is None else {"lora": lora, "mask": masks[0]}
+        def lora_args(i: int, *masks: torch.Tensor) -> dict[str, Any]:
+            # only with adapters: a family's own layer (Gemma's) takes no LoRA arguments
+            return {} if lora is None else {"lora": lora, "i": i, "mask": masks[0]}
         for i, layer in enumerate(self.layers):
             if fused is not None:
                 y = fused(self, i, x, positions)
@@ -763,7 +764,7 @@ class Model:
                     o, x = o[logits_indices], x[logits_indices]
                 x = in_slices(lambda xs, os: self.attention_output_and_mlp(xs, os, layer), x, o, rows=self.rows)
                 continue
-            qkv = in_slices(lambda xs, *ms: self.attention_input(xs, layer, i=i, **lora_args(*ms)), x, *ls,
+            qkv = in_slices(lambda xs, *ms: self.attention_input(xs, layer, **lora_args(i, *ms)), x, *ls,
                             rows=self.rows)
             # Q and K sit side by side in the fused output: one rotation for both
             qk = qkv[:, :q_size + kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
@@ -782,6 +783,6 @@ class Model:
                     return torch.empty(0, c.vocab_size, device=x.device)
                 o, x = o[logits_indices], x[logits_indices]
                 ls = tuple(m[logits_indices] for m in ls)
-            x = in_slices(lambda xs, os, *ms: self.attention_output_and_mlp(xs, os, layer, i=i, **lora_args(*ms)),
+            x = in_slices(lambda xs, os, *ms: self.attention_output_and_mlp(xs, os, layer, **lora_args(i, *ms)),
                           x, o, *ls, rows=self.rows)
         return self.lm_head(self.rms_norm(x, self.norm)).float()
