@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from adapters.base import ModelSpec, Request, now_ns
 from adapters.reference import llm_engine as engine_module
@@ -428,7 +429,7 @@ def test_fused_decode_layer_only_at_one_decode_token(tiny_ckpt, monkeypatch):
 
 @needs_cc
 @pytest.mark.parametrize("bug,fragment", [
-    ("x[i] = round_bf16(a + t[(i + d / 2) % d] * widen(sin[i]));", "x[i] = round_bf16(a + t[i] * widen(sin[i]));"),
+    ("+ t[i + h] * widen(sin[i]));", "+ t[i] * widen(sin[i]));"),
     ("int64_t row = ((int64_t)h * NB + block) * BS + pos % BS;", "int64_t row = ((int64_t)h * NB + block) * BS;"),
     ("static float silu(float g) { return g / (1.f + expf(-g)); }", "static float silu(float g) { return g; }"),
     ("gemv_rows(wo, hf, bo, x, 0, y, 1, H * hd, D);", "gemv_rows(wo, hf, bo, NULL, 0, y, 1, H * hd, D);"),
@@ -559,7 +560,7 @@ def test_amx_decode_attention_matches_plain(bs, heads, kv_heads, d, lens):
 
 @needs_amx
 @pytest.mark.parametrize("bug,fragment", [
-    ("x[i] = round_bf16(a + t[(i + d / 2) % d] * widen(sin[i]));", "x[i] = round_bf16(a + t[i] * widen(sin[i]));"),
+    ("+ t[i + h] * widen(sin[i]));", "+ t[i] * widen(sin[i]));"),
     ("int64_t slot = (((int64_t)j * NB + block) * BS + pos[m] % BS) * hd;",
      "int64_t slot = (((int64_t)j * NB + block) * BS) * hd;"),  # the new K/V in the block's first slot
     ("static float silu(float g) { return g / (1.f + expf(-g)); }", "static float silu(float g) { return g; }"),
@@ -669,6 +670,50 @@ def test_greedy_probe_refuses_a_wrong_kernel(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_decode, "GREEDY_SOURCE", cpu_decode.GREEDY_SOURCE.replace(
         bug, "int64_t last = 0; for (i = 0; i < n; i++) if (x[i] == mx) last = i; return last;"))
     kernel, why = cpu_decode.greedy_probe()
+    assert kernel is None and "disagrees" in why, why
+
+
+# ---- the RMS norm of bf16 rows (cpu_layer.RowSteps) ----------------------------------------
+
+@needs_cc
+@pytest.mark.parametrize("rows,width", [(1, 768), (512, 768), (37, 197)])
+def test_rms_norm_kernel_is_torchs_to_one_unit(rows, width):
+    """F.rms_norm's bf16 values to one unit in the last place (the sum runs in another order), rows
+    strided or not; a model's bf16 prefill calls it for every 2-D norm (a spy) and still agrees with
+    kernels=plain (the engine tests above compare whole runs)."""
+    kernel, why = cpu_layer.rows_probe()
+    assert why is None, why
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(rows, width + 5, generator=g) * 3).bfloat16()[:, 5:]
+    w = torch.randn(width, generator=g).bfloat16()
+    got, want = kernel.rms_norm(x, w, 1e-5).float(), F.rms_norm(x, (width,), w, 1e-5).float()
+    assert ((got - want).abs() <= want.abs() * 2.0 ** -7).all()
+    assert (got != want).float().mean() < 0.01  # almost all bit for bit
+
+
+@needs_cc
+def test_rms_norm_kernel_runs_the_norms_of_a_bf16_prefill(tiny_ckpt, monkeypatch):
+    calls = []
+    real = cpu_layer.RowSteps.rms_norm
+    monkeypatch.setattr(cpu_layer.RowSteps, "rms_norm", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
+    spec = ModelSpec(path=str(tiny_ckpt), name="tiny", dtype="bfloat16", max_model_len=MAX_LEN)
+    engine = ReferenceEngine()
+    engine.load(spec, {})
+    assert engine.kernels.details["rms_norm"].startswith("C kernel") and engine.model.steps is not None
+    calls.clear()
+    engine.prefill(make_prompts([30]))
+    layers = len(engine.model.layers)
+    assert calls == [30] * (2 * layers - 1) + [1, 1]  # the last layer's MLP and the final norm: the sampled row
+    engine.close()
+
+
+@needs_cc
+def test_rms_norm_probe_refuses_a_wrong_kernel(monkeypatch, tmp_path):
+    bug = "o[i] = round_bf16(widen(xt[i]) * r * widen(w[i]));"
+    assert bug in cpu_layer.ROWS_SOURCE
+    monkeypatch.setenv("INFER_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_layer, "ROWS_SOURCE", cpu_layer.ROWS_SOURCE.replace(bug, "o[i] = round_bf16(widen(xt[i]) * r);"))
+    kernel, why = cpu_layer.rows_probe()
     assert kernel is None and "disagrees" in why, why
 
 

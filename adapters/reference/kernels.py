@@ -48,6 +48,7 @@ class Kernels:
     decode_graphs: bool = False  # replay pure decode steps from CUDA graphs
     decode_fn: Callable[..., Any] | None = None  # CUDA: the paged decode kernel (graphs call it)
     greedy: Callable[..., Any] | None = None  # logits -> each row's argmax (a list); None: torch.argmax
+    steps: Any = None  # the RMS norm of bf16 rows (cpu_layer.RowSteps; Model.steps); None: torch's
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -111,8 +112,12 @@ def select(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> Kerne
                                    else f"per operation ({why_layer})")
     greedy, why = cpu_decode.greedy_probe()
     details["greedy"] = "C kernel (cpu_decode.py)" if greedy else f"torch.argmax ({why})"
+    steps = None
+    if dtype == torch.bfloat16:
+        steps, why = cpu_layer.rows_probe()
+        details["rms_norm"] = "C kernel for bf16 rows (cpu_layer.RowSteps)" if steps else f"torch ({why})"
     return Kernels("cpu", make_linear, ROWS, partial(CpuStepAttention, decode_fn=decode, layer_fn=layer_fn),
-                   details=details, greedy=greedy)
+                   details=details, greedy=greedy, steps=steps)
 
 
 class AmxOrFusedDecode:

@@ -176,6 +176,7 @@ class LLMEngine:
         self.kernels = kernels.select(self.device, dtype, cfg)
         self.model: Model | None = model_class(mcfg)(mcfg, model.path, dtype, self.device, max_len=model.max_model_len,
                                          make_linear=self.kernels.make_linear, rows=self.kernels.rows)
+        self.model.steps = self.kernels.steps
         # what load() reports (LoadInfo.details)
         self.details: dict[str, Any] = {"options": vars(cfg).copy(), "architecture": mcfg.architecture,
                                         "kernels": dict(self.kernels.details)}
@@ -256,6 +257,7 @@ class LLMEngine:
             raise ValueError(problems[0])
         draft = model_class(dcfg)(dcfg, path, dtype, self.device, max_len=max_len,
                                   make_linear=self.kernels.make_linear, rows=self.kernels.rows)
+        draft.steps = self.kernels.steps
         self.details["draft_model"] = {"path": path, "architecture": dcfg.architecture, "layers": dcfg.num_layers,
                                        "hidden_size": dcfg.hidden_size, "weights_bytes": draft.num_bytes()}
         return draft

@@ -537,6 +537,7 @@ class Model:
         """`make_linear(weight, bias)` builds every matrix product (the device's kernels choose);
         `rows`: slice length of long prefills (None: no slicing)."""
         self.cfg, self.dtype, self.device, self.rows = cfg, dtype, device, rows
+        self.steps = None  # the device's RMS norm of bf16 rows (kernels.Kernels.steps), set by the engine
         raw = _read_safetensors(Path(path))
 
         def take(name: str, required: bool = True, as_dtype: torch.dtype = dtype) -> torch.Tensor | None:
@@ -679,7 +680,10 @@ class Model:
         return [len(layer.moe.touched) for layer in self.layers if layer.moe is not None]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x / rms(x) * weight; torch's fused kernel accumulates in float32."""
+        """x / rms(x) * weight; torch's fused kernel accumulates in float32 (bf16 rows on a CPU: the
+        device's kernel, `steps`, the same arithmetic)."""
+        if self.steps is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
+            return self.steps.rms_norm(x, weight, self.cfg.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
