@@ -39,6 +39,7 @@ def ab(out, ckpt, *extra, cwd=None, config=CONFIG):
     return r.returncode, json.loads(((cwd or REPO_ROOT) / out / "ab.json").read_text()), r.stdout
 
 
+@pytest.mark.heavy  # CI time (docs/platform.md, "CI time"): CI's own regression gate runs unchanged code through infer-bench-ab on every stop
 def test_same_code_twice_is_unchanged(tmp_path, tiny_ckpt):
     # a relative --out, as ci/regression_gate.sh passes it: each side runs inside its own worktree,
     # and the runs must still land under the caller's directory
@@ -49,6 +50,7 @@ def test_same_code_twice_is_unchanged(tmp_path, tiny_ckpt):
     assert all(len(r["round_ratios"]) == 3 for r in doc["results"])
 
 
+@pytest.mark.heavy  # CI time (docs/platform.md, "CI time"): the block method's regression test below stays in CI, and it is the gate's method
 def test_reference_without_kv_cache_is_regressed(tmp_path, tiny_ckpt):
     code, doc, out = ab(tmp_path / "handicap", tiny_ckpt, "--candidate-override",
                         "engine_options.reference.kv_cache=none", config=HANDICAP_CONFIG)
@@ -64,6 +66,7 @@ BLOCK_CONFIG = [*CONFIG[:3], "workload.batch_sizes=[1,8]", "workload.prompt_lens
                 "engine_options.reference.num_threads=1"]
 
 
+@pytest.mark.heavy  # CI time (docs/platform.md, "CI time"): CI's own regression gate is this method on this engine
 def test_blocks_same_code_twice_is_unchanged(tmp_path, tiny_ckpt):
     code, doc, out = ab(tmp_path / "aa", tiny_ckpt, *BLOCKS, config=BLOCK_CONFIG)
     assert code == 0, out

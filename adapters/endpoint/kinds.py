@@ -841,8 +841,9 @@ INFER_BENCH = ServerKind(
     ready_paths=("/health",), version_paths=("/version",), reset_path="/reset_prefix_cache", reset_hint="",
     prompt_ids=True, token_ids=True, continuous_usage=False, accepted_fields=None, scores=True,
     kv_dtypes=("auto", "int8", "fp8"), options=INFER_BENCH_OPTIONS, map_options=_infer_bench,
-    # src: adapters/reference/config.py: the reference engine's schema (num_threads: the harness's)
-    flags=schema_flags(EngineConfig, INFER_BENCH_OPTIONS, leave_out=("num_threads",)),
+    # src: adapters/reference/config.py: the reference engine's schema (num_threads: the harness's; the LoRA
+    # options are not this kind's: infer-bench-serve names no adapter per request, lora_field is None)
+    flags=schema_flags(EngineConfig, INFER_BENCH_OPTIONS, leave_out=("num_threads",) + LORA_OPTIONS),
     threads_option="engine_options.num_threads={}",  # equal resources: the run's threads
     # src: adapters/reference/config.py (this repository)
     defaults={"kv_dtype": "auto", "prefix_caching": True, "block_size": 16, "max_num_seqs": 256,
