@@ -285,8 +285,16 @@ def job_for(plan: Any, model_path: str, engine: str, out_dir: Path) -> dict[str,
         raw = asdict(p.cfg)
         raw.update(warmup=0, min_repeats=1, min_duration_s=0.0, max_repeats=1)
         wls[p.workload.name] = raw
-    return {"engine": engine, "endpoint": plan.endpoints.get(engine), "options": plan.engine_options.get(engine, {}),
+    return {"engine": engine, "endpoint": plan.endpoints.get(engine), "options": set_options(plan.engine_options.get(engine, {})),
             "model_spec": spec, "context": plan.context(model_path), "workloads": wls}
+
+
+def set_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The engine options a block job sends both sides: those the run sets (null is the engine's own
+    default in every conf/engine/*.yaml, and each engine fills what is not sent). The baseline is an
+    older tree: an option added since (the LoRA options, issue 68) at its default is no reason for the
+    baseline to refuse the job ('unknown option'); one the run sets still is."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def plan_side(overrides: list[str]) -> tuple[Any, str]:

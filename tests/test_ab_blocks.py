@@ -199,3 +199,17 @@ def test_the_worker_runs_the_named_tree_or_refuses(tmp_path):
         w.stop()
     assert w.failure and "ended while answering the handshake" in w.failure
     assert "not from" in (tmp_path / "b.log").read_text() or "No module named" in (tmp_path / "b.log").read_text()
+
+
+def test_a_block_job_sends_only_the_options_the_run_sets():
+    """The baseline is an older tree: an option added since, left at its default (null), must not
+    reach it (the LoRA options made every baseline worker of CI's gate refuse its job: 'unknown
+    option', nothing compared); an option the run sets is sent to both sides."""
+    from harness.ab_blocks import set_options
+    from adapters.reference.config import EngineConfig
+    import dataclasses
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    sent = set_options({**defaults, "max_loras": None, "num_threads": 1})
+    assert "lora_adapters" not in sent and "max_loras" not in sent and sent["num_threads"] == 1
+    assert sent["block_size"] == defaults["block_size"] and sent["prefix_caching"] is True
+    assert EngineConfig(**sent) == EngineConfig(**{**defaults, "num_threads": 1})  # what the engine fills is the same

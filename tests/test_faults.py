@@ -181,6 +181,7 @@ def vllm_args() -> list[str]:
 
 
 @pytest.mark.vllm
+@pytest.mark.heavy  # CI time: test_killed_engine_process_becomes_a_failed_row kills a worker in CI
 def test_killed_vllm_process_keeps_earlier_rows(tmp_path, cache):
     out = tmp_path / "run"
     args = [a for a in BASE if not a.startswith("engines=")]
