@@ -564,6 +564,20 @@ def is_pos_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
+def lora_adapter_problems(prefix: str, adapters: list[Any] | None, max_lora_rank: int | None = None) -> list[str]:
+    """The standard `lora_adapters` option's entries checked the same way for every engine: each
+    {name, path, rank}, and (where the engine takes `max_lora_rank`) within it; `prefix` is
+    `engine_options.<engine>.`."""
+    out = []
+    for a in adapters or []:
+        if not isinstance(a, dict) or not a.get("name") or not a.get("path"):
+            out.append(f"{prefix}lora_adapters: {a!r}: each adapter is {{name, path, rank}} (a PEFT directory).")
+        elif max_lora_rank is not None and int(a.get("rank") or 0) > max_lora_rank:
+            out.append(f"{prefix}max_lora_rank={max_lora_rank}: adapter '{a['name']}' has rank {a.get('rank')}. "
+                       "Raise max_lora_rank.")
+    return out
+
+
 def option_names(options_cls: type) -> tuple[str, ...]:
     """The option names an options dataclass declares (Capabilities.options)."""
     return tuple(f.name for f in fields(options_cls))

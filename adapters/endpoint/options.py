@@ -52,7 +52,7 @@ from typing import Any
 
 import yaml
 
-from adapters.base import is_pos_int
+from adapters.base import is_pos_int, lora_adapter_problems
 from adapters.endpoint.flags import flag_args, flag_problems, overridden_standards, set_dotted
 from adapters.endpoint.kinds import (
     KINDS, LORA_OPTIONS, SPEC_METHOD_OPTIONS, SPEC_METHODS, SPEC_OPTIONS, TIER_OPTIONS, LaunchContext, LaunchExtras,
@@ -100,9 +100,7 @@ def option_problems(endpoint: str, kind: str, options: dict[str, Any], device: s
         problems.append(f"{p}gpu_memory_utilization={g}: a fraction of the device's memory, 0 < x <= 1 "
                         "(e.g. 0.9), or null for the server's own.")
     problems += speculation_problems(p, options)
-    for a in options.get("lora_adapters") or []:
-        if not isinstance(a, dict) or not a.get("name") or not a.get("path"):
-            problems.append(f"{p}lora_adapters: {a!r}: each adapter is {{name, path, rank}} (a PEFT directory).")
+    problems += lora_adapter_problems(p, options.get("lora_adapters"))
     if problems:
         return problems
     flags = options.get(SERVER_FLAGS) or {}

@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass, fields
 from typing import Any
 
+from adapters.base import lora_adapter_problems
 from harness.core.schema import spec
 from harness.core.sizes import parse_size
 
@@ -136,13 +137,8 @@ def cross_field_problems(cfg: EngineConfig) -> list[str]:
 
 def lora_problems(cfg: EngineConfig) -> list[str]:
     """LoRA adapters: each {name, path, rank}, within max_lora_rank, and not with speculative decoding."""
-    opt, out = "engine_options.reference", []
-    for a in cfg.lora_adapters or []:
-        if not isinstance(a, dict) or not a.get("name") or not a.get("path"):
-            out.append(f"{opt}.lora_adapters: {a!r}: each adapter is {{name, path, rank}} (a PEFT directory).")
-        elif cfg.max_lora_rank is not None and int(a.get("rank") or 0) > cfg.max_lora_rank:
-            out.append(f"{opt}.max_lora_rank={cfg.max_lora_rank}: adapter '{a['name']}' has rank {a.get('rank')}. "
-                       "Raise max_lora_rank.")
+    opt = "engine_options.reference"
+    out = lora_adapter_problems(f"{opt}.", cfg.lora_adapters, cfg.max_lora_rank)
     if cfg.lora_adapters and cfg.speculative:
         out.append(f"{opt}.lora_adapters with speculative_method={cfg.speculative_method}: the reference engine does "
                    "not speculate with adapters; measure one or the other.")

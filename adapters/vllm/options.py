@@ -69,7 +69,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.base import ModelSpec, engine_options_or_raise, option_names, parse_engine_options
+from adapters.base import (ModelSpec, engine_options_or_raise, lora_adapter_problems, option_names,
+                           parse_engine_options)
 from adapters.speculative import option_problems
 from harness.core.schema import spec
 
@@ -359,12 +360,7 @@ def check_problems(options: VLLMOptions | dict[str, Any], model: ModelSpec, dist
         problems.append(f"{p}max_num_batched_tokens={o.max_num_batched_tokens}: without chunked prefill "
                         f"it must be at least max_model_len ({model.max_model_len}, the longest prompt + "
                         "output of the workload). Raise it or enable chunked prefill.")
-    for a in o.lora_adapters or []:
-        if not isinstance(a, dict) or not a.get("name") or not a.get("path"):
-            problems.append(f"{p}lora_adapters: {a!r}: each adapter is {{name, path, rank}}.")
-        elif o.max_lora_rank is not None and int(a.get("rank") or 0) > o.max_lora_rank:
-            problems.append(f"{p}max_lora_rank={o.max_lora_rank}: adapter '{a['name']}' has rank {a.get('rank')}. "
-                            "Raise max_lora_rank.")
+    problems += lora_adapter_problems(p, o.lora_adapters, o.max_lora_rank)
     if o.lora_adapters and o.max_lora_rank is not None and o.max_lora_rank > LORA_RANKS[-1]:
         problems.append(f"{p}max_lora_rank={o.max_lora_rank}: vLLM allocates for ranks up to {LORA_RANKS[-1]}.")
     if o.lora_adapters and o.speculative_method != "none":
