@@ -181,9 +181,39 @@ class SSEError(Exception):
 OnTokens = Callable[[ReqState, int, int], None] | None
 
 
+def _plain_chunk(state: ReqState, obj: dict[str, Any], t: int, on_tokens: OnTokens) -> bool:
+    """The common event, handled with few lookups: a completion chunk of one choice with its one
+    token's id (`token_ids`), no usage, no delta, no prompt ids, no server timings, once the first token came
+    and where the text is not kept. False (nothing done) for any other event: `_event` then reads
+    it whole. The load generator's ceiling is this path's cost per event (docs/metrics.md)."""
+    choices = obj.get("choices")
+    if (state.first_answer_ns is None or state.may_stop or type(choices) is not list or len(choices) != 1
+            or obj.get("usage") is not None or "timings" in obj or "prompt_token_ids" in obj or "error" in obj):
+        return False
+    choice = choices[0]
+    if type(choice) is not dict or "delta" in choice or "prompt_token_ids" in choice:
+        return False
+    ids = choice.get("token_ids")
+    if type(ids) is not list or len(ids) != 1 or type(ids[0]) is not int:
+        return False
+    if (finish := choice.get("finish_reason")):
+        state.finish_reason = finish
+    first = len(state.token_ids)
+    state.count_source = "token_ids"
+    state.token_ids.append(ids[0])
+    state.token_times.append(t)
+    if first >= state._usage_seen:
+        state._usage_seen = first + 1
+    state.chunk_times.append(t)
+    state.chunk_sizes.append(1)
+    if on_tokens is not None:
+        on_tokens(state, first, 1)
+    return True
+
+
 def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool:
     """Handle one event's data; True at `[DONE]`."""
-    if payload.strip() == b"[DONE]":
+    if payload[:1] != b"{" and payload.strip() == b"[DONE]":
         return True
     try:
         obj = loads(payload)
@@ -191,6 +221,8 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
         raise SSEError(f"a data line is not JSON: {payload[:80]!r}") from None
     if not isinstance(obj, dict):
         raise SSEError(f"a data line is not a JSON object: {payload[:80]!r}")
+    if _plain_chunk(state, obj, t, on_tokens):
+        return False
     if "error" in obj and not obj.get("choices"):
         err = obj["error"]
         msg = err.get("message") if isinstance(err, dict) else err
