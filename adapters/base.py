@@ -542,7 +542,9 @@ class Engine(ABC):
         `processes` client processes (`backend` local, or ray at `ray_address`). `should_stop(
         [(scheduled, first token)], start_ns)` is asked every 0.1 s; True stops the point (its
         streams close). Returns {"start_ns", "traces" (harness.core.metrics.RequestTrace per
-        request sent), "client" (row fields: send lag, loop lag, client CPU, achieved rate)}."""
+        request sent), "client" (row fields: send lag, loop lag, client CPU, achieved rate)}, and
+        "server_timings" where the server times each response itself (llama-server's `timings`,
+        summed over these requests)."""
         raise NotImplementedError(f"{self.name} has no load generator of its own (load_generator is False): "
                                   "it serves a point with serve()")
 

@@ -19,7 +19,7 @@ from adapters.base import (Capabilities, Engine, KVCacheInfo, LoadInfo, RequestF
                            as_source, now_ns)
 from harness.core.cost import Price, cost_fields
 from harness.core.presets import load_preset
-from harness.core.specdecode import accepted_agreement, counters_delta, lossless, spec_fields
+from harness.core.specdecode import accepted_agreement, counters_check, counters_delta, lossless, spec_fields
 from workloads.base import Point, RunContext
 from workloads.spec_content import encoding_problems, load_content, prompts
 from workloads.speculative import Speculative, SpeculativeConfig, baseline_params
@@ -365,6 +365,16 @@ def test_counters_and_derived_figures():
     assert agg["acceptance_per_pos"] is None and agg["mean_acceptance_length"] is None and agg["spec_drafts"] is None
     assert agg["acceptance_rate"] == pytest.approx(50 / 80) and agg["spec_aggregate_only"] == ["accepted_per_pos", "drafts"]
     assert spec_fields(None)["acceptance_rate"] is None and counters_delta({}, None) is None
+
+
+def test_counters_check_against_the_responses_own_timings():
+    d = counters_delta({"drafts": 1, "draft_tokens": 10, "accepted_tokens": 4},
+                       {"drafts": 13, "draft_tokens": 43, "accepted_tokens": 19, "source": "metrics"})
+    assert counters_check(d, {"requests": 4, "draft_n": 33, "draft_n_accepted": 15}) == {"spec_counters_check": "agree"}
+    off = counters_check(d, {"requests": 5, "draft_n": 43, "draft_n_accepted": 19})["spec_counters_check"]
+    assert off.startswith("differ: counters 33 proposed / 15 accepted") and "43 / 19 over 5 requests" in off
+    assert counters_check(d, None) == counters_check(None, {"draft_n": 1}) == {"spec_counters_check": None}
+    assert counters_check(d, {"requests": 2, "prompt_n": 8}) == {"spec_counters_check": None}  # no draft counts
 
 
 def test_lossless_names_the_first_difference_in_request_order():

@@ -43,8 +43,8 @@ from harness.core.errors import UserError
 from harness.core.metrics import RequestTrace, serving_metrics
 from harness.core.presets import load_preset, preset_names, shape_from_hf_config
 from harness.core.schema import spec
-from harness.core.specdecode import (BASELINE, FAIL, UNVERIFIED, accepted_agreement, counters_delta, lossless,
-                                     lossless_passed, spec_fields)
+from harness.core.specdecode import (BASELINE, FAIL, UNVERIFIED, accepted_agreement, counters_check, counters_delta,
+                                     lossless, lossless_passed, spec_fields)
 from workloads.base import Collector, Point, RunContext, Workload, kv_memory_fields
 from workloads.serving import ClosedLoopSource
 from workloads.spec_content import (CONTENTS, Content, dataset_content, dataset_encoding_problems, encoding_problems,
@@ -326,7 +326,8 @@ class Speculative(Workload):
         expected = {r.request_id: r.max_new_tokens for r in reqs}
         before = _stats(engine)
         sampler = ctx.sampler().start()
-        traces, per_request = self._serve(engine, reqs, b, endpoint, per_request_stats=b == 1 and before is not None)
+        traces, per_request, timings = self._serve(engine, reqs, b, endpoint,
+                                                   per_request_stats=b == 1 and before is not None)
         mem = sampler.stop()
         after = _stats(engine)
         row = serving_metrics(traces, None, expected)
@@ -335,6 +336,8 @@ class Speculative(Workload):
         done = [t for t in traces if not t.error and t.n_out == expected[t.request_id]]
         delta = counters_delta(before, after)
         row.update(spec_fields(delta, row["duration_s"]))
+        if timings:  # the server's own per-response counts of the measured requests (not the warm-up's)
+            row.update(server_timings=timings, **counters_check(delta, timings))
         steps = None if endpoint else decode_steps(done)
         emitted, tps, source = emitted_figures(done, steps, p["method"], p.get("k"), row.get("spec_accepted_tokens"))
         if emitted is None and p["method"] != "none" and not endpoint:
@@ -360,13 +363,15 @@ class Speculative(Workload):
         return row
 
     def _serve(self, engine: Engine, reqs: list[Request], concurrency: int, endpoint: bool,
-               per_request_stats: bool = False) -> tuple[list[RequestTrace], dict[str, int] | None]:
+               per_request_stats: bool = False
+               ) -> tuple[list[RequestTrace], dict[str, int] | None, dict[str, Any] | None]:
         """Serve `reqs` in a closed loop at `concurrency`: (traces, accepted tokens per request
         from the engine's counters read as each request ends - only at concurrency 1, where one
-        request runs at a time, and only in-process)."""
+        request runs at a time, and only in-process; a server's own per-response timings of
+        these requests summed, where it sends them)."""
         if endpoint:
             out = engine.serve_load(reqs, closed=True, concurrency=concurrency)
-            return out["traces"], None
+            return out["traces"], None, out.get("server_timings")
         start = now_ns() + 5_000_000
         source = ClosedLoopSource(reqs, start, concurrency)
         collector = Collector(reqs, start, source)
@@ -386,7 +391,7 @@ class Speculative(Workload):
                     last = now
         finally:
             events.close()
-        return collector.traces(), (per_request or None) if per_request_stats else None
+        return collector.traces(), (per_request or None) if per_request_stats else None, None
 
     # ---- completing a row (harness) -----------------------------------------------------
     def _baseline_row(self, row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -198,6 +198,7 @@ class EndpointEngine(Engine):
                                          max_concurrency=max_concurrency, ramp_up_s=ramp_up_s, processes=processes,
                                          should_stop=should_stop, backend=backend, ray_address=ray_address)
         self.point += states
+        out.update(rows.server_timing_fields(states))  # these requests' own, apart from the point's others
         return out
 
     def score(self, sequences: list[list[int]], start: list[int], top_k: int,

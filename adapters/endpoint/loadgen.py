@@ -74,6 +74,10 @@ class ClientSpec:
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 600.0
     models_url: str | None = None  # the server's model list, which open_connections GETs (None: none)
+    # False: the server closes the connection after each streamed response although it answers
+    # `Keep-Alive` (llama-server: ServerKind.keepalive), so a request sent on the kept connection is
+    # lost ("Can not write request body", 0 tokens): one connection per request, none opened ahead
+    keepalive: bool = True
 
     def session(self) -> aiohttp.ClientSession:
         """An aiohttp session (call inside the running loop): no connection limit, keep-alive,
@@ -82,8 +86,9 @@ class ClientSpec:
         VLLM_HTTP_TIMEOUT_KEEP_ALIVE: 5 s) can close it under a request sent on it: aiohttp's 15 s
         default lost such a request ("server disconnected", 0 tokens) after a conversation's
         think time."""
+        reuse = {"keepalive_timeout": KEEPALIVE_S} if self.keepalive else {"force_close": True}
         conn = aiohttp.TCPConnector(limit=0, ssl=tls_context(self.verify_tls, self.ca_bundle),
-                                    enable_cleanup_closed=True, keepalive_timeout=KEEPALIVE_S)
+                                    enable_cleanup_closed=True, **reuse)
         stamp_reads(conn)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         return aiohttp.ClientSession(connector=conn, headers=self.headers, timeout=timeout, trust_env=False)
@@ -127,7 +132,7 @@ async def open_connections(session: aiohttp.ClientSession, job: Job, timeout_s: 
     GETs of the server's model list, each read to the end. Returns how many answered; a GET that
     fails is left to the point's own requests to report."""
     target = job.spec.models_url
-    if target is None:
+    if target is None or not job.spec.keepalive:  # a connection per request: none kept to open ahead
         return 0
     limit = aiohttp.ClientTimeout(total=timeout_s)
 

@@ -125,4 +125,6 @@ def token_ids_text(sources: str | None) -> str | None:
     tokens cannot be compared with it."""
     if not sources:
         return None
-    return "from the server" if sources == "token_ids" else "unknown: the server sends none (-1 in the results)"
+    with_ids = {"token_ids", "logprobs_ids", "verbose_tokens"}  # the ways a chunk names its tokens' ids
+    return ("from the server" if set(sources.split(",")) <= with_ids
+            else "unknown: the server sends none (-1 in the results)")

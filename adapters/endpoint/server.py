@@ -135,7 +135,7 @@ class Server:
             cfg = self.cfg
             self._spec = ClientSpec(url, self.client_kwargs()["headers"], bool(cfg.verify_tls),
                                     str(cfg.ca_bundle) if cfg.ca_bundle else None, cfg.connect_timeout_s,
-                                    cfg.request_timeout_s, self.base + "/models")
+                                    cfg.request_timeout_s, self.base + "/models", keepalive=self.kind.keepalive)
         return self._spec
 
     async def stream(self, st: ReqState, body: Any, on_tokens: Any, path: str) -> None:

@@ -4,7 +4,8 @@ with, and what the client saw (tokens with their arrival times, chunks, the serv
 Token counting (docs/metrics.md, "Over HTTP"): tokens, not chunks. Per chunk, in this order:
   1. `choices[0].token_ids` (vLLM and infer-bench-serve with `return_token_ids: true`);
   2. the entries of `choices[0].logprobs.tokens` (servers that return logprobs), or the ids of
-     `choices[0].logprobs.content` (llama-server with `n_probs`: ids, not only a count);
+     `choices[0].logprobs.content` (a server with llama.cpp's `n_probs`: ids, not only a count);
+     or the `tokens` of the chunk's `__verbose` (llama-server with `verbose: true`);
   3. the growth of `usage.completion_tokens` (servers that send usage on every chunk:
      `stream_options.continuous_usage_stats`);
   4. otherwise one token per chunk that carries text (then the final usage decides: a
@@ -149,12 +150,16 @@ def http_reason(status: int, phrase: str, text: str) -> tuple[str, str]:
     return cls, f"{cls}: {msg}" if msg else cls
 
 
-def chunk_tokens(choice: dict[str, Any], usage: dict[str, Any] | None, usage_seen: int
-                 ) -> tuple[list[int] | None, int, str]:
-    """(token ids or None, number of tokens, how they were counted) of one chunk's choice."""
+def chunk_tokens(choice: dict[str, Any], usage: dict[str, Any] | None, usage_seen: int,
+                 verbose: Any = None) -> tuple[list[int] | None, int, str]:
+    """(token ids or None, number of tokens, how they were counted) of one chunk's choice;
+    `verbose`: the chunk's `__verbose` (llama-server with `verbose: true`: its native chunk)."""
     ids = choice.get("token_ids")
     if isinstance(ids, list):
         return [int(t) for t in ids], len(ids), "token_ids"
+    ids = verbose.get("tokens") if isinstance(verbose, dict) else None
+    if isinstance(ids, list):  # llama-server: every streamed token's id, speculative ones included
+        return [int(t) for t in ids], len(ids), "verbose_tokens"
     lp = choice.get("logprobs")
     if isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
         return None, len(lp["tokens"]), "logprobs"
@@ -243,7 +248,7 @@ def _event(state: ReqState, payload: bytes, t: int, on_tokens: OnTokens) -> bool
             raise SSEError("a choice is not an object")
         if state.prompt_ids_server is None and isinstance(choice.get("prompt_token_ids"), list):
             state.prompt_ids_server = choice["prompt_token_ids"]
-        ids, n, source = chunk_tokens(choice, usage, state._usage_seen)
+        ids, n, source = chunk_tokens(choice, usage, state._usage_seen, obj.get("__verbose"))
         delta = choice.get("delta")
         if isinstance(delta, dict):  # a chat chunk: reasoning apart from the answer
             for key in REASONING_FIELDS:

@@ -9,6 +9,8 @@ report section and its terminal summary.
   acceptance rate = accepted / proposed tokens, mean acceptance length = 1 + accepted / drafts,
   acceptance at draft position i = drafts whose i-th token was accepted / drafts, the draft's
   share of the point's wall time.
+- `counters_check(delta, timings)`: the point's counter difference against the server's own
+  per-response counts of the same requests (llama-server's `timings`), where it sends them.
 - `lossless(baseline, outputs)`: every request's output tokens against the same request's
   output without speculation, token for token; fails closed (nothing compared is not a pass).
 - `accepted_agreement(rows)`: for the same target, draft, k and prompts at batch 1, the share of
@@ -68,6 +70,23 @@ def spec_fields(delta: dict[str, Any] | None, duration_s: float | None = None) -
         "draft_time_share": draft_time / duration_s if draft_time is not None and duration_s else None,
     }
     return out
+
+
+def counters_check(delta: dict[str, Any] | None, timings: dict[str, Any] | None) -> dict[str, Any]:
+    """The server's cumulative counters' difference over a point (`counters_delta`) beside the
+    per-response counts of the point's own requests, summed (`timings`: llama-server's `draft_n`,
+    `draft_n_accepted`): {"spec_counters_check": "agree" | "differ: ..." | None (nothing to compare)}.
+    The two are counted apart by the server (its /metrics at each slot's release, each response
+    as it ends), so a difference means the counters are not the point's own (requests the point
+    did not send, counts not yet added)."""
+    if delta is None or not timings or "draft_n" not in timings:
+        return {"spec_counters_check": None}
+    counters = (int(delta["draft_tokens"]), int(delta["accepted_tokens"]))
+    timed = (int(timings["draft_n"]), int(timings.get("draft_n_accepted") or 0))
+    if counters == timed:
+        return {"spec_counters_check": "agree"}
+    return {"spec_counters_check": f"differ: counters {counters[0]} proposed / {counters[1]} accepted, the responses' "
+                                   f"timings {timed[0]} / {timed[1]} over {timings.get('requests')} requests"}
 
 
 @dataclass
