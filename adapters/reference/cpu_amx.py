@@ -101,12 +101,23 @@ static void epilogue(const float acc[16][16], int rows, int n0, const uint16_t *
 
 #define WB(nb, kb) (wp + ((int64_t)(nb) * KB + (kb)) * 512)
 
+/* Ask for n-block nb's weight block WPF k-blocks ahead of kb (its 16 cache lines). A tile load of a
+   weight block from memory otherwise stalls the tile unit (the hardware prefetcher does not run far
+   enough ahead of 1 KiB tile loads): on a Xeon with AMX, 2 cores, small's products at 16 rows went
+   from 18 to 22 GB/s of weights with it (scripts/amx_products.py). */
+#ifndef WPF
+#define WPF 1
+#endif
+#define PF(nb, kb) do { if (WPF && (kb) + WPF < KB) { const char *p_ = (const char *)WB(nb, (kb) + WPF); \
+    for (int i_ = 0; i_ < 1024; i_ += 64) _mm_prefetch(p_ + i_, _MM_HINT_T0); } } while (0)
+
 /* 16 rows of x (from xa, at stride ldx; `rows` kept) by n-blocks nb .. nb + 3 */
 static void mm_1x4(const uint16_t *xa, int64_t ldx, int rows, const uint16_t *wp, int KB, int nb, const uint16_t *bias,
                    const uint16_t *res, int64_t ldr, uint16_t *out, int64_t ldo) {
     float acc[16][16] __attribute__((aligned(64)));
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int kb = 0; kb < KB; kb++) {
+        PF(nb, kb); PF(nb + 1, kb); PF(nb + 2, kb); PF(nb + 3, kb);
         _tile_loadd(4, xa + kb * 32, ldx * 2);
         _tile_loadd(5, WB(nb, kb), 64);
         _tile_dpbf16ps(0, 4, 5);
@@ -129,6 +140,7 @@ static void mm_1x1(const uint16_t *xa, int64_t ldx, int rows, const uint16_t *wp
     float acc[16][16] __attribute__((aligned(64)));
     _tile_zero(0);
     for (int kb = 0; kb < KB; kb++) {
+        PF(nb, kb);
         _tile_loadd(4, xa + kb * 32, ldx * 2);
         _tile_loadd(5, WB(nb, kb), 64);
         _tile_dpbf16ps(0, 4, 5);
@@ -143,6 +155,7 @@ static void mm_2x2(const uint16_t *xa, int64_t ldx, int rows0, int rows1, const 
     const uint16_t *xb = xa + 16 * ldx;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int kb = 0; kb < KB; kb++) {
+        PF(nb, kb); PF(nb + 1, kb);
         _tile_loadd(4, xa + kb * 32, ldx * 2);
         _tile_loadd(5, xb + kb * 32, ldx * 2);
         _tile_loadd(6, WB(nb, kb), 64);
