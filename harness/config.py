@@ -54,7 +54,7 @@ class Settings:
                                   "longer than this fails; the engine process is restarted for the rest")
     memory_sample_hz: float = spec(100.0, ge=0, help="memory sampler rate (0: only start and end)")
     quiet: bool = spec(False, help="no progress lines (CI)")
-    roofline: bool = spec(True, help="measure the machine's ceilings (cached) and report each point's fraction")
+    roofline: bool = spec(True, help="measure the machine's ceilings (cached for an hour) and report each point's fraction")
     parity: bool = spec(True, help="add the parity workload: every engine on fixed prompts, against the first")
     parity_tokens: int = spec(32, ge=1, le=4096, help="greedy tokens per parity prompt")
 

@@ -70,3 +70,34 @@ def test_no_decode_roofline_without_decode_steps():
     out = annotate({**row(1, 0.01), "output_len": 1}, load_preset("small"),
                    Ceilings("cpu", "cpu", "bfloat16", 2, BW, PEAK, "now"))
     assert not any(k.startswith("decode_") for k in out)
+
+
+def test_cached_ceilings_are_measured_again_once_older_than_the_limit(tmp_path, monkeypatch):
+    """A machine's bandwidth moves (a shared host): the cache keeps a measurement for MAX_AGE_S only."""
+    import json
+    import time
+
+    from harness.core import roofline
+
+    measured = []
+
+    def measure(device, dtype):
+        measured.append(time.time())
+        return Ceilings(device, "x", dtype, 2, 20e9 + len(measured), PEAK, time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+    monkeypatch.setattr(roofline, "measure", measure)
+    cache = tmp_path / "roofline.json"
+    first = roofline.cached_ceilings("cpu", "bfloat16", cache)
+    again = roofline.cached_ceilings("cpu", "bfloat16", cache)
+    assert len(measured) == 1 and again == first  # fresh: from the cache
+    data = json.loads(cache.read_text())
+    (key,) = data
+    data[key]["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - roofline.MAX_AGE_S - 60))
+    cache.write_text(json.dumps(data))
+    later = roofline.cached_ceilings("cpu", "bfloat16", cache)
+    assert len(measured) == 2 and later.mem_bw_bytes_s != first.mem_bw_bytes_s
+    assert json.loads(cache.read_text())[key]["mem_bw_bytes_s"] == later.mem_bw_bytes_s  # the new one is kept
+    data[key]["measured_at"] = "yesterday"  # unreadable: measured again
+    cache.write_text(json.dumps(data))
+    roofline.cached_ceilings("cpu", "bfloat16", cache)
+    assert len(measured) == 3

@@ -131,8 +131,24 @@ def measure(device: str, dtype: str, timeout_s: float = 300) -> Ceilings:
     return Ceilings(device=device, dtype=dtype, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **res)
 
 
-def cached_ceilings(device: str, dtype: str, cache_file: Path) -> Ceilings:
-    """The ceilings for this host/device/dtype, measured on first use and cached."""
+# A cached measurement older than this is taken again. A virtual machine's memory bandwidth moves
+# with its neighbours on the host: on the Intel Xeon with AMX (2 cores) the same copy measured 10.8 and
+# 22.8 GB/s hours apart, and the reference engine's decode-step products moved between 17 and 25 GB/s
+# within an afternoon; a fraction against a ceiling from another hour (or one measured under load) is
+# off by as much.
+MAX_AGE_S = 3600.0
+
+
+def _age_s(measured_at: str) -> float | None:
+    try:
+        return time.time() - time.mktime(time.strptime(measured_at, "%Y-%m-%dT%H:%M:%S"))
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def cached_ceilings(device: str, dtype: str, cache_file: Path, max_age_s: float = MAX_AGE_S) -> Ceilings:
+    """The ceilings for this host/device/dtype, measured on first use and cached for `max_age_s`
+    (MAX_AGE_S): an older entry, or one whose time cannot be read, is measured again."""
     from harness.core.env import cpu_model
     key = f"{platform.node()}|{cpu_model()}|{os.cpu_count()}|{device}|{dtype}"
     try:
@@ -140,7 +156,9 @@ def cached_ceilings(device: str, dtype: str, cache_file: Path) -> Ceilings:
     except (OSError, ValueError):
         data = {}
     if key in data:
-        return Ceilings(**data[key])
+        age = _age_s(data[key].get("measured_at"))
+        if age is not None and 0 <= age <= max_age_s:
+            return Ceilings(**data[key])
     c = measure(device, dtype)
     data[key] = asdict(c)
     from harness.core.results import atomic_write_text
