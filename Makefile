@@ -85,7 +85,9 @@ llamacpp: $(LLAMACPP_VENV)/.installed
 
 venv: $(VENV)/.installed $(if $(WITH_VLLM),$(VLLM_VENV)/.installed)
 
-demo: venv
+# the two environments install side by side (pip is mostly disk and unpacking: two at a time on 2 cores)
+demo:
+	@$(MAKE) --no-print-directory -j2 venv
 	$(BIN)/infer-bench $(VLLM_ARGS)
 
 browser-deps:
