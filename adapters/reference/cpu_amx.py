@@ -104,7 +104,7 @@ static void epilogue(const float acc[16][16], int rows, int n0, const uint16_t *
 /* Ask for n-block nb's weight block WPF k-blocks ahead of kb (its 16 cache lines). A tile load of a
    weight block from memory otherwise stalls the tile unit (the hardware prefetcher does not run far
    enough ahead of 1 KiB tile loads): on a Xeon with AMX, 2 cores, small's products at 16 rows went
-   from 18 to 22 GB/s of weights with it (scripts/amx_products.py). */
+   from 18 to 22 GB/s of weights with it (scripts/amx_kernels.py). */
 #ifndef WPF
 #define WPF 1
 #endif
@@ -269,7 +269,7 @@ static void attend(const uint16_t *q, int G, int hd, const uint16_t *k, const ui
     const uint32_t *q32 = (const uint32_t *)q;
     for (int d2 = 0; d2 < hd / 2; d2++)
         for (int g = 0; g < 16; g++) bq[d2 * 16 + g] = g < G ? q32[g * (hd / 2) + d2] : 0;
-    /* S = K Q^T, 16 tokens (one tile of the block's rows) at a time, K prefetched 32 tokens ahead */
+    /* S = K Q^T, 16 tokens (one tile of the block's rows) at a time, K prefetched KPFD tokens ahead */
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const uint16_t *kr = rows_at(k, h, NB, BS, hd, table, t0);
         if (t0 + KPFD < len) prefetch(rows_at(k, h, NB, BS, hd, table, t0 + KPFD), 16, hd, hd);
